@@ -1,0 +1,35 @@
+# The README's commands. `make test` and `make bench` set everything up on a fresh machine.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+JAXSUB_CUDA ?= AUTO
+export JAXSUB_CUDA
+
+.PHONY: setup dev test test-gpu bench bench-ops clean
+
+# Build dependencies first, then the package without build isolation, so the FFI headers
+# come from the jaxlib that will load the extension.
+setup:
+	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=2.12" "jax>=0.10" "jaxlib>=0.10" "flax>=0.10" numpy pytest
+	$(PIP) install -q --no-build-isolation ".[test]"
+
+# In-place development build (extension copied into jaxsub/; use PYTHONPATH=.).
+dev:
+	cmake -S . -B build/dev -DJAXSUB_CUDA=$(JAXSUB_CUDA) -DPython_EXECUTABLE=$$(command -v $(PYTHON)) \
+	  -Dpybind11_DIR=$$($(PYTHON) -m pybind11 --cmakedir) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	cmake --build build/dev -j4
+	cp build/dev/_C*.so jaxsub/
+
+test: setup
+	cd tests && $(PYTHON) -m pytest -q
+
+test-gpu: setup
+	cd tests && $(PYTHON) -m pytest -q -m gpu
+
+bench: setup
+	$(PYTHON) -m bench
+
+bench-ops: setup
+	$(PYTHON) -m bench.ops
+
+clean:
+	rm -rf build dist *.egg-info jaxsub/_C*.so

@@ -1,0 +1,203 @@
+// Shared helpers for every op family: FFI shape/error helpers, the one dtype dispatch,
+// host 16-bit float types for the CPU handlers, and (under nvcc) vector load/store and
+// warp/block reductions for the CUDA kernels.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#define JAXSUB_HD __host__ __device__ __forceinline__
+#else
+#define JAXSUB_HD inline
+#endif
+
+namespace jaxsub {
+namespace ffi = xla::ffi;
+
+// ---------------------------------------------------------------------------------------
+// Errors and shapes.
+
+inline ffi::Error invalid(const char* op, const std::string& msg) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + msg);
+}
+
+// A tensor viewed as [rows, cols]: cols is the last dimension, rows the product of the rest.
+struct Rows {
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+inline Rows as_rows(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  Rows r;
+  r.cols = d.size() == 0 ? 1 : d.back();
+  r.rows = r.cols == 0 ? 0 : static_cast<int64_t>(b.element_count()) / r.cols;
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// Host 16-bit floats for the CPU handlers (the FFI passes them as uint16_t bit patterns).
+
+struct HostBF16 { uint16_t bits; };
+struct HostF16 { uint16_t bits; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(HostBF16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_float(HostF16 x) {
+  uint32_t h = x.bits, sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal half: renormalize
+    int e = -1;
+    do { man <<= 1; ++e; } while ((man & 0x400u) == 0);
+    u = sign | ((112 - e) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T> inline T from_float(float f);
+template <> inline float from_float<float>(float f) { return f; }
+template <> inline HostBF16 from_float<HostBF16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return HostBF16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return HostBF16{static_cast<uint16_t>(u >> 16)};
+}
+template <> inline HostF16 from_float<HostF16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return HostF16{static_cast<uint16_t>(sign | 0x7e00u)};
+  if (a >= 0x477ff000u) return HostF16{static_cast<uint16_t>(sign | 0x7c00u)};  // rounds to inf
+  if (a < 0x38800000u) {  // subnormal or zero in half: round on the 2^-24 grid
+    float af;
+    std::memcpy(&af, &a, 4);
+    float scaled = af * 16777216.0f;  // exact: power of two
+    uint32_t m = static_cast<uint32_t>(scaled);
+    float rem = scaled - static_cast<float>(m);
+    if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
+    return HostF16{static_cast<uint16_t>(sign | m)};
+  }
+  uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
+  return HostF16{static_cast<uint16_t>(sign | (r >> 13))};
+}
+
+// ---------------------------------------------------------------------------------------
+// The one dtype dispatch: f(tag) is called with tag::type the storage type of `dt` on the
+// chosen platform (Map::F32 / Map::BF16 / Map::F16).
+
+template <typename T> struct TypeTag { using type = T; };
+
+struct HostTypes {
+  using F32 = float;
+  using BF16 = HostBF16;
+  using F16 = HostF16;
+};
+
+template <typename Map, typename F>
+ffi::Error dispatch_float(ffi::DataType dt, const char* op, F&& f) {
+  switch (dt) {
+    case ffi::DataType::F32: return f(TypeTag<typename Map::F32>{});
+    case ffi::DataType::BF16: return f(TypeTag<typename Map::BF16>{});
+    case ffi::DataType::F16: return f(TypeTag<typename Map::F16>{});
+    default: return invalid(op, "unsupported dtype (expected float32, bfloat16 or float16)");
+  }
+}
+
+template <typename T> inline T* data(ffi::AnyBuffer b) { return reinterpret_cast<T*>(b.untyped_data()); }
+template <typename T> inline T* data(ffi::Result<ffi::AnyBuffer>& b) {
+  return reinterpret_cast<T*>(b->untyped_data());
+}
+
+#ifdef __CUDACC__
+// ---------------------------------------------------------------------------------------
+// CUDA helpers.
+
+struct DeviceTypes {
+  using F32 = float;
+  using BF16 = __nv_bfloat16;
+  using F16 = __half;
+};
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T from_float_dev(float f);
+template <> __device__ __forceinline__ float from_float_dev<float>(float f) { return f; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float_dev<__nv_bfloat16>(float f) {
+  return __float2bfloat16_rn(f);
+}
+template <> __device__ __forceinline__ __half from_float_dev<__half>(float f) { return __float2half_rn(f); }
+
+// N elements of T moved as one aligned access (16 bytes when N * sizeof(T) == 16).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[N]) {
+  Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const float (&in)[N]) {
+  Vec<T, N> v;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v.v[i] = from_float_dev<T>(in[i]);
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Sum over the blockDim.x threads of one row group (threadIdx.y selects the group).
+// `scratch` holds at least 32 * blockDim.y floats. All threads of the block must call it.
+__device__ __forceinline__ float row_group_sum(float x, float* scratch) {
+  x = warp_sum(x);
+  if (blockDim.x <= 32) return x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  float* s = scratch + threadIdx.y * 32;
+  __syncthreads();
+  if (lane == 0) s[warp] = x;
+  __syncthreads();
+  float t = lane < nwarps ? s[lane] : 0.f;
+  return warp_sum(t);
+}
+
+inline ffi::Error launch_status(const char* op) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+#endif  // __CUDACC__
+
+}  // namespace jaxsub

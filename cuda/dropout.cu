@@ -1,0 +1,44 @@
+// CUDA handler for the public keep-mask (jaxsub.ops.dropout_mask).
+#include "common.h"
+#include "philox.h"
+
+namespace jaxsub {
+namespace {
+
+// One thread per group of four elements (one Philox call).
+__global__ void dropout_mask_kernel(const uint32_t* __restrict__ seed, uint32_t threshold, bool* __restrict__ out,
+                                    uint64_t n) {
+  const uint32_t s[2] = {seed[0], seed[1]};
+  for (uint64_t q = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; q * 4 < n;
+       q += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    U32x4 w = dropout_words(s, q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (q * 4 + i < n) out[q * 4 + i] = threshold == 0 || word_at(w, i) >= threshold;
+  }
+}
+
+// seed: u32[2]; mask: pred[...].
+ffi::Error DropoutMaskCuda(cudaStream_t stream, uint32_t threshold, ffi::Buffer<ffi::U32> seed,
+                           ffi::Result<ffi::AnyBuffer> mask) {
+  if (seed.element_count() != 2) return invalid("dropout_mask", "seed must have 2 words");
+  if (mask->element_type() != ffi::DataType::PRED) return invalid("dropout_mask", "mask must be bool");
+  const uint64_t n = mask->element_count();
+  if (n == 0) return ffi::Error::Success();
+  const uint64_t groups = (n + 3) / 4;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<uint64_t>((groups + threads - 1) / threads, 65535));
+  dropout_mask_kernel<<<blocks, threads, 0, stream>>>(seed.typed_data(), threshold, data<bool>(mask), n);
+  return launch_status("dropout_mask");
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_dropout_mask, jaxsub::DropoutMaskCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<uint32_t>("threshold")
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

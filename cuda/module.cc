@@ -1,0 +1,50 @@
+// The Python extension: a table {target name: PyCapsule(XLA_FFI_Handler*)} per platform.
+#include <pybind11/pybind11.h>
+
+#include "targets.h"
+#include "xla/ffi/api/api.h"
+
+namespace py = pybind11;
+
+#define JAXSUB_DECLARE_CPU(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsubCpu_##name);
+JAXSUB_TARGETS(JAXSUB_DECLARE_CPU)
+#ifdef JAXSUB_WITH_CUDA
+#define JAXSUB_DECLARE_CUDA(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsubCuda_##name);
+JAXSUB_TARGETS(JAXSUB_DECLARE_CUDA)
+#endif
+
+namespace {
+
+template <typename Fn>
+py::capsule capsule(Fn* fn) {
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+py::dict cpu_targets() {
+  py::dict d;
+#define JAXSUB_ADD_CPU(name) d["jaxsub_" #name] = capsule(JaxsubCpu_##name);
+  JAXSUB_TARGETS(JAXSUB_ADD_CPU)
+  return d;
+}
+
+py::dict cuda_targets() {
+  py::dict d;
+#ifdef JAXSUB_WITH_CUDA
+#define JAXSUB_ADD_CUDA(name) d["jaxsub_" #name] = capsule(JaxsubCuda_##name);
+  JAXSUB_TARGETS(JAXSUB_ADD_CUDA)
+#endif
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "jaxsub native handlers (XLA FFI)";
+  m.def("cpu_targets", &cpu_targets, "FFI handlers for the cpu platform");
+  m.def("cuda_targets", &cuda_targets, "FFI handlers for the CUDA platform (empty if not built)");
+#ifdef JAXSUB_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+}

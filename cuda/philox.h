@@ -1,0 +1,65 @@
+// Philox4x32-10 (Salmon et al., SC'11), identical in host and device code, and the
+// dropout keep decision every jaxsub kernel uses.
+//
+// The decision for element `idx` of a logical tensor (row-major index) is a pure function
+// of (seed, idx): the counter is (idx / 4 as a 64-bit number, 0, 0) keyed by the two seed
+// words, and word idx % 4 of the output is compared with the drop threshold
+// (round(rate * 2^32)). An element is kept when its word is >= the threshold, so rate 0
+// keeps everything. CPU and CUDA code call the same functions, so masks are bit-identical.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace jaxsub {
+
+struct U32x4 {
+  uint32_t x, y, z, w;
+};
+
+JAXSUB_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+#ifdef __CUDA_ARCH__
+  lo = a * b;
+  hi = __umulhi(a, b);
+#else
+  uint64_t p = static_cast<uint64_t>(a) * b;
+  lo = static_cast<uint32_t>(p);
+  hi = static_cast<uint32_t>(p >> 32);
+#endif
+}
+
+JAXSUB_HD U32x4 philox4x32_10(U32x4 c, uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0, lo0, hi1, lo1;
+    mulhilo32(kM0, c.x, hi0, lo0);
+    mulhilo32(kM1, c.z, hi1, lo1);
+    c = U32x4{hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0};
+    k0 += kW0;
+    k1 += kW1;
+  }
+  return c;
+}
+
+// The four random words for elements 4*q .. 4*q+3 of a tensor.
+JAXSUB_HD U32x4 dropout_words(const uint32_t* seed, uint64_t q) {
+  return philox4x32_10(U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u},
+                       seed[0], seed[1]);
+}
+
+JAXSUB_HD uint32_t word_at(const U32x4& w, int i) {
+  return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
+}
+
+// Keep decision for a single element (general paths; fast paths use dropout_words).
+JAXSUB_HD bool dropout_keep(const uint32_t* seed, uint64_t idx, uint32_t threshold) {
+  if (threshold == 0) return true;
+  return word_at(dropout_words(seed, idx >> 2), static_cast<int>(idx & 3)) >= threshold;
+}
+
+}  // namespace jaxsub

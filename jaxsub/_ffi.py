@@ -1,0 +1,63 @@
+"""Loads the native extension once and registers every FFI target for cpu and CUDA."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+
+log = logging.getLogger("jaxsub")
+
+try:
+    from jaxsub import _C
+except ImportError as e:  # pragma: no cover - only without a build
+    raise ImportError(
+        "jaxsub's native extension (jaxsub._C) is not built. Install the package with "
+        "`pip install .` (or `make setup`), and do not import jaxsub from a source tree "
+        "that has no build in it."
+    ) from e
+
+
+@functools.cache
+def register() -> None:
+    """Registers all targets (idempotent; registration happens once per process)."""
+    for name, capsule in _C.cpu_targets().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    for name, capsule in _C.cuda_targets().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+def cuda_built() -> bool:
+    return bool(_C.built_with_cuda)
+
+
+def cuda_available() -> bool:
+    """True when CUDA targets were built and a CUDA device is visible to JAX."""
+    if not cuda_built():
+        return False
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _warn_once(key: str, message: str) -> None:
+    log.warning(message)
+
+
+def fallback(op: str, reason: str) -> None:
+    """One log line per (op, reason) when an op runs its pure-JAX reference instead."""
+    _warn_once(f"{op}:{reason}", f"jaxsub.{op}: {reason}; using the reference implementation")
+
+
+def call(target: str, out_types, *args, **attrs):
+    """An ffi_call of a jaxsub target. Kernels treat leading axes as rows, so `vmap` maps
+    the call sequentially: that keeps every argument's meaning (per-example keys,
+    batched parameters) exact."""
+    register()
+    return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)
+
+
+register()

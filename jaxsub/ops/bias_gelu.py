@@ -1,0 +1,4 @@
+"""STUB"""
+
+def bias_gelu_dropout(*a, **k):
+    raise NotImplementedError

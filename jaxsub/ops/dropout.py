@@ -1,0 +1,89 @@
+"""Dropout randomness shared by every fused op.
+
+The keep decision for element i (row-major index into the op's logical tensor) is a pure
+function of (seed, i): Philox4x32-10 keyed by the two seed words, counter i // 4, word
+i % 4, kept when the word is >= round(rate * 2**32). The seed comes from the user's JAX
+key, so any key implementation works (threefry, rbg, typed keys). Kernels regenerate the
+mask in backward; nothing is stored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsub import _ffi
+
+
+def check_rate(op: str, rate, name: str = "rate") -> float:
+    try:
+        rate = float(rate)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"jaxsub.{op}: `{name}` must be a static Python float, got {rate!r}") from e
+    if not (0.0 <= rate < 1.0) or math.isnan(rate):
+        raise ValueError(f"jaxsub.{op}: `{name}` must be in [0, 1), got {rate}")
+    return rate
+
+
+def threshold(rate: float) -> np.uint32:
+    """Words below this are dropped; 0 keeps everything."""
+    return np.uint32(min(round(rate * 2.0**32), 2**32 - 1))
+
+
+def keep_scale(rate: float) -> np.float32:
+    return np.float32(1.0 / (1.0 - rate))
+
+
+def seed_from_key(op: str, key) -> jax.Array:
+    """Two uint32 words from any JAX PRNG key, passed to kernels as a device buffer.
+
+    A threefry key's data is exactly two words and is used as is (no extra kernel); keys
+    with more words (rbg) are folded by xor."""
+    if key is None:
+        raise ValueError(f"jaxsub.{op}: `key` is required when dropout is active (rate > 0, not deterministic)")
+    key = key if isinstance(key, jax.Array) else jnp.asarray(key)
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not typed and key.dtype != jnp.uint32:
+        raise TypeError(f"jaxsub.{op}: `key` must be a JAX PRNG key, got dtype {key.dtype}")
+    if (typed and key.shape != ()) or (not typed and key.ndim != 1):
+        raise ValueError(f"jaxsub.{op}: `key` must be a single PRNG key, got shape {key.shape}")
+    words = jax.random.key_data(key) if typed else key
+    words = words.reshape(-1)
+    if words.shape[0] == 2:
+        return words
+    if words.shape[0] % 2:
+        raise ValueError(f"jaxsub.{op}: unsupported PRNG key with {words.shape[0]} words")
+    half = words.shape[0] // 2
+    folded = words[:half] ^ words[half:]
+    while folded.shape[0] > 2:
+        half = folded.shape[0] // 2
+        folded = folded[:half] ^ folded[half:]
+    return folded
+
+
+NO_SEED = np.zeros((2,), np.uint32)
+
+
+def dropout_mask(key, shape, rate) -> jax.Array:
+    """The boolean keep-mask the fused kernels use for a logical tensor of `shape`.
+
+    `fused_op(..., rate=r, key=k)` equals the op's reference with this mask, so any fused
+    result can be reproduced exactly with plain JAX.
+    """
+    rate = check_rate("dropout_mask", rate)
+    shape = tuple(int(d) for d in shape)
+    if rate == 0.0:
+        return jnp.ones(shape, jnp.bool_)
+    seed = seed_from_key("dropout_mask", key)
+    return _ffi.call("jaxsub_dropout_mask", jax.ShapeDtypeStruct(shape, jnp.bool_), seed,
+                     threshold=threshold(rate))
+
+
+def apply_reference(v: jax.Array, keep, rate: float) -> jax.Array:
+    """Reference dropout on an fp32 value given the keep-mask (None = no dropout)."""
+    if keep is None or rate == 0.0:
+        return v
+    return jnp.where(keep, v * keep_scale(rate), 0.0)

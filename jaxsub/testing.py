@@ -1,0 +1,46 @@
+"""The one tolerance table and assert_close, shared by tests/ and bench/."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+# Relative error of one rounded output, per dtype: about 4 ulps of the format.
+_BASE = {
+    jnp.dtype(jnp.float32): 2e-6,
+    jnp.dtype(jnp.bfloat16): 1.6e-2,
+    jnp.dtype(jnp.float16): 2e-3,
+}
+GRAD_FACTOR = 4.0
+
+
+def tolerance(dtype, reduction: int = 1, grad: bool = False) -> float:
+    """Allowed error (absolute and relative) for outputs of `dtype` that depend on a
+    reduction over `reduction` elements; gradients get GRAD_FACTOR more."""
+    base = _BASE[jnp.dtype(dtype)]
+    tol = base * max(1.0, math.sqrt(reduction) / 8.0)
+    return tol * (GRAD_FACTOR if grad else 1.0)
+
+
+def assert_close(actual, expected, dtype=None, reduction: int = 1, grad: bool = False, what: str = ""):
+    """|actual - expected| <= tol * (1 + |expected|) elementwise, with tol from the table.
+    NaN never passes."""
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {actual.shape} != expected {expected.shape}")
+    dtype = dtype if dtype is not None else jnp.float32
+    tol = tolerance(dtype, reduction, grad)
+    if np.isnan(actual).any() and not np.isnan(expected).any():
+        raise AssertionError(f"{what}: NaN in result")
+    err = np.abs(actual - expected)
+    bound = tol * (1.0 + np.abs(expected))
+    bad = ~(err <= bound)
+    if bad.any():
+        i = np.unravel_index(np.argmax(err - bound), err.shape)
+        raise AssertionError(
+            f"{what}: {bad.sum()} of {err.size} elements out of tolerance {tol:.2e} "
+            f"(worst at {i}: got {actual[i]}, expected {expected[i]})"
+        )
