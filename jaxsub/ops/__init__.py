@@ -1,7 +1,7 @@
 """Fused ops: differentiable, composable with jit / grad / vmap; CPU and CUDA."""
 
 from jaxsub.ops.dropout import dropout_mask
-from jaxsub.ops.layer_norm import bias_dropout_residual_layer_norm, layer_norm
-from jaxsub.ops.bias_gelu import bias_gelu_dropout
+from jaxsub.ops.norm import bias_dropout_residual_layer_norm, layer_norm
+from jaxsub.ops.gelu import bias_gelu_dropout
 
 __all__ = ["dropout_mask", "layer_norm", "bias_dropout_residual_layer_norm", "bias_gelu_dropout"]
