@@ -49,7 +49,7 @@ inline Rows as_rows(const ffi::AnyBuffer& b) {
 struct HostBF16 { uint16_t bits; };
 struct HostF16 { uint16_t bits; };
 
-inline float to_float(float x) { return x; }
+JAXSUB_HD float to_float(float x) { return x; }
 inline float to_float(HostBF16 x) {
   uint32_t u = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -125,6 +125,14 @@ ffi::Error dispatch_float(ffi::DataType dt, const char* op, F&& f) {
   }
 }
 
+// Parameters are either the activation type T or float32: f(tag) gets tag::type = P.
+template <typename Map, typename T, typename F>
+ffi::Error dispatch_param(ffi::DataType activation, ffi::DataType param, const char* op, F&& f) {
+  if (param == activation) return f(TypeTag<T>{});
+  if (param == ffi::DataType::F32) return f(TypeTag<typename Map::F32>{});
+  return invalid(op, "parameters must have the activation dtype or float32");
+}
+
 template <typename T> inline T* data(ffi::AnyBuffer b) { return reinterpret_cast<T*>(b.untyped_data()); }
 template <typename T> inline T* data(ffi::Result<ffi::AnyBuffer>& b) {
   return reinterpret_cast<T*>(b->untyped_data());
@@ -140,7 +148,6 @@ struct DeviceTypes {
   using F16 = __half;
 };
 
-__device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <typename T> __device__ __forceinline__ T from_float_dev(float f);
@@ -189,6 +196,20 @@ __device__ __forceinline__ float row_group_sum(float x, float* scratch) {
   __syncthreads();
   float t = lane < nwarps ? s[lane] : 0.f;
   return warp_sum(t);
+}
+
+// Two sums at once (one round of barriers): scratch holds at least 64 * blockDim.y floats.
+__device__ __forceinline__ void row_group_sum2(float& a, float& b, float* scratch) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (blockDim.x <= 32) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  float* s = scratch + threadIdx.y * 64;
+  __syncthreads();
+  if (lane == 0) s[warp] = a, s[32 + warp] = b;
+  __syncthreads();
+  a = warp_sum(lane < nwarps ? s[lane] : 0.f);
+  b = warp_sum(lane < nwarps ? s[32 + lane] : 0.f);
 }
 
 inline ffi::Error launch_status(const char* op) {

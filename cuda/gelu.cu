@@ -1,0 +1,165 @@
+// Bias + GELU + dropout (the paper's BRD forward and BDRB backward), CUDA. Contract:
+// ABI.md; launch shapes and the fused bias-gradient reduction: rows.cuh. The backward
+// recomputes v = x + bias and regenerates the mask, so the forward writes only y.
+#include "common.h"
+#include "philox.h"
+#include "rows.cuh"
+
+namespace jaxsub {
+namespace {
+
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+constexpr float kSqrt2OverPi = 0.79788456080286536f;
+constexpr float kTanhCubic = 0.044715f;
+
+__device__ __forceinline__ float gelu(float v, bool approximate) {
+  if (approximate) return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + kTanhCubic * v * v * v)));
+  return 0.5f * v * (1.f + erff(v * kInvSqrt2));
+}
+
+__device__ __forceinline__ float gelu_grad(float v, bool approximate) {
+  if (approximate) {
+    const float t = tanhf(kSqrt2OverPi * (v + kTanhCubic * v * v * v));
+    return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kTanhCubic * v * v);
+  }
+  return 0.5f * (1.f + erff(v * kInvSqrt2)) + v * kInvSqrt2Pi * __expf(-0.5f * v * v);
+}
+
+struct GeluPtrs {
+  const void* dy;        // [R, N] T (backward)
+  const void* x;         // [R, N] T
+  const void* bias;      // [N] P
+  const uint32_t* seed;  // [2]
+  void* out;             // [R, N] T: y (forward) or dx (backward)
+  float* workspace;      // [C, 1, N] f32 (backward)
+};
+
+template <typename T, int VEC, int NV, bool kBackward>
+__global__ void __launch_bounds__(max_threads_for(VEC, NV))
+    gelu_kernel(GeluPtrs p, bool pf32, int64_t rows, int64_t n, bool approximate, uint32_t threshold,
+                float keep_scale) {
+  extern __shared__ float smem[];
+  Tile<VEC, NV> b, acc[1];
+  load_param<T, VEC, NV>(p.bias, pf32, n, b);
+#pragma unroll
+  for (int v = 0; v < NV; ++v)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[0].v[v][e] = 0.f;
+  const uint32_t seed[2] = {p.seed[0], p.seed[1]};
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t r = base + threadIdx.y;
+    if (r >= rows) continue;  // no barriers inside the loop
+    Tile<VEC, NV> t, d;
+    load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, true, t);
+    if constexpr (kBackward) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, true, d);
+    const uint32_t keep = keep_bits<VEC, NV>(seed, threshold, r, n);
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float u = t.v[v][e] + b.v[v][e];
+        const float m = bit(keep, v * VEC + e) ? keep_scale : 0.f;
+        if constexpr (kBackward) {
+          t.v[v][e] = d.v[v][e] * m * gelu_grad(u, approximate);
+          acc[0].v[v][e] += tile_col(v, VEC) < n ? t.v[v][e] : 0.f;
+        } else {
+          t.v[v][e] = gelu(u, approximate) * m;
+        }
+      }
+    store_tile<T, VEC, NV>(static_cast<T*>(p.out) + r * n, n, true, t);
+  }
+  if constexpr (kBackward) write_partials<1, VEC, NV>(acc, smem, p.workspace, n);
+}
+
+template <bool kBackward>
+ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi::DataType prm, const Rows& rc,
+                       const GeluPtrs& p, bool approximate, uint32_t threshold, float keep_scale,
+                       int64_t workspace_rows, void* dbias) {
+  if (rc.rows == 0 || rc.cols == 0) return ffi::Error::Success();
+  if (prm != t && prm != ffi::DataType::F32) return invalid(op, "bias must have the activation dtype or float32");
+  const bool pf32 = prm == ffi::DataType::F32;
+  return dispatch_float<DeviceTypes>(t, op, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    const bool aligned = aligned16(p.x) && aligned16(p.bias) && aligned16(p.out) && (!kBackward || aligned16(p.dy));
+    const RowConfig c = choose_rows(rc.cols, sizeof(T), aligned, kBackward ? 16 : 32);
+    if (!c.ok) return invalid(op, "row too long for the kernel");
+    const dim3 block(c.tx, c.ty);
+    const bool launched = dispatch_tile<16 / sizeof(T)>(c, [&]<int VEC, int NV>() {
+      if constexpr (kBackward) {
+        const int blocks = partial_blocks(rc.rows, c, workspace_rows);
+        const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
+        gelu_kernel<T, VEC, NV, true><<<blocks, block, smem, stream>>>(p, pf32, rc.rows, rc.cols, approximate,
+                                                                       threshold, keep_scale);
+        void* outs[3] = {dbias, nullptr, nullptr};
+        launch_column_sum<T>(p.workspace, blocks, 1, rc.cols, pf32, outs, stream);
+      } else {
+        gelu_kernel<T, VEC, NV, false><<<row_blocks(rc.rows, c), block, 0, stream>>>(
+            p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
+      }
+    });
+    if (!launched) return invalid(op, "no kernel for this row length");
+    return launch_status(op);
+  });
+}
+
+// x: [R, N]; bias: [N]; seed: [2] -> y: [R, N].
+ffi::Error BiasGeluDropoutFwd(cudaStream_t stream, bool approximate, uint32_t threshold, float keep_scale,
+                              ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
+                              ffi::Result<ffi::AnyBuffer> y) {
+  const char* op = "bias_gelu_dropout_fwd";
+  const Rows rc = as_rows(x);
+  if (static_cast<int64_t>(bias.element_count()) != rc.cols) return invalid(op, "bias length != last dim");
+  GeluPtrs p{nullptr, x.untyped_data(), bias.untyped_data(), seed.typed_data(), y->untyped_data(), nullptr};
+  return launch_gelu<false>(stream, op, x.element_type(), bias.element_type(), rc, p, approximate, threshold,
+                            keep_scale, 0, nullptr);
+}
+
+// dy, x: [R, N]; bias: [N]; seed: [2] -> dx: [R, N]; dbias: [N]; workspace: [C, 1, N].
+ffi::Error BiasGeluDropoutBwd(cudaStream_t stream, bool approximate, uint32_t threshold, float keep_scale,
+                              ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
+                              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
+                              ffi::Result<ffi::AnyBuffer> workspace) {
+  const char* op = "bias_gelu_dropout_bwd";
+  const Rows rc = as_rows(x);
+  if (static_cast<int64_t>(bias.element_count()) != rc.cols) return invalid(op, "bias length != last dim");
+  if (dy.element_count() != x.element_count()) return invalid(op, "dy and x shapes differ");
+  GeluPtrs p{dy.untyped_data(), x.untyped_data(), bias.untyped_data(), seed.typed_data(), dx->untyped_data(),
+             data<float>(workspace)};
+  const int64_t ws_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
+  return launch_gelu<true>(stream, op, x.element_type(), bias.element_type(), rc, p, approximate, threshold,
+                           keep_scale, ws_rows, dbias->untyped_data());
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bias_gelu_dropout_fwd, jaxsub::BiasGeluDropoutFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<bool>("approximate")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bias_gelu_dropout_bwd, jaxsub::BiasGeluDropoutBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<bool>("approximate")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});

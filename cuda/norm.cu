@@ -1,0 +1,359 @@
+// Layer norm and bias + dropout + residual + layer norm (the paper's BDRLN forward and its
+// BLNRD/BSB backward), CUDA. Contract: ABI.md. Launch shapes and the column partial sums:
+// rows.cuh.
+//
+// One kernel template serves both ops (kResidual selects BDRLN): a row is read once into
+// registers, statistics are two-pass on those registers, and the backward recomputes the
+// BDRLN input h = residual + dropout(x + bias) instead of storing it, so the forward
+// writes only y and the per-row (mean, rstd).
+#include "common.h"
+#include "philox.h"
+#include "rows.cuh"
+
+namespace jaxsub {
+namespace {
+
+struct NormPtrs {
+  const void* dy;        // [R, N] T (backward)
+  const void* x;         // [R, N] T
+  const void* bias;      // [N] P: BDRLN bias added to x before dropout
+  const void* residual;  // [R, N] T (BDRLN)
+  const void* scale;     // [N] P
+  const void* ln_bias;   // [N] P (forward)
+  const uint32_t* seed;  // [2] (BDRLN)
+  void* y;               // [R, N] T: forward output / backward dx
+  void* dresidual;       // [R, N] T (BDRLN backward)
+  float* mean;           // [R]
+  float* rstd;           // [R]
+  float* workspace;      // [C, K, N] f32 (backward)
+};
+
+template <typename T, int VEC, int NV, bool kResidual>
+__device__ __forceinline__ void load_h(const NormPtrs& p, int64_t r, int64_t n, bool valid, uint32_t threshold,
+                                       float keep_scale, const uint32_t (&seed)[2], const Tile<VEC, NV>& xb,
+                                       Tile<VEC, NV>& h, uint32_t& keep) {
+  load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, valid, h);
+  keep = 0xffffffffu;
+  if constexpr (kResidual) {
+    Tile<VEC, NV> res;
+    load_tile<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, res);
+    keep = keep_bits<VEC, NV>(seed, threshold, r, n);
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        h.v[v][e] = res.v[v][e] + (bit(keep, v * VEC + e) ? (h.v[v][e] + xb.v[v][e]) * keep_scale : 0.f);
+  }
+}
+
+template <typename T, int VEC, int NV, bool kResidual>
+__global__ void __launch_bounds__(max_threads_for(VEC, NV))
+    norm_fwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, float eps, uint32_t threshold, float keep_scale) {
+  __shared__ float scratch[32 * (kBlockThreads / 32)];
+  Tile<VEC, NV> g, b, xb;
+  load_param<T, VEC, NV>(p.scale, pf32, n, g);
+  load_param<T, VEC, NV>(p.ln_bias, pf32, n, b);
+  uint32_t seed[2] = {0u, 0u};
+  if constexpr (kResidual) {
+    load_param<T, VEC, NV>(p.bias, pf32, n, xb);
+    seed[0] = p.seed[0], seed[1] = p.seed[1];
+  }
+  const float inv_n = 1.f / static_cast<float>(n);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t r = base + threadIdx.y;
+    const bool valid = r < rows;
+    Tile<VEC, NV> h;
+    uint32_t keep;
+    load_h<T, VEC, NV, kResidual>(p, r, n, valid, threshold, keep_scale, seed, xb, h, keep);
+    float s = 0.f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) s += h.v[v][e];
+    const float mean = row_group_sum(s, scratch) * inv_n;
+    float q = 0.f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      const bool in = tile_col(v, VEC) < n;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float d = h.v[v][e] - mean;
+        q += in ? d * d : 0.f;
+      }
+    }
+    const float rstd = rsqrtf(row_group_sum(q, scratch) * inv_n + eps);
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) h.v[v][e] = (h.v[v][e] - mean) * rstd * g.v[v][e] + b.v[v][e];
+    store_tile<T, VEC, NV>(static_cast<T*>(p.y) + r * n, n, valid, h);
+    if (valid && threadIdx.x == 0) p.mean[r] = mean, p.rstd[r] = rstd;
+  }
+}
+
+// Partials per block: layer norm (dscale, dbias); BDRLN (dbias, dscale, dln_bias).
+template <typename T, int VEC, int NV, bool kResidual>
+__global__ void __launch_bounds__(max_threads_for(VEC, NV))
+    norm_bwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, uint32_t threshold, float keep_scale) {
+  constexpr int K = kResidual ? 3 : 2;
+  extern __shared__ float smem[];
+  __shared__ float scratch[64 * (kBlockThreads / 32)];
+  Tile<VEC, NV> g, xb;
+  load_param<T, VEC, NV>(p.scale, pf32, n, g);
+  uint32_t seed[2] = {0u, 0u};
+  if constexpr (kResidual) {
+    load_param<T, VEC, NV>(p.bias, pf32, n, xb);
+    seed[0] = p.seed[0], seed[1] = p.seed[1];
+  }
+  Tile<VEC, NV> acc[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[k].v[v][e] = 0.f;
+  const float inv_n = 1.f / static_cast<float>(n);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t r = base + threadIdx.y;
+    const bool valid = r < rows;
+    Tile<VEC, NV> h, d;
+    uint32_t keep;
+    load_h<T, VEC, NV, kResidual>(p, r, n, valid, threshold, keep_scale, seed, xb, h, keep);
+    load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, d);
+    const float mean = valid ? p.mean[r] : 0.f, rstd = valid ? p.rstd[r] : 0.f;
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        h.v[v][e] = (h.v[v][e] - mean) * rstd;  // now xhat
+        const float gg = d.v[v][e] * g.v[v][e];
+        s1 += gg;
+        s2 += gg * h.v[v][e];
+      }
+    row_group_sum2(s1, s2, scratch);
+    s1 *= inv_n, s2 *= inv_n;
+    Tile<VEC, NV> out;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float xhat = h.v[v][e], dyv = d.v[v][e];
+        const float dh = rstd * (dyv * g.v[v][e] - s1 - xhat * s2);
+        acc[K - 2].v[v][e] += dyv * xhat;
+        acc[K - 1].v[v][e] += dyv;
+        if constexpr (kResidual) {
+          d.v[v][e] = dh;
+          out.v[v][e] = bit(keep, v * VEC + e) ? dh * keep_scale : 0.f;
+          acc[0].v[v][e] += out.v[v][e];
+        } else {
+          out.v[v][e] = dh;
+        }
+      }
+    store_tile<T, VEC, NV>(static_cast<T*>(p.y) + r * n, n, valid, out);
+    if constexpr (kResidual) store_tile<T, VEC, NV>(static_cast<T*>(p.dresidual) + r * n, n, valid, d);
+  }
+  write_partials<K, VEC, NV>(acc, smem, p.workspace, n);
+}
+
+template <bool kResidual>
+struct NormArgs {
+  const char* op;
+  ffi::DataType t, prm;
+  int64_t rows, cols;
+  NormPtrs p;
+  float eps = 0.f;
+  uint32_t threshold = 0;
+  float keep_scale = 1.f;
+  int64_t workspace_rows = 0;  // backward only
+  void* grads[3] = {nullptr, nullptr, nullptr};  // backward: column-sum outputs, in partial order
+};
+
+bool all_aligned(std::initializer_list<const void*> ptrs) {
+  for (const void* q : ptrs)
+    if (q != nullptr && !aligned16(q)) return false;
+  return true;
+}
+
+template <bool kResidual, bool kBackward>
+ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
+  if (a.rows == 0 || a.cols == 0) return ffi::Error::Success();
+  const NormPtrs& p = a.p;
+  if (a.prm != a.t && a.prm != ffi::DataType::F32)
+    return invalid(a.op, "parameters must have the activation dtype or float32");
+  const bool pf32 = a.prm == ffi::DataType::F32;
+  return dispatch_float<DeviceTypes>(a.t, a.op, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    const bool aligned = all_aligned({p.dy, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual});
+    const RowConfig c = choose_rows(a.cols, sizeof(T), aligned, kBackward || kResidual ? 16 : 32);
+    if (!c.ok) return invalid(a.op, "row too long for the kernel");
+    const dim3 block(c.tx, c.ty);
+    const bool launched = dispatch_tile<16 / sizeof(T)>(c, [&]<int VEC, int NV>() {
+      if constexpr (kBackward) {
+        const int blocks = partial_blocks(a.rows, c, a.workspace_rows);
+        const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
+        norm_bwd_kernel<T, VEC, NV, kResidual>
+            <<<blocks, block, smem, stream>>>(p, pf32, a.rows, a.cols, a.threshold, a.keep_scale);
+        launch_column_sum<T>(p.workspace, blocks, kResidual ? 3 : 2, a.cols, pf32, a.grads, stream);
+      } else {
+        norm_fwd_kernel<T, VEC, NV, kResidual>
+            <<<row_blocks(a.rows, c), block, 0, stream>>>(p, pf32, a.rows, a.cols, a.eps, a.threshold, a.keep_scale);
+      }
+    });
+    if (!launched) return invalid(a.op, "no kernel for this row length");
+    return launch_status(a.op);
+  });
+}
+
+ffi::Error check_rows(const char* op, const Rows& rc, std::initializer_list<const ffi::AnyBuffer*> same,
+                      std::initializer_list<const ffi::AnyBuffer*> per_col) {
+  for (auto* b : same)
+    if (static_cast<int64_t>(b->element_count()) != rc.rows * rc.cols) return invalid(op, "tensor shapes differ");
+  for (auto* b : per_col)
+    if (static_cast<int64_t>(b->element_count()) != rc.cols) return invalid(op, "parameter length != last dim");
+  return ffi::Error::Success();
+}
+
+// x: [R, N]; scale, bias: [N] -> y: [R, N], mean, rstd: [R].
+ffi::Error LayerNormFwd(cudaStream_t stream, float eps, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+                        ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                        ffi::Result<ffi::AnyBuffer> rstd) {
+  const char* op = "layer_norm_fwd";
+  const Rows rc = as_rows(x);
+  if (auto e = check_rows(op, rc, {}, {&scale, &bias}); e.failure()) return e;
+  NormArgs<false> a{op, x.element_type(), scale.element_type(), rc.rows, rc.cols};
+  a.p = NormPtrs{nullptr, x.untyped_data(), nullptr, nullptr, scale.untyped_data(), bias.untyped_data(),
+                 nullptr, y->untyped_data(), nullptr, data<float>(mean), data<float>(rstd), nullptr};
+  a.eps = eps;
+  return launch_norm<false, false>(stream, a);
+}
+
+// dy, x: [R, N]; scale: [N]; mean, rstd: [R] -> dx: [R, N]; dscale, dbias: [N]; workspace: [C, 2, N].
+ffi::Error LayerNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+                        ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
+                        ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
+                        ffi::Result<ffi::AnyBuffer> workspace) {
+  const char* op = "layer_norm_bwd";
+  const Rows rc = as_rows(x);
+  if (auto e = check_rows(op, rc, {&dy}, {&scale}); e.failure()) return e;
+  NormArgs<false> a{op, x.element_type(), scale.element_type(), rc.rows, rc.cols};
+  a.p = NormPtrs{dy.untyped_data(), x.untyped_data(), nullptr, nullptr, scale.untyped_data(), nullptr, nullptr,
+                 dx->untyped_data(), nullptr, data<float>(mean), data<float>(rstd), data<float>(workspace)};
+  a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
+  a.grads[0] = dscale->untyped_data(), a.grads[1] = dbias->untyped_data();
+  return launch_norm<false, true>(stream, a);
+}
+
+// x, residual: [R, N]; bias, scale, ln_bias: [N]; seed: [2] -> y: [R, N]; mean, rstd: [R].
+ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float keep_scale, ffi::AnyBuffer x,
+                    ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer ln_bias,
+                    ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                    ffi::Result<ffi::AnyBuffer> rstd) {
+  const char* op = "bdrln_fwd";
+  const Rows rc = as_rows(x);
+  if (auto e = check_rows(op, rc, {&residual}, {&bias, &scale, &ln_bias}); e.failure()) return e;
+  if (residual.element_type() != x.element_type() || bias.element_type() != scale.element_type() ||
+      ln_bias.element_type() != scale.element_type())
+    return invalid(op, "dtype mismatch");
+  NormArgs<true> a{op, x.element_type(), scale.element_type(), rc.rows, rc.cols};
+  a.p = NormPtrs{nullptr, x.untyped_data(), bias.untyped_data(), residual.untyped_data(), scale.untyped_data(),
+                 ln_bias.untyped_data(), seed.typed_data(), y->untyped_data(), nullptr, data<float>(mean),
+                 data<float>(rstd), nullptr};
+  a.eps = eps, a.threshold = threshold, a.keep_scale = keep_scale;
+  return launch_norm<true, false>(stream, a);
+}
+
+// dy, x, residual: [R, N]; bias, scale: [N]; mean, rstd: [R]; seed: [2]
+//   -> dx: [R, N]; dbias: [N]; dresidual: [R, N]; dscale, dln_bias: [N]; workspace: [C, 3, N].
+ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                    ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean,
+                    ffi::AnyBuffer rstd, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
+                    ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dresidual,
+                    ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dln_bias,
+                    ffi::Result<ffi::AnyBuffer> workspace) {
+  const char* op = "bdrln_bwd";
+  const Rows rc = as_rows(x);
+  if (auto e = check_rows(op, rc, {&dy, &residual}, {&bias, &scale}); e.failure()) return e;
+  if (bias.element_type() != scale.element_type()) return invalid(op, "dtype mismatch");
+  NormArgs<true> a{op, x.element_type(), scale.element_type(), rc.rows, rc.cols};
+  a.p = NormPtrs{dy.untyped_data(), x.untyped_data(), bias.untyped_data(), residual.untyped_data(),
+                 scale.untyped_data(), nullptr, seed.typed_data(), dx->untyped_data(), dresidual->untyped_data(),
+                 data<float>(mean), data<float>(rstd), data<float>(workspace)};
+  a.threshold = threshold, a.keep_scale = keep_scale;
+  a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
+  a.grads[0] = dbias->untyped_data(), a.grads[1] = dscale->untyped_data(), a.grads[2] = dln_bias->untyped_data();
+  return launch_norm<true, true>(stream, a);
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+namespace ffi = xla::ffi;
+using Stream = ffi::PlatformStream<cudaStream_t>;
+constexpr auto kCmdBuffer = ffi::Traits::kCmdBufferCompatible;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_layer_norm_fwd, jaxsub::LayerNormFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Attr<float>("eps")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_layer_norm_bwd, jaxsub::LayerNormBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bdrln_fwd, jaxsub::BdrlnFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Attr<float>("eps")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {kCmdBuffer});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bdrln_bwd, jaxsub::BdrlnBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {kCmdBuffer});

@@ -1,0 +1,263 @@
+// The row-tile machinery shared by the row-wise CUDA kernels (layer norm, BDRLN, GELU).
+//
+// A tensor [R, N] is processed by blocks of (TX, TY) threads: each group of TX threads
+// (fixed threadIdx.y) owns one row at a time; thread tx owns the same columns in every row
+// it visits, namely NV vectors of VEC contiguous elements at columns (v * TX + tx) * VEC.
+// Because a thread's columns never change, per-column parameters are loaded once and
+// per-column gradient partial sums stay in registers across rows; they are reduced over
+// the block in shared memory, written as one row of a workspace per block, and summed
+// over blocks by `column_sum_kernel` (deterministic: no atomics).
+#pragma once
+
+#include <algorithm>
+
+#include "common.h"
+#include "philox.h"
+
+namespace jaxsub {
+
+// Launch shape for one [R, N] problem.
+struct RowConfig {
+  int vec = 1;  // elements per vector access (16 bytes on the fast path, 1 on the general path)
+  int nv = 1;   // vectors per thread per row
+  int tx = 32;  // threads per row
+  int ty = 1;   // rows per block
+  bool ok = false;
+};
+
+// Vectors per thread the kernels are compiled for: fast path {1, 4} with up to 512 threads
+// per row (16-bit N <= 16384, f32 N <= 8192); general path {4, 16} with up to 1024
+// (N <= 16384).
+constexpr int kMaxThreads = 1024;
+constexpr int kBlockThreads = 256;
+JAXSUB_HD constexpr int max_threads_for(int vec, int nv) { return vec == 1 && nv == 16 ? 1024 : 512; }
+
+// Fast path when N is a multiple of the 16-byte vector and every pointer is 16-byte
+// aligned; otherwise scalar accesses. Prefers the most elements per thread (fewest threads
+// per row, so row reductions stay in one warp when they can) within `max_elems` elements
+// per thread (registers), relaxing that bound only when the row needs it.
+inline RowConfig choose_rows(int64_t n, int itemsize, bool aligned, int max_elems) {
+  RowConfig c;
+  const int vmax = 16 / itemsize;
+  c.vec = (aligned && n % vmax == 0 && n / vmax <= 4 * 512) ? vmax : 1;
+  const int64_t nvec = (n + c.vec - 1) / c.vec;
+  const int options[2] = {c.vec > 1 ? 4 : 16, c.vec > 1 ? 1 : 4};
+  for (int pass = 0; pass < 2 && !c.ok; ++pass) {
+    for (int nv : options) {
+      const int64_t tx = ((nvec + nv - 1) / nv + 31) / 32 * 32;
+      if (tx <= max_threads_for(c.vec, nv) && (pass == 1 || nv * c.vec <= max_elems)) {
+        c.nv = nv, c.tx = static_cast<int>(tx), c.ok = true;
+        break;
+      }
+    }
+  }
+  c.ty = std::max(1, kBlockThreads / c.tx);
+  return c;
+}
+
+inline int sm_count() {
+  static int cached = 0;
+  if (cached == 0) {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cached = n > 0 ? n : 132;
+  }
+  return cached;
+}
+
+// Number of blocks for a kernel that accumulates column partials: enough to fill the GPU
+// twice, never more than the workspace rows or the row groups.
+inline int partial_blocks(int64_t rows, const RowConfig& c, int64_t workspace_rows) {
+  int64_t groups = (rows + c.ty - 1) / c.ty;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({groups, workspace_rows, 2 * sm_count()})));
+}
+
+inline int row_blocks(int64_t rows, const RowConfig& c) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + c.ty - 1) / c.ty, 1 << 24)));
+}
+
+// ---------------------------------------------------------------------------------------
+// Device side.
+
+// Loads/stores of VEC elements in 16-byte pieces (VEC * sizeof(T) may exceed 16 when a
+// float parameter sits beside 16-bit activations).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_elems(const T* p, float (&out)[VEC]) {
+  constexpr int kPiece = (VEC * sizeof(T) > 16) ? 16 / sizeof(T) : VEC;
+#pragma unroll
+  for (int i = 0; i < VEC; i += kPiece) {
+    float part[kPiece];
+    load_vec<T, kPiece>(p + i, part);
+#pragma unroll
+    for (int j = 0; j < kPiece; ++j) out[i + j] = part[j];
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_elems(T* p, const float (&in)[VEC]) {
+  constexpr int kPiece = (VEC * sizeof(T) > 16) ? 16 / sizeof(T) : VEC;
+#pragma unroll
+  for (int i = 0; i < VEC; i += kPiece) {
+    float part[kPiece];
+#pragma unroll
+    for (int j = 0; j < kPiece; ++j) part[j] = in[i + j];
+    store_vec<T, kPiece>(p + i, part);
+  }
+}
+
+template <int VEC, int NV>
+struct Tile {
+  float v[NV][VEC];
+};
+
+__device__ __forceinline__ int64_t tile_col(int v, int vec) {
+  return (static_cast<int64_t>(v) * blockDim.x + threadIdx.x) * vec;
+}
+
+// Loads the thread's columns of one row (zeros outside [0, n)).
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_tile(const T* row, int64_t n, bool valid, Tile<VEC, NV>& t) {
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = tile_col(v, VEC);
+    if (valid && c < n) {
+      load_elems<T, VEC>(row + c, t.v[v]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) t.v[v][e] = 0.f;
+    }
+  }
+}
+
+// Per-column parameters are either T or float32 (decided at run time: they are loaded
+// once per thread, so the branch costs nothing and halves the kernel instantiations).
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_param(const void* p, bool f32, int64_t n, Tile<VEC, NV>& t) {
+  if (f32) {
+    load_tile<float, VEC, NV>(static_cast<const float*>(p), n, true, t);
+  } else {
+    load_tile<T, VEC, NV>(static_cast<const T*>(p), n, true, t);
+  }
+}
+
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void store_tile(T* row, int64_t n, bool valid, const Tile<VEC, NV>& t) {
+  if (!valid) return;
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = tile_col(v, VEC);
+    if (c < n) store_elems<T, VEC>(row + c, t.v[v]);
+  }
+}
+
+// Keep bits for the thread's elements of row r (bit v * VEC + e). One Philox call per
+// four elements on the fast path (VEC is a multiple of 4 and so is every vector's first
+// index, since N is a multiple of VEC); one per element on the general path.
+template <int VEC, int NV>
+__device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t threshold, int64_t r, int64_t n) {
+  static_assert(VEC * NV <= 32, "keep bits must fit in 32 bits");
+  if (threshold == 0) return 0xffffffffu;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = tile_col(v, VEC);
+    if (c >= n) continue;
+    const uint64_t base = static_cast<uint64_t>(r) * n + c;
+    if constexpr (VEC % 4 == 0) {
+#pragma unroll
+      for (int e = 0; e < VEC; e += 4) {
+        U32x4 w = dropout_words(seed, (base + e) >> 2);
+        bits |= static_cast<uint32_t>(w.x >= threshold) << (v * VEC + e);
+        bits |= static_cast<uint32_t>(w.y >= threshold) << (v * VEC + e + 1);
+        bits |= static_cast<uint32_t>(w.z >= threshold) << (v * VEC + e + 2);
+        bits |= static_cast<uint32_t>(w.w >= threshold) << (v * VEC + e + 3);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) bits |= static_cast<uint32_t>(dropout_keep(seed, base + e, threshold)) << (v * VEC + e);
+    }
+  }
+  return bits;
+}
+
+__device__ __forceinline__ bool bit(uint32_t bits, int i) { return (bits >> i) & 1u; }
+
+// Sums K tiles of per-thread column partials over the block's rows (threadIdx.y) and
+// writes them as workspace[blockIdx.x, k, :]. `smem` holds blockDim.y * blockDim.x * NV*VEC floats.
+template <int K, int VEC, int NV>
+__device__ __forceinline__ void write_partials(const Tile<VEC, NV> (&acc)[K], float* smem, float* workspace,
+                                               int64_t n) {
+  constexpr int E = VEC * NV;
+  const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (TY > 1) {
+      __syncthreads();
+#pragma unroll
+      for (int v = 0; v < NV; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) smem[(ty * E + v * VEC + e) * TX + tx] = acc[k].v[v][e];
+      __syncthreads();
+    }
+    if (ty == 0) {
+      float* out = workspace + (static_cast<int64_t>(blockIdx.x) * K + k) * n;
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        const int64_t c = tile_col(v, VEC);
+        if (c >= n) continue;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          float s = acc[k].v[v][e];
+          for (int y = 1; y < TY; ++y) s += smem[(y * E + v * VEC + e) * TX + tx];
+          out[c + e] = s;
+        }
+      }
+    }
+  }
+}
+
+// out_k[c] = sum over g < groups of workspace[g, k, c], k < K, stored as T or float32;
+// block (32, 8), grid (ceil(n/32), K).
+template <typename T>
+__global__ void column_sum_kernel(const float* __restrict__ workspace, int groups, int K, int64_t n, bool f32,
+                                  void* out0, void* out1, void* out2) {
+  __shared__ float part[8][33];
+  const int k = blockIdx.y;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (c < n)
+    for (int g = threadIdx.y; g < groups; g += 8) s += workspace[(static_cast<int64_t>(g) * K + k) * n + c];
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < n) {
+    float t = 0.f;
+#pragma unroll
+    for (int y = 0; y < 8; ++y) t += part[y][threadIdx.x];
+    void* out = k == 0 ? out0 : k == 1 ? out1 : out2;
+    if (f32) {
+      static_cast<float*>(out)[c] = t;
+    } else {
+      static_cast<T*>(out)[c] = from_float_dev<T>(t);
+    }
+  }
+}
+
+template <typename T>
+inline void launch_column_sum(const float* workspace, int groups, int K, int64_t n, bool f32, void* const* outs,
+                              cudaStream_t stream) {
+  dim3 grid(static_cast<unsigned>((n + 31) / 32), K);
+  column_sum_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(workspace, groups, K, n, f32, outs[0], outs[1], outs[2]);
+}
+
+// Calls f.template operator()<VEC, NV>() for the configuration chosen at run time.
+template <int VMAX, typename F>
+inline bool dispatch_tile(const RowConfig& c, F&& f) {
+  if (c.vec == VMAX && c.nv == 1) return f.template operator()<VMAX, 1>(), true;
+  if (c.vec == VMAX && c.nv == 4) return f.template operator()<VMAX, 4>(), true;
+  if (c.vec == 1 && c.nv == 4) return f.template operator()<1, 4>(), true;
+  if (c.vec == 1 && c.nv == 16) return f.template operator()<1, 16>(), true;
+  return false;
+}
+
+}  // namespace jaxsub
