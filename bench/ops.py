@@ -293,7 +293,7 @@ def _fmt(value, spec: str = ".1f") -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("op", "dtype", "pass", "jaxsub us", "XLA us", "speedup", "floor us", "jaxsub/floor", "XLA/floor")
+    header = ("op", "dtype", "pass", "jaxsub µs", "XLA µs", "speedup", "floor µs", "jaxsub/floor", "XLA/floor")
     lines = [[r["op"], r["dtype"], r["pass"], _fmt(r["jaxsub_us"]), _fmt(r["xla_us"]),
               _fmt(r["speedup"], ".2f"), _fmt(r["floor_us"]), _fmt(r["jaxsub_over_floor"], ".2f"),
               _fmt(r["xla_over_floor"], ".2f")] for r in rows]
