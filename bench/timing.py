@@ -1,0 +1,95 @@
+"""Device-time measurement shared by the op, layer and model benchmarks.
+
+Method (DESIGN.md, "Benchmarks"):
+
+1. The thing to time is wrapped in ONE jitted function that applies it to K distinct input
+   sets and returns every output, so nothing is dead-code-eliminated and the working set
+   (K sets) is larger than the GPU's L2 (60 MB on an H200): each application reads from
+   DRAM, as it would inside a real model.
+2. A whole call is timed from the host, ending with `jax.block_until_ready`, after warm-up
+   calls (compilation, autotuning, allocator growth). The median over `repeats` calls is
+   kept; the median ignores the occasional preempted call.
+3. The per-application time is the slope between two values of K,
+   (t(K2) - t(K1)) / (K2 - K1): launch and dispatch overhead, which is the same for both
+   calls, cancels. Calls at K1 and K2 are interleaved so slow drift of the clock or of
+   other load affects both alike.
+4. When the slope is not positive (timing noise larger than the work, which only happens
+   for tiny problems such as a CPU smoke run), t(K2) / K2 is reported instead: an upper
+   bound, flagged `reliable=False`.
+
+Copy bandwidth is measured the same way with negation of K distinct f32 buffers; bytes
+moved = bytes read + bytes written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SlopeTiming:
+    """Per-application device time from calls at two sizes K1 < K2."""
+
+    per_call_s: float
+    k1: int
+    k2: int
+    t_k1_s: float
+    t_k2_s: float
+    reliable: bool
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def median_times(calls: Sequence[tuple[Callable, Sequence]], *, repeats: int, warmup: int = 2) -> list[float]:
+    """Median wall time in seconds of each `fn(*args)` in `calls`, run to completion on
+    the device; the calls are interleaved within each repeat."""
+    for fn, args in calls:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, (fn, args) in enumerate(calls):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples[i].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
+
+
+def slope_time(build: Callable[[int], tuple[Callable, Sequence]], k1: int, k2: int, *,
+               repeats: int, warmup: int = 2) -> SlopeTiming:
+    """Time per application of an op from `build(k) -> (jitted_fn, args)`, which applies
+    the op to k distinct input sets in one call."""
+    if not 0 < k1 < k2:
+        raise ValueError(f"slope_time: need 0 < k1 < k2, got k1={k1}, k2={k2}")
+    t1, t2 = median_times([build(k1), build(k2)], repeats=repeats, warmup=warmup)
+    slope = (t2 - t1) / (k2 - k1)
+    if slope > 0:
+        return SlopeTiming(slope, k1, k2, t1, t2, reliable=True)
+    return SlopeTiming(t2 / k2, k1, k2, t1, t2, reliable=False)
+
+
+def copy_bandwidth(buffer_bytes: int, k1: int, k2: int, *, repeats: int, seed: int = 0) -> tuple[float, SlopeTiming]:
+    """Device copy bandwidth in bytes/s (read + write) from negating K distinct f32
+    buffers of `buffer_bytes` each; K2 * buffer_bytes should be >= 1 GiB on a GPU."""
+    n = buffer_bytes // 4
+    keys = jax.random.split(jax.random.key(seed), k2)
+    buffers = [jax.random.normal(keys[i], (n,), jnp.float32) for i in range(k2)]
+    negate_all = jax.jit(lambda bufs: [-b for b in bufs])
+
+    def build(k):
+        return negate_all, (buffers[:k],)
+
+    timing = slope_time(build, k1, k2, repeats=repeats)
+    return 2 * 4 * n / timing.per_call_s, timing
+
+
+def describe_device() -> str:
+    device = jax.devices()[0]
+    return f"{device.platform}: {device.device_kind}"
