@@ -1,6 +1,7 @@
 // CPU handlers for bias + GELU + dropout (ABI.md: bias_gelu_dropout_fwd / _bwd). Plain
 // loops: they define the results the CUDA kernels are compared against on any machine.
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -52,6 +53,19 @@ class KeepStream {
   U32x4 words_{};
 };
 
+// Calls f(i, c, kept) for every element of the [R, N] view, in row-major order so that
+// KeepStream reuses each Philox block.
+template <typename F>
+void for_each_element(const Rows& d, const uint32_t* seed, uint32_t threshold, F&& f) {
+  KeepStream keep(seed, threshold);
+  for (int64_t r = 0; r < d.rows; ++r) {
+    for (int64_t c = 0; c < d.cols; ++c) {
+      const int64_t i = r * d.cols + c;
+      f(i, c, keep.keep(static_cast<uint64_t>(i)));
+    }
+  }
+}
+
 // Calls f(TypeTag<T>{}, TypeTag<P>{}) for activation dtype `t` and parameter dtype `p`;
 // ABI.md allows P == T or P == f32 and nothing else.
 template <typename F>
@@ -72,13 +86,21 @@ ffi::Error check_common(const char* op, const ffi::AnyBuffer& x, const ffi::AnyB
   return ffi::Error::Success();
 }
 
+// Outputs and dy are bound as AnyBuffer, so their dtype and size are checked here rather
+// than by the binding.
+ffi::Error check_like(const char* op, const char* name, const ffi::AnyBuffer& b, const char* like_name,
+                      const ffi::AnyBuffer& like) {
+  if (b.element_type() == like.element_type() && b.element_count() == like.element_count())
+    return ffi::Error::Success();
+  return invalid(op, std::string(name) + " must match " + like_name + " in dtype and size");
+}
+
 // x: T[R, N]; bias: P[N]; seed: u32[2]; y: T[R, N].
 ffi::Error BiasGeluDropoutFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
                                  bool approximate, uint32_t threshold, float keep_scale,
                                  ffi::Result<ffi::AnyBuffer> y) {
   if (auto e = check_common(kFwd, x, bias, seed); e.failure()) return e;
-  if (y->element_type() != x.element_type() || y->element_count() != x.element_count())
-    return invalid(kFwd, "y must match x in dtype and size");
+  if (auto e = check_like(kFwd, "y", *y, "x", x); e.failure()) return e;
   const Rows d = as_rows(x);
   return dispatch_act_param(kFwd, x.element_type(), bias.element_type(), [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
@@ -86,14 +108,10 @@ ffi::Error BiasGeluDropoutFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buf
     const T* xs = data<T>(x);
     const P* bs = data<P>(bias);
     T* ys = data<T>(y);
-    KeepStream keep(seed.typed_data(), threshold);
-    for (int64_t r = 0; r < d.rows; ++r) {
-      for (int64_t c = 0; c < d.cols; ++c) {
-        const int64_t i = r * d.cols + c;
-        const float g = gelu(to_float(xs[i]) + to_float(bs[c]), approximate);
-        ys[i] = from_float<T>(keep.keep(static_cast<uint64_t>(i)) ? g * keep_scale : 0.f);
-      }
-    }
+    for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+      const float g = gelu(to_float(xs[i]) + to_float(bs[c]), approximate);
+      ys[i] = from_float<T>(kept ? g * keep_scale : 0.f);
+    });
     return ffi::Error::Success();
   });
 }
@@ -105,12 +123,9 @@ ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBu
                                  float keep_scale, ffi::Result<ffi::AnyBuffer> dx,
                                  ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
   if (auto e = check_common(kBwd, x, bias, seed); e.failure()) return e;
-  if (dy.element_type() != x.element_type() || dy.element_count() != x.element_count())
-    return invalid(kBwd, "dy must match x in dtype and size");
-  if (dx->element_type() != x.element_type() || dx->element_count() != x.element_count())
-    return invalid(kBwd, "dx must match x in dtype and size");
-  if (dbias->element_type() != bias.element_type() || dbias->element_count() != bias.element_count())
-    return invalid(kBwd, "dbias must match bias in dtype and size");
+  if (auto e = check_like(kBwd, "dy", dy, "x", x); e.failure()) return e;
+  if (auto e = check_like(kBwd, "dx", *dx, "x", x); e.failure()) return e;
+  if (auto e = check_like(kBwd, "dbias", *dbias, "bias", bias); e.failure()) return e;
   const Rows d = as_rows(x);
   return dispatch_act_param(kBwd, x.element_type(), bias.element_type(), [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
@@ -123,16 +138,12 @@ ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBu
     // Rows are summed in a fixed order in double, so dbias is deterministic and its
     // rounding error does not grow with R.
     std::vector<double> acc(static_cast<size_t>(d.cols), 0.0);
-    KeepStream keep(seed.typed_data(), threshold);
-    for (int64_t r = 0; r < d.rows; ++r) {
-      for (int64_t c = 0; c < d.cols; ++c) {
-        const int64_t i = r * d.cols + c;
-        const float g = keep.keep(static_cast<uint64_t>(i)) ? to_float(dys[i]) * keep_scale : 0.f;
-        const float v = g * gelu_grad(to_float(xs[i]) + to_float(bs[c]), approximate);
-        dxs[i] = from_float<T>(v);
-        acc[c] += v;
-      }
-    }
+    for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+      const float g = kept ? to_float(dys[i]) * keep_scale : 0.f;
+      const float v = g * gelu_grad(to_float(xs[i]) + to_float(bs[c]), approximate);
+      dxs[i] = from_float<T>(v);
+      acc[c] += v;
+    });
     for (int64_t c = 0; c < d.cols; ++c) dbs[c] = from_float<P>(static_cast<float>(acc[c]));
     return ffi::Error::Success();
   });

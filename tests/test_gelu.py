@@ -85,8 +85,8 @@ def test_fwd_and_vjp_match_reference(cols, dtype, lead, approximate, bias_f32):
     check_against_reference(x, bias, dy, rate=0.1, key=jax.random.key(seed), approximate=approximate)
 
 
-@pytest.mark.parametrize("approximate", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES, ids=[d.name for d in DTYPES])
+@pytest.mark.parametrize("dtype,approximate", [(F32, False), (BF16, True), (F16, False)],
+                         ids=["float32-erf", "bfloat16-tanh", "float16-erf"])
 def test_without_dropout_matches_reference(dtype, approximate):
     x, bias, dy = inputs(7 + DTYPES.index(dtype), (2, 3, 130), dtype, dtype)
     check_against_reference(x, bias, dy, rate=0.0, key=None, approximate=approximate)
