@@ -1,7 +1,176 @@
-// STUB: replaced by the family's real CPU handlers.
+// CPU handlers for bias + GELU + dropout (ABI.md: bias_gelu_dropout_fwd / _bwd). Plain
+// loops: they define the results the CUDA kernels are compared against on any machine.
+#include <cmath>
+#include <string>
+#include <vector>
+
 #include "common.h"
-namespace jaxsub { namespace {
-ffi::Error Stub() { return ffi::Error(ffi::ErrorCode::kUnimplemented, "not implemented"); }
-} }
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_fwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_bwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
+#include "philox.h"
+
+namespace jaxsub {
+namespace {
+
+constexpr const char* kFwd = "bias_gelu_dropout_fwd";
+constexpr const char* kBwd = "bias_gelu_dropout_bwd";
+
+constexpr float kSqrtHalf = 0.70710678118654752f;     // 1 / sqrt(2)
+constexpr float kSqrt2OverPi = 0.79788456080286536f;  // sqrt(2 / pi)
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi): the normal pdf at 0
+constexpr float kCubic = 0.044715f;
+
+float gelu(float v, bool approximate) {
+  if (approximate) return 0.5f * v * (1.f + std::tanh(kSqrt2OverPi * (v + kCubic * v * v * v)));
+  return 0.5f * v * (1.f + std::erf(v * kSqrtHalf));
+}
+
+float gelu_grad(float v, bool approximate) {
+  if (approximate) {
+    const float t = std::tanh(kSqrt2OverPi * (v + kCubic * v * v * v));
+    return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kCubic * v * v);
+  }
+  return 0.5f * (1.f + std::erf(v * kSqrtHalf)) + v * kInvSqrt2Pi * std::exp(-0.5f * v * v);
+}
+
+// Keep decisions walk the row-major index in order, so one Philox call serves four
+// consecutive elements instead of being recomputed per element.
+class KeepStream {
+ public:
+  KeepStream(const uint32_t* seed, uint32_t threshold) : seed_(seed), threshold_(threshold) {}
+  bool keep(uint64_t idx) {
+    if (threshold_ == 0) return true;
+    const uint64_t q = idx >> 2;
+    if (q != q_) {
+      q_ = q;
+      words_ = dropout_words(seed_, q);
+    }
+    return word_at(words_, static_cast<int>(idx & 3)) >= threshold_;
+  }
+
+ private:
+  const uint32_t* seed_;
+  uint32_t threshold_;
+  uint64_t q_ = ~uint64_t{0};
+  U32x4 words_{};
+};
+
+// Calls f(i, c, kept) for every element of the [R, N] view, in row-major order so that
+// KeepStream reuses each Philox block.
+template <typename F>
+void for_each_element(const Rows& d, const uint32_t* seed, uint32_t threshold, F&& f) {
+  KeepStream keep(seed, threshold);
+  for (int64_t r = 0; r < d.rows; ++r) {
+    for (int64_t c = 0; c < d.cols; ++c) {
+      const int64_t i = r * d.cols + c;
+      f(i, c, keep.keep(static_cast<uint64_t>(i)));
+    }
+  }
+}
+
+// Calls f(TypeTag<T>{}, TypeTag<P>{}) for activation dtype `t` and parameter dtype `p`;
+// ABI.md allows P == T or P == f32 and nothing else.
+template <typename F>
+ffi::Error dispatch_act_param(const char* op, ffi::DataType t, ffi::DataType p, F&& f) {
+  return dispatch_float<HostTypes>(t, op, [&](auto tt) -> ffi::Error {
+    if (p == t) return f(tt, tt);
+    if (p == ffi::DataType::F32) return f(tt, TypeTag<float>{});
+    return invalid(op, "bias must have x's dtype or float32");
+  });
+}
+
+ffi::Error check_common(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
+                        const ffi::Buffer<ffi::U32>& seed) {
+  if (x.dimensions().size() < 1) return invalid(op, "x must have rank >= 1");
+  if (bias.dimensions().size() != 1 || bias.dimensions()[0] != x.dimensions().back())
+    return invalid(op, "bias must have shape [N] with N = x.shape[-1]");
+  if (seed.element_count() != 2) return invalid(op, "seed must have 2 words");
+  return ffi::Error::Success();
+}
+
+// Outputs and dy are bound as AnyBuffer, so their dtype and size are checked here rather
+// than by the binding.
+ffi::Error check_like(const char* op, const char* name, const ffi::AnyBuffer& b, const char* like_name,
+                      const ffi::AnyBuffer& like) {
+  if (b.element_type() == like.element_type() && b.element_count() == like.element_count())
+    return ffi::Error::Success();
+  return invalid(op, std::string(name) + " must match " + like_name + " in dtype and size");
+}
+
+// x: T[R, N]; bias: P[N]; seed: u32[2]; y: T[R, N].
+ffi::Error BiasGeluDropoutFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
+                                 bool approximate, uint32_t threshold, float keep_scale,
+                                 ffi::Result<ffi::AnyBuffer> y) {
+  if (auto e = check_common(kFwd, x, bias, seed); e.failure()) return e;
+  if (auto e = check_like(kFwd, "y", *y, "x", x); e.failure()) return e;
+  const Rows d = as_rows(x);
+  return dispatch_act_param(kFwd, x.element_type(), bias.element_type(), [&](auto tt, auto pt) {
+    using T = typename decltype(tt)::type;
+    using P = typename decltype(pt)::type;
+    const T* xs = data<T>(x);
+    const P* bs = data<P>(bias);
+    T* ys = data<T>(y);
+    for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+      const float g = gelu(to_float(xs[i]) + to_float(bs[c]), approximate);
+      ys[i] = from_float<T>(kept ? g * keep_scale : 0.f);
+    });
+    return ffi::Error::Success();
+  });
+}
+
+// dy: T[R, N]; x: T[R, N]; bias: P[N]; seed: u32[2];
+// dx: T[R, N]; dbias: P[N]; workspace: f32[C, 1, N] (GPU scratch, untouched here).
+ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                                 ffi::Buffer<ffi::U32> seed, bool approximate, uint32_t threshold,
+                                 float keep_scale, ffi::Result<ffi::AnyBuffer> dx,
+                                 ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
+  if (auto e = check_common(kBwd, x, bias, seed); e.failure()) return e;
+  if (auto e = check_like(kBwd, "dy", dy, "x", x); e.failure()) return e;
+  if (auto e = check_like(kBwd, "dx", *dx, "x", x); e.failure()) return e;
+  if (auto e = check_like(kBwd, "dbias", *dbias, "bias", bias); e.failure()) return e;
+  const Rows d = as_rows(x);
+  return dispatch_act_param(kBwd, x.element_type(), bias.element_type(), [&](auto tt, auto pt) {
+    using T = typename decltype(tt)::type;
+    using P = typename decltype(pt)::type;
+    const T* dys = data<T>(dy);
+    const T* xs = data<T>(x);
+    const P* bs = data<P>(bias);
+    T* dxs = data<T>(dx);
+    P* dbs = data<P>(dbias);
+    // Rows are summed in a fixed order in double, so dbias is deterministic and its
+    // rounding error does not grow with R.
+    std::vector<double> acc(static_cast<size_t>(d.cols), 0.0);
+    for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+      const float g = kept ? to_float(dys[i]) * keep_scale : 0.f;
+      const float v = g * gelu_grad(to_float(xs[i]) + to_float(bs[c]), approximate);
+      dxs[i] = from_float<T>(v);
+      acc[c] += v;
+    });
+    for (int64_t c = 0; c < d.cols; ++c) dbs[c] = from_float<P>(static_cast<float>(acc[c]));
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_fwd, jaxsub::BiasGeluDropoutFwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // x
+                                  .Arg<xla::ffi::AnyBuffer>()                 // bias
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()     // seed
+                                  .Attr<bool>("approximate")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Ret<xla::ffi::AnyBuffer>());               // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_bwd, jaxsub::BiasGeluDropoutBwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // dy
+                                  .Arg<xla::ffi::AnyBuffer>()                 // x
+                                  .Arg<xla::ffi::AnyBuffer>()                 // bias
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()     // seed
+                                  .Attr<bool>("approximate")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Ret<xla::ffi::AnyBuffer>()                 // dx
+                                  .Ret<xla::ffi::AnyBuffer>()                 // dbias
+                                  .Ret<xla::ffi::AnyBuffer>());               // workspace

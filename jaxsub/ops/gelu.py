@@ -1,4 +1,160 @@
-"""STUB"""
+"""Bias + GELU + dropout (paper: BRD in the forward pass, BDRB in the backward pass).
 
-def bias_gelu_dropout(*a, **k):
-    raise NotImplementedError
+y = dropout(gelu(x + bias)) in one pass over x: the pre-activation x + bias and the
+activation are never written to memory, and backward recomputes both from x, bias and
+the seed (the dropout mask is regenerated, not stored).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsub import _ffi
+from jaxsub.ops import dropout as _dropout
+
+_OP = "bias_gelu_dropout"
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# ABI.md: handlers support 1 <= N <= 32768; wider rows use the reference.
+_MAX_COLS = 32768
+# ABI.md: the backward workspace has C = clamp(R, 1, 256) rows of partial sums.
+_MAX_WORKSPACE_ROWS = 256
+
+
+# ---------------------------------------------------------------------------------------
+# Reference.
+
+
+def reference_bias_gelu_dropout(x, bias, *, keep, rate, approximate=False):
+    """Pure-JAX bias + GELU + dropout: fp32 compute, output in x.dtype.
+
+    `keep` is the boolean keep-mask of x's shape (None = no dropout); kept elements are
+    scaled by 1 / (1 - rate). GELU is `jax.nn.gelu(approximate=...)`: exact (erf) or tanh.
+    """
+    v = x.astype(jnp.float32) + bias.astype(jnp.float32)
+    y = jax.nn.gelu(v, approximate=approximate)
+    return _dropout.apply_reference(y, keep, rate).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# FFI calls.
+
+
+def _fwd_call(x, bias, seed, *, approximate, rate):
+    return _ffi.call(
+        "jaxsub_bias_gelu_dropout_fwd",
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        x, bias, seed,
+        approximate=approximate,
+        threshold=_dropout.threshold(rate),
+        keep_scale=_dropout.keep_scale(rate),
+    )
+
+
+def _bwd_call(dy, x, bias, seed, *, approximate, rate):
+    n = x.shape[-1]
+    rows = x.size // n
+    c = min(max(rows, 1), _MAX_WORKSPACE_ROWS)
+    dx, dbias, _ = _ffi.call(
+        "jaxsub_bias_gelu_dropout_bwd",
+        (
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct(bias.shape, bias.dtype),
+            jax.ShapeDtypeStruct((c, 1, n), jnp.float32),
+        ),
+        dy, x, bias, seed,
+        approximate=approximate,
+        threshold=_dropout.threshold(rate),
+        keep_scale=_dropout.keep_scale(rate),
+    )
+    return dx, dbias
+
+
+# ---------------------------------------------------------------------------------------
+# custom_vjp. The seed is an ordinary (integer, hence non-differentiable) primal so that it
+# may be traced (jit, grad, vmap over keys); `approximate` and `rate` are static.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused(x, bias, seed, approximate, rate):
+    return _fwd_call(x, bias, seed, approximate=approximate, rate=rate)
+
+
+def _fused_fwd(x, bias, seed, approximate, rate):
+    return _fwd_call(x, bias, seed, approximate=approximate, rate=rate), (x, bias, seed)
+
+
+def _fused_bwd(approximate, rate, res, dy):
+    x, bias, seed = res
+    dx, dbias = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate)
+    return dx, dbias, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ---------------------------------------------------------------------------------------
+# Public function.
+
+
+def _check_bool(name, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{_OP}: `{name}` must be a Python bool, got {value!r}")
+    return bool(value)
+
+
+def _check_inputs(x, bias):
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    bias = bias if isinstance(bias, jax.Array) else jnp.asarray(bias)
+    if x.ndim < 1:
+        raise ValueError(f"jaxsub.{_OP}: `x` must have rank >= 1, got shape {x.shape}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"jaxsub.{_OP}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
+    if bias.shape != (x.shape[-1],):
+        raise ValueError(
+            f"jaxsub.{_OP}: `bias` must have shape ({x.shape[-1]},) (x.shape[-1]), got {bias.shape}")
+    if bias.dtype not in (x.dtype, jnp.dtype(jnp.float32)):
+        raise TypeError(f"jaxsub.{_OP}: `bias` must have x's dtype ({x.dtype}) or float32, got {bias.dtype}")
+    return x, bias
+
+
+def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=False):
+    """dropout(gelu(x + bias)), fused into one kernel per pass.
+
+    Args:
+      x: activations [..., N], float32, bfloat16 or float16.
+      bias: [N], x's dtype or float32 (its gradient comes back in the same dtype).
+      rate: dropout probability, a static float in [0, 1).
+      key: a JAX PRNG key (any implementation, typed or raw); required when dropout is
+        active (rate > 0 and not deterministic). It may be traced (jit, grad, vmap).
+      approximate: tanh GELU when True, exact (erf) GELU otherwise, as `jax.nn.gelu`.
+      deterministic: when True (or rate == 0), no dropout and `key` is not needed.
+
+    Returns:
+      An array of x's shape and dtype. Arithmetic is fp32, rounded once.
+
+    Dropout is generated inside the kernel with Philox4x32-10 from a seed derived from
+    `key`; element i of x (row-major) is kept with probability 1 - rate and scaled by
+    1 / (1 - rate). `jaxsub.ops.dropout_mask(key, x.shape, rate)` returns exactly the
+    keep-mask used, so `reference_bias_gelu_dropout(x, bias, keep=mask, rate=rate)`
+    reproduces the result. The backward pass regenerates the mask from the seed, so no
+    mask is stored. Gradients flow to `x` and `bias`.
+    """
+    x, bias = _check_inputs(x, bias)
+    rate = _dropout.check_rate(_OP, rate)
+    approximate = _check_bool("approximate", approximate)
+    deterministic = _check_bool("deterministic", deterministic)
+    if deterministic:
+        rate = 0.0
+    seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
+
+    n = x.shape[-1]
+    if n > _MAX_COLS or x.size == 0:
+        reason = "zero-size input" if x.size == 0 else f"last dimension {n} > {_MAX_COLS}"
+        _ffi.fallback(_OP, reason)
+        keep = _dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 and x.size else None
+        return reference_bias_gelu_dropout(x, bias, keep=keep, rate=rate, approximate=approximate)
+    return _fused(x, bias, seed, approximate, rate)

@@ -1,0 +1,139 @@
+"""dropout_mask: the C++ Philox4x32-10 keep-mask against an independent NumPy Philox that
+is itself pinned to the published Random123 known-answer vectors."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsub
+from jaxsub.ops.dropout import seed_from_key, threshold
+
+_MASK32 = np.uint64(0xFFFFFFFF)
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+
+
+def philox4x32_10(ctr, key):
+    """Philox4x32-10 (Salmon et al., SC'11) on arrays: ctr uint32 [..., 4], key uint32 [2].
+    Products are formed in uint64 so mulhi/mullo are exact."""
+    ctr = np.asarray(ctr, np.uint32).astype(np.uint64)
+    c0, c1, c2, c3 = (ctr[..., i] for i in range(4))
+    k0, k1 = (np.uint64(int(k)) for k in np.asarray(key, np.uint32))
+    for _ in range(10):
+        p0, p1 = _M0 * c0, _M1 * c2
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _MASK32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _MASK32
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
+
+
+def numpy_mask(seed, shape, rate):
+    """philox.h's rule: element i uses counter (i // 4 as 64-bit lo, hi, 0, 0) and word
+    i % 4; it is kept when that word is >= threshold(rate)."""
+    n = math.prod(shape)
+    q = np.arange((n + 3) // 4, dtype=np.uint64)
+    ctr = np.stack([q & _MASK32, q >> np.uint64(32), 0 * q, 0 * q], axis=-1).astype(np.uint32)
+    words = philox4x32_10(ctr, seed).reshape(-1)[:n]
+    return (words >= threshold(rate)).reshape(shape)
+
+
+# Random123 kat_vectors, philox4x32 with 10 rounds: (counter, key, expected output).
+KNOWN_ANSWERS = [
+    ([0, 0, 0, 0], [0, 0], [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+    ([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2, [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+    ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0],
+     [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
+]
+
+
+@pytest.mark.parametrize("ctr,key,expected", KNOWN_ANSWERS, ids=["zeros", "ones", "pi"])
+def test_numpy_philox_known_answers(ctr, key, expected):
+    np.testing.assert_array_equal(philox4x32_10(np.array(ctr, np.uint32), key), np.array(expected, np.uint32))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("shape", [(7, 13), (1,), (3, 1001), (2, 3, 64)], ids=str)
+def test_mask_matches_numpy_philox(shape, rate):
+    key = jax.random.key(sum(shape) * 10 + int(rate * 10))
+    got = np.asarray(jaxsub.ops.dropout_mask(key, shape, rate))
+    assert got.shape == shape and got.dtype == np.bool_
+    want = numpy_mask(np.asarray(seed_from_key("test", key)), shape, rate)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_keep_fraction_within_binomial_bounds(rate):
+    shape = (256, 1000)
+    mask = np.asarray(jaxsub.ops.dropout_mask(jax.random.key(3), shape, rate))
+    n, p = mask.size, 1.0 - rate
+    assert abs(mask.mean() - p) < 5 * math.sqrt(p * (1 - p) / n)
+
+
+KEYS = {
+    "threefry-raw": lambda: jax.random.PRNGKey(5),
+    "threefry-typed": lambda: jax.random.key(5),
+    "rbg-typed": lambda: jax.random.key(5, impl="rbg"),
+    "unsafe_rbg-typed": lambda: jax.random.key(5, impl="unsafe_rbg"),
+    "rbg-raw": lambda: jax.random.PRNGKey(5, impl="rbg"),
+}
+
+
+@pytest.mark.parametrize("kind", KEYS)
+def test_every_key_implementation(kind):
+    key = KEYS[kind]()
+    shape, rate = (5, 37), 0.3
+    seed = np.asarray(seed_from_key("test", key))
+    assert seed.shape == (2,) and seed.dtype == np.uint32
+    mask = np.asarray(jaxsub.ops.dropout_mask(key, shape, rate))
+    np.testing.assert_array_equal(mask, numpy_mask(seed, shape, rate))
+    np.testing.assert_array_equal(mask, np.asarray(jax.jit(lambda k: jaxsub.ops.dropout_mask(k, shape, rate))(key)))
+
+
+def test_distinct_keys_give_distinct_masks():
+    k1, k2 = jax.random.split(jax.random.key(6))
+    a = np.asarray(jaxsub.ops.dropout_mask(k1, (64, 64), 0.5))
+    b = np.asarray(jaxsub.ops.dropout_mask(k1, (64, 64), 0.5))
+    c = np.asarray(jaxsub.ops.dropout_mask(k2, (64, 64), 0.5))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+
+
+def test_jit_and_vmap_over_keys():
+    keys = jax.random.split(jax.random.key(7), 4)
+    shape, rate = (9, 33), 0.2
+    masks = np.asarray(jax.jit(jax.vmap(lambda k: jaxsub.ops.dropout_mask(k, shape, rate)))(keys))
+    assert masks.shape == (4,) + shape
+    for i in range(keys.shape[0]):
+        seed = np.asarray(seed_from_key("test", keys[i]))
+        np.testing.assert_array_equal(masks[i], numpy_mask(seed, shape, rate))
+    assert (masks[0] != masks[1]).any()
+
+
+def test_rate_zero_keeps_everything():
+    mask = jaxsub.ops.dropout_mask(None, (4, 5), 0.0)
+    assert mask.shape == (4, 5) and bool(jnp.all(mask))
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, float("nan")])
+def test_bad_rate_raises(rate):
+    with pytest.raises(ValueError, match="dropout_mask.*`rate`"):
+        jaxsub.ops.dropout_mask(jax.random.key(0), (4,), rate)
+
+
+def test_missing_key_raises():
+    with pytest.raises(ValueError, match="dropout_mask.*`key`"):
+        jaxsub.ops.dropout_mask(None, (4,), 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+def test_gpu_mask_bit_identical_to_cpu():
+    shape, rate = (8, 16, 512, 512), 0.1
+    key = jax.random.key(8)
+    f = jax.jit(lambda k: jaxsub.ops.dropout_mask(k, shape, rate))
+    cpu = f(jax.device_put(key, jax.devices("cpu")[0]))
+    gpu = f(jax.device_put(key, jax.devices()[0]))
+    assert gpu.devices() == {jax.devices()[0]} and jax.devices()[0].platform == "gpu"
+    np.testing.assert_array_equal(np.asarray(gpu), np.asarray(cpu))

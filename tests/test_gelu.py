@@ -1,0 +1,276 @@
+"""bias_gelu_dropout: the fused op against its reference (mask from dropout_mask), its
+gradients, transformations, dropout semantics, validation and the fallback path."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxsub
+from jaxsub import _ffi
+from jaxsub.ops.gelu import reference_bias_gelu_dropout
+from jaxsub.testing import assert_close
+
+op = jaxsub.ops.bias_gelu_dropout
+F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+DTYPES = (F32, BF16, F16)
+COLS = (1, 3, 130, 1000, 4096)
+LEADS = ((5,), (2, 3))
+
+
+def normal(seed, shape, dtype=F32, scale=1.0):
+    """Fresh standard-normal draws (never zeros) in `dtype`."""
+    v = np.random.default_rng(seed).standard_normal(shape) * scale
+    return jnp.asarray(v.astype(np.float32), dtype)
+
+
+def inputs(seed, shape, dtype, bias_dtype, positive=False):
+    """x, bias, dy; `positive` keeps x + bias > 0, where gelu never rounds to zero, so
+    zeros in the output are exactly the dropped elements."""
+    x = normal(seed, shape, dtype, scale=2.0)
+    bias = normal(seed + 1, shape[-1:], bias_dtype)
+    if positive:
+        x, bias = jnp.abs(x) + 0.1, jnp.abs(bias)
+    dy = normal(seed + 2, shape, dtype)
+    return x, bias, dy
+
+
+def fused_vjp(x, bias, dy, *, rate, key, approximate):
+    y, vjp = jax.vjp(lambda x, b: op(x, b, rate=rate, key=key, approximate=approximate), x, bias)
+    return (y, *vjp(dy))
+
+
+def reference_vjp(x, bias, dy, *, keep, rate, approximate):
+    f = lambda x, b: reference_bias_gelu_dropout(x, b, keep=keep, rate=rate, approximate=approximate)
+    y, vjp = jax.vjp(f, x, bias)
+    return (y, *vjp(dy))
+
+
+# Jitted once each: eager vjp dispatches (and compiles) op by op, which is most of the
+# suite's time otherwise.
+fused_vjp_jit = jax.jit(fused_vjp, static_argnames=("rate", "approximate"))
+reference_vjp_jit = jax.jit(reference_vjp, static_argnames=("rate", "approximate"))
+
+
+def check_against_reference(x, bias, dy, *, rate, key, approximate):
+    keep = jaxsub.ops.dropout_mask(key, x.shape, rate) if rate > 0 else None
+    got = fused_vjp_jit(x, bias, dy, rate=rate, key=key, approximate=approximate)
+    want = reference_vjp_jit(x, bias, dy, keep=keep, rate=rate, approximate=approximate)
+    rows = math.prod(x.shape[:-1])
+    assert got[0].dtype == x.dtype and got[1].dtype == x.dtype and got[2].dtype == bias.dtype
+    assert_close(got[0], want[0], x.dtype, what="y")
+    assert_close(got[1], want[1], x.dtype, grad=True, what="dx")
+    assert_close(got[2], want[2], bias.dtype, reduction=rows, grad=True, what="dbias")
+
+
+# Every column count with every dtype; the other factors rotate with the case index so
+# that each pair of (dtype, approximate, bias dtype) values is covered without the full
+# product, which would dominate the suite's runtime with compilations.
+CASES = [
+    (cols, dtype, LEADS[(i // 4) % 2], bool(i % 2), bool((i // 2) % 2))
+    for i, (cols, dtype) in enumerate(itertools.product(COLS, DTYPES))
+]
+
+
+@pytest.mark.parametrize("cols,dtype,lead,approximate,bias_f32", CASES,
+                         ids=[f"{c}-{d.name}-{l}-{'tanh' if a else 'erf'}-{'f32' if b else 'same'}bias"
+                              for c, d, l, a, b in CASES])
+def test_fwd_and_vjp_match_reference(cols, dtype, lead, approximate, bias_f32):
+    seed = 1000 + cols * 7 + DTYPES.index(dtype)
+    x, bias, dy = inputs(seed, lead + (cols,), dtype, F32 if bias_f32 else dtype)
+    check_against_reference(x, bias, dy, rate=0.1, key=jax.random.key(seed), approximate=approximate)
+
+
+@pytest.mark.parametrize("dtype,approximate", [(F32, False), (BF16, True), (F16, False)],
+                         ids=["float32-erf", "bfloat16-tanh", "float16-erf"])
+def test_without_dropout_matches_reference(dtype, approximate):
+    x, bias, dy = inputs(7 + DTYPES.index(dtype), (2, 3, 130), dtype, dtype)
+    check_against_reference(x, bias, dy, rate=0.0, key=None, approximate=approximate)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_check_grads(rate, approximate):
+    x, bias, _ = inputs(11, (3, 5), F32, F32)
+    key = jax.random.key(12)
+    f = lambda x, b: op(x, b, rate=rate, key=key, approximate=approximate)
+    check_grads(f, (x, bias), order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-3)
+
+
+def test_vmap_over_x_matches_loop():
+    x, bias, dy = inputs(21, (3, 4, 130), BF16, F32)
+    key = jax.random.key(22)
+    f = lambda x, dy: fused_vjp(x, bias, dy, rate=0.2, key=key, approximate=False)
+    got = jax.jit(jax.vmap(f))(x, dy)
+    for i in range(x.shape[0]):
+        want = jax.jit(f)(x[i], dy[i])
+        np.testing.assert_array_equal(np.asarray(got[0][i], np.float32), np.asarray(want[0], np.float32))
+        np.testing.assert_array_equal(np.asarray(got[1][i], np.float32), np.asarray(want[1], np.float32))
+        np.testing.assert_array_equal(np.asarray(got[2][i]), np.asarray(want[2]))
+
+
+@pytest.mark.parametrize("make_keys", [
+    lambda: jax.random.split(jax.random.key(31), 3),
+    lambda: jax.random.split(jax.random.PRNGKey(31), 3),
+], ids=["typed", "raw"])
+def test_vmap_over_keys_matches_loop(make_keys):
+    x, bias, dy = inputs(32, (4, 130), F32, F32)
+    keys = make_keys()
+    f = lambda k: fused_vjp(x, bias, dy, rate=0.5, key=k, approximate=True)
+    got = jax.jit(jax.vmap(f))(keys)
+    for i in range(keys.shape[0]):
+        for g, w in zip(got, jax.jit(f)(keys[i])):
+            np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
+    assert not np.array_equal(np.asarray(got[0][0]), np.asarray(got[0][1]))
+
+
+def test_targets_in_lowered_hlo():
+    x, bias, _ = inputs(41, (4, 130), BF16, BF16)
+    key = jax.random.key(42)
+    f = lambda x, b: op(x, b, rate=0.1, key=key)
+    fwd = jax.jit(f).lower(x, bias).as_text()
+    bwd = jax.jit(jax.grad(lambda x, b: f(x, b).astype(jnp.float32).sum(), (0, 1))).lower(x, bias).as_text()
+    assert "jaxsub_bias_gelu_dropout_fwd" in fwd
+    assert "jaxsub_bias_gelu_dropout_bwd" in bwd
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_keep_fraction_and_mask(rate):
+    x, bias, _ = inputs(51, (64, 1000), F32, F32, positive=True)
+    key = jax.random.key(52)
+    y = np.asarray(op(x, bias, rate=rate, key=key))
+    kept = y != 0
+    np.testing.assert_array_equal(kept, np.asarray(jaxsub.ops.dropout_mask(key, x.shape, rate)))
+    n, p = kept.size, 1.0 - rate
+    assert abs(kept.mean() - p) < 5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_same_key_same_output_new_key_different():
+    x, bias, _ = inputs(61, (8, 130), F32, F32)
+    k1, k2 = jax.random.split(jax.random.key(62))
+    a = np.asarray(op(x, bias, rate=0.3, key=k1))
+    b = np.asarray(op(x, bias, rate=0.3, key=k1))
+    c = np.asarray(op(x, bias, rate=0.3, key=k2))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+
+
+def test_dx_exactly_zero_where_dropped():
+    x, bias, dy = inputs(71, (16, 130), BF16, F32, positive=True)
+    key = jax.random.key(72)
+    _, dx, _ = fused_vjp_jit(x, bias, dy, rate=0.4, key=key, approximate=False)
+    keep = np.asarray(jaxsub.ops.dropout_mask(key, x.shape, 0.4))
+    dx = np.asarray(dx, np.float32)
+    assert keep.any() and (~keep).any()
+    assert (dx[~keep] == 0).all()
+    assert (dx[keep] != 0).mean() > 0.99
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_deterministic_and_rate_zero_are_the_op_without_dropout(approximate):
+    x, bias, dy = inputs(81, (6, 130), F16, F32)
+    plain = fused_vjp_jit(x, bias, dy, rate=0.0, key=None, approximate=approximate)
+
+    @jax.jit
+    def det(x, bias, dy):
+        y, vjp = jax.vjp(lambda x, b: op(x, b, rate=0.3, key=None, approximate=approximate,
+                                         deterministic=True), x, bias)
+        return (y, *vjp(dy))
+
+    det = det(x, bias, dy)
+    keyed = fused_vjp_jit(x, bias, dy, rate=0.0, key=jax.random.key(82), approximate=approximate)
+    for p, d, k in zip(plain, det, keyed):
+        np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(d, np.float32))
+        np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(k, np.float32))
+    want = reference_bias_gelu_dropout(x, bias, keep=None, rate=0.0, approximate=approximate)
+    assert_close(plain[0], want, F16, what="y")
+
+
+def _bad_cases():
+    x = normal(91, (4, 8))
+    b = normal(92, (8,))
+    key = jax.random.key(93)
+    ok = dict(x=x, bias=b, rate=0.1, key=key)
+    return [
+        ("x-rank0", dict(ok, x=jnp.float32(1.0), bias=normal(0, (1,))), ValueError, "`x`"),
+        ("x-int", dict(ok, x=jnp.ones((4, 8), jnp.int32)), TypeError, "`x`"),
+        ("bias-len", dict(ok, bias=normal(0, (9,))), ValueError, "`bias`"),
+        ("bias-rank2", dict(ok, bias=normal(0, (1, 8))), ValueError, "`bias`"),
+        ("bias-dtype", dict(ok, x=x.astype(BF16), bias=b.astype(F16)), TypeError, "`bias`"),
+        ("rate-one", dict(ok, rate=1.0), ValueError, "`rate`"),
+        ("rate-negative", dict(ok, rate=-0.1), ValueError, "`rate`"),
+        ("key-missing", dict(ok, key=None), ValueError, "`key`"),
+        ("approximate-str", dict(ok, approximate="tanh"), TypeError, "`approximate`"),
+        ("deterministic-none", dict(ok, deterministic=None), TypeError, "`deterministic`"),
+    ]
+
+
+@pytest.mark.parametrize("name,kwargs,exc,arg", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_inputs_raise_naming_op_and_argument(name, kwargs, exc, arg):
+    kwargs = dict(kwargs)
+    x, bias = kwargs.pop("x"), kwargs.pop("bias")
+    with pytest.raises(exc, match="bias_gelu_dropout") as info:
+        jax.jit(lambda x, b: op(x, b, **kwargs)).lower(x, bias)
+    assert arg in str(info.value)
+
+
+def test_traced_rate_is_a_type_error():
+    x, bias, _ = inputs(95, (2, 8), F32, F32)
+    with pytest.raises(TypeError, match="bias_gelu_dropout.*`rate`"):
+        jax.jit(lambda r: op(x, bias, rate=r, key=jax.random.key(0)))(0.1)
+
+
+@pytest.fixture
+def fallback_log(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason: calls.append((op_name, reason)))
+    return calls
+
+
+def test_wide_rows_fall_back_to_reference(fallback_log):
+    x, bias, dy = inputs(101, (2, 32769), BF16, F32)
+    key = jax.random.key(102)
+    f = lambda x, b: op(x, b, rate=0.1, key=key)
+    hlo = jax.jit(f).lower(x, bias).as_text()
+    assert "jaxsub_bias_gelu_dropout" not in hlo
+    assert "jaxsub_dropout_mask" in hlo
+    assert fallback_log and fallback_log[0][0] == "bias_gelu_dropout" and "32769" in fallback_log[0][1]
+    keep = jaxsub.ops.dropout_mask(key, x.shape, 0.1)
+    got = fused_vjp_jit(x, bias, dy, rate=0.1, key=key, approximate=False)
+    want = reference_vjp_jit(x, bias, dy, keep=keep, rate=0.1, approximate=False)
+    assert_close(got[0], want[0], BF16, what="y")
+    assert_close(got[1], want[1], BF16, grad=True, what="dx")
+    assert_close(got[2], want[2], F32, reduction=2, grad=True, what="dbias")
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (3, 0)])
+def test_zero_size_falls_back(shape, fallback_log):
+    x, bias, dy = inputs(111, shape, F32, F32)
+    y, dx, dbias = fused_vjp_jit(x, bias, dy, rate=0.1, key=jax.random.key(112), approximate=False)
+    assert y.shape == shape and dx.shape == shape and dbias.shape == shape[-1:]
+    assert not np.asarray(dbias).any()
+    assert fallback_log and "zero-size" in fallback_log[0][1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+class TestCuda:
+    @pytest.mark.parametrize("approximate", [False, True])
+    @pytest.mark.parametrize("dtype,bias_dtype", [(BF16, BF16), (F16, F32)])
+    def test_cuda_matches_cpu(self, dtype, bias_dtype, approximate):
+        shape = (8 * 512, 4096)
+        x, bias, dy = inputs(121, shape, dtype, bias_dtype)
+        key = jax.random.key(122)
+        run = jax.jit(lambda x, b, dy, k: fused_vjp(x, b, dy, rate=0.1, key=k, approximate=approximate))
+        cpu = jax.device_put((x, bias, dy, key), jax.devices("cpu")[0])
+        gpu = jax.device_put((x, bias, dy, key), jax.devices()[0])
+        want = run(*cpu)
+        got = run(*gpu)
+        assert all(g.devices() == {jax.devices()[0]} for g in got)
+        assert_close(got[0], want[0], dtype, what="y")
+        assert_close(got[1], want[1], dtype, grad=True, what="dx")
+        assert_close(got[2], want[2], bias_dtype, reduction=shape[0], grad=True, what="dbias")
