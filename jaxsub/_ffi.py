@@ -9,6 +9,9 @@ import jax
 
 log = logging.getLogger("jaxsub")
 
+# Longest row (last dimension) the row kernels take (ABI.md); wider rows use the reference.
+MAX_COLS = 16384
+
 try:
     from jaxsub import _C
 except ImportError as e:  # pragma: no cover - only without a build

@@ -18,8 +18,6 @@ from jaxsub.ops import dropout as _dropout
 
 _OP = "bias_gelu_dropout"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# ABI.md: handlers support 1 <= N <= 32768; wider rows use the reference.
-_MAX_COLS = 32768
 # ABI.md: the backward workspace has C = clamp(R, 1, 256) rows of partial sums.
 _MAX_WORKSPACE_ROWS = 256
 
@@ -152,8 +150,8 @@ def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=Fa
     seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
 
     n = x.shape[-1]
-    if n > _MAX_COLS or x.size == 0:
-        reason = "zero-size input" if x.size == 0 else f"last dimension {n} > {_MAX_COLS}"
+    if n > _ffi.MAX_COLS or x.size == 0:
+        reason = "zero-size input" if x.size == 0 else f"last dimension {n} > {_ffi.MAX_COLS}"
         _ffi.fallback(_OP, reason)
         keep = _dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 and x.size else None
         return reference_bias_gelu_dropout(x, bias, keep=keep, rate=rate, approximate=approximate)
