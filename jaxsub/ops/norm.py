@@ -1,8 +1,267 @@
-"""STUB"""
+"""Layer norm and bias-dropout-residual-layer-norm (BDRLN), fused.
 
-def layer_norm(*a, **k):
-    raise NotImplementedError
+Both normalize over the last axis: a tensor [..., N] is treated as R rows of N. The fused
+kernels read each input once and write each output once; forward saves only the per-row
+statistics (mean and rstd, f32) for backward.
+
+Dropout in BDRLN is generated inside the kernel (Philox4x32-10 keyed by a seed derived
+from the user's key, decision per row-major element index): nothing is stored, backward
+regenerates the same mask, and `jaxsub.ops.dropout_mask(key, x.shape, rate)` returns it,
+so any result can be reproduced with the pure-JAX references below.
+
+Layout of this module: references, ffi_call wrappers, custom_vjp rules, public functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsub import _ffi
+from jaxsub.ops import dropout
+
+_F32 = jnp.dtype(jnp.float32)
+_ACTIVATION_DTYPES = (_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The kernels' contract (cuda/ABI.md): rows of at most this many columns.
+MAX_COLUMNS = 32768
+# Rows of the GPU's parameter-gradient workspace (cuda/ABI.md).
+_WORKSPACE_ROWS = 256
 
 
-def bias_dropout_residual_layer_norm(*a, **k):
-    raise NotImplementedError
+# ---------------------------------------------------------------------------------------
+# References: fp32 compute, output in x.dtype. The test oracle and the fallback.
+
+
+def _normalize(h, scale, bias, eps):
+    """Layer norm of an f32 array over its last axis; a None parameter is the identity."""
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+    y = (h - mean) * jax.lax.rsqrt(var + eps)
+    if scale is not None:
+        y = y * scale.astype(_F32)
+    if bias is not None:
+        y = y + bias.astype(_F32)
+    return y
+
+
+def reference_layer_norm(x, scale, bias, *, eps=1e-5):
+    """y = (x - mean) / sqrt(var + eps) * scale + bias over the last axis."""
+    return _normalize(x.astype(_F32), scale, bias, eps).astype(x.dtype)
+
+
+def reference_bdrln(x, bias, residual, scale, ln_bias, *, keep, rate, eps=1e-5):
+    """y = layer_norm(residual + dropout(x + bias)); `keep` is the boolean keep-mask of
+    x's shape (None: no dropout), kept values are scaled by 1 / (1 - rate)."""
+    v = x.astype(_F32)
+    if bias is not None:
+        v = v + bias.astype(_F32)
+    h = residual.astype(_F32) + dropout.apply_reference(v, keep, rate)
+    return _normalize(h, scale, ln_bias, eps).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# ffi_call wrappers, argument for argument as cuda/ABI.md lists them.
+
+
+def _like(a):
+    return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def _row_stats(x):
+    """mean and rstd: f32[R], shaped like x without its last axis."""
+    s = jax.ShapeDtypeStruct(x.shape[:-1], _F32)
+    return s, s
+
+
+def _workspace(x, k):
+    rows = math.prod(x.shape[:-1])
+    return jax.ShapeDtypeStruct((min(max(rows, 1), _WORKSPACE_ROWS), k, x.shape[-1]), _F32)
+
+
+def _dropout_attrs(rate):
+    return dict(threshold=dropout.threshold(rate), keep_scale=dropout.keep_scale(rate))
+
+
+def _layer_norm_fwd_call(x, scale, bias, eps):
+    return _ffi.call("jaxsub_layer_norm_fwd", (_like(x), *_row_stats(x)), x, scale, bias,
+                     eps=np.float32(eps))
+
+
+def _layer_norm_bwd_call(dy, x, scale, mean, rstd):
+    dx, dscale, dbias, _ = _ffi.call(
+        "jaxsub_layer_norm_bwd", (_like(x), _like(scale), _like(scale), _workspace(x, 2)),
+        dy, x, scale, mean, rstd)
+    return dx, dscale, dbias
+
+
+def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate):
+    return _ffi.call("jaxsub_bdrln_fwd", (_like(x), *_row_stats(x)), x, bias, residual, scale,
+                     ln_bias, seed, eps=np.float32(eps), **_dropout_attrs(rate))
+
+
+def _bdrln_bwd_call(dy, x, bias, residual, scale, mean, rstd, seed, rate):
+    *grads, _ = _ffi.call(
+        "jaxsub_bdrln_bwd",
+        (_like(x), _like(bias), _like(x), _like(scale), _like(scale), _workspace(x, 3)),
+        dy, x, bias, residual, scale, mean, rstd, seed, **_dropout_attrs(rate))
+    return grads
+
+
+# ---------------------------------------------------------------------------------------
+# custom_vjp rules. eps and rate are static; the seed is an integer primal whose cotangent
+# is None, so it may be traced (a key under jit, vmap or grad).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm(x, scale, bias, eps):
+    return _layer_norm_fwd_call(x, scale, bias, eps)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, eps):
+    y, mean, rstd = _layer_norm_fwd_call(x, scale, bias, eps)
+    return y, (x, scale, mean, rstd)
+
+
+def _layer_norm_bwd(eps, residuals, dy):
+    del eps
+    return _layer_norm_bwd_call(dy, *residuals)
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate):
+    return _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate)[0]
+
+
+def _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate):
+    y, mean, rstd = _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate)
+    return y, (x, bias, residual, scale, mean, rstd, seed)
+
+
+def _bdrln_bwd(eps, rate, residuals, dy):
+    del eps
+    dx, dbias, dresidual, dscale, dln_bias = _bdrln_bwd_call(dy, *residuals, rate)
+    return dx, dbias, dresidual, dscale, dln_bias, None
+
+
+_bdrln.defvjp(_bdrln_fwd, _bdrln_bwd)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation (trace time) and the fallback decision.
+
+
+def _check_activation(op, name, a):
+    a = jnp.asarray(a)
+    if a.dtype not in _ACTIVATION_DTYPES:
+        raise TypeError(f"jaxsub.{op}: `{name}` must be float32, bfloat16 or float16, got {a.dtype}")
+    if a.ndim < 1:
+        raise ValueError(f"jaxsub.{op}: `{name}` must have at least one dimension (the normalized "
+                         f"last axis), got shape {a.shape}")
+    return a
+
+
+def _check_eps(op, eps):
+    try:
+        eps = float(eps)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"jaxsub.{op}: `eps` must be a static Python float, got {eps!r}") from e
+    if not (eps > 0.0 and math.isfinite(eps)):
+        raise ValueError(f"jaxsub.{op}: `eps` must be positive and finite, got {eps}")
+    return eps
+
+
+def _check_params(op, x, params):
+    """`params` is a list of (name, array or None, fill). Each array must be [N] in x's dtype
+    or float32. The kernels take one parameter dtype, so all are brought to float32 if any
+    is float32 (autodiff casts their gradients back); None becomes the constant `fill`."""
+    n = x.shape[-1]
+    given = []
+    for name, p, _ in params:
+        if p is None:
+            continue
+        p = jnp.asarray(p)
+        if p.dtype not in (x.dtype, _F32):
+            raise TypeError(f"jaxsub.{op}: `{name}` must be float32 or have the dtype of x "
+                            f"({x.dtype}), got {p.dtype}")
+        if p.shape != (n,):
+            raise ValueError(f"jaxsub.{op}: `{name}` must have shape ({n},) (the last axis of x), "
+                             f"got {p.shape}")
+        given.append(p)
+    pdtype = _F32 if any(p.dtype == _F32 for p in given) else x.dtype
+    return [jnp.full((n,), fill, pdtype) if p is None else jnp.asarray(p).astype(pdtype)
+            for _, p, fill in params]
+
+
+def _fallback_reason(x):
+    if x.size == 0:
+        return "zero-size input"
+    if x.shape[-1] > MAX_COLUMNS:
+        return f"last dimension {x.shape[-1]} > {MAX_COLUMNS}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Public functions.
+
+
+def layer_norm(x, scale, bias, *, eps=1e-5):
+    """Layer norm over the last axis, fused.
+
+    y = (x - mean) / sqrt(var + eps) * scale + bias, with mean and (biased) variance over
+    the last axis computed in f32. x: [..., N] float32/bfloat16/float16; scale, bias: [N]
+    in x's dtype or float32, or None (ones / zeros, no gradient). y has x's dtype;
+    gradients come back in the inputs' dtypes.
+    """
+    op = "layer_norm"
+    x = _check_activation(op, "x", x)
+    eps = _check_eps(op, eps)
+    scale, bias = _check_params(op, x, [("scale", scale, 1.0), ("bias", bias, 0.0)])
+    reason = _fallback_reason(x)
+    if reason is not None:
+        _ffi.fallback(op, reason)
+        return reference_layer_norm(x, scale, bias, eps=eps)
+    return _layer_norm(x, scale, bias, eps)
+
+
+def bias_dropout_residual_layer_norm(x, bias, residual, scale, ln_bias, *, rate, key, eps=1e-5,
+                                     deterministic=False):
+    """y = layer_norm(residual + dropout(x + bias), scale, ln_bias), fused (paper: BDRLN).
+
+    The epilogue of a post-LN transformer sublayer. x, residual: [..., N], same shape and
+    dtype (float32/bfloat16/float16); bias, scale, ln_bias: [N] in x's dtype or float32, or
+    None (zeros / ones / zeros, no gradient).
+
+    Dropout drops each element of x + bias with probability `rate` and scales kept ones by
+    1 / (1 - rate). The mask is generated in the kernel from `key` and is exactly
+    `jaxsub.ops.dropout_mask(key, x.shape, rate)`; backward regenerates it. With rate 0 or
+    deterministic=True there is no dropout and `key` may be None.
+    """
+    op = "bias_dropout_residual_layer_norm"
+    x = _check_activation(op, "x", x)
+    residual = jnp.asarray(residual)
+    if residual.dtype != x.dtype:
+        raise TypeError(f"jaxsub.{op}: `residual` must have the dtype of x ({x.dtype}), got {residual.dtype}")
+    if residual.shape != x.shape:
+        raise ValueError(f"jaxsub.{op}: `residual` must have the shape of x {x.shape}, got {residual.shape}")
+    eps = _check_eps(op, eps)
+    rate = dropout.check_rate(op, rate)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{op}: `deterministic` must be a Python bool, got {deterministic!r}")
+    if deterministic:
+        rate = 0.0
+    bias, scale, ln_bias = _check_params(
+        op, x, [("bias", bias, 0.0), ("scale", scale, 1.0), ("ln_bias", ln_bias, 0.0)])
+    seed = dropout.seed_from_key(op, key) if rate > 0.0 else jnp.asarray(dropout.NO_SEED)
+    reason = _fallback_reason(x)
+    if reason is not None:
+        _ffi.fallback(op, reason)
+        keep = dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 else None
+        return reference_bdrln(x, bias, residual, scale, ln_bias, keep=keep, rate=rate, eps=eps)
+    return _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate)
