@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 
 import jaxsub
 from jaxsub import _ffi, ops
-from jaxsub.ops.norm import MAX_COLUMNS, reference_bdrln, reference_layer_norm
+from jaxsub.ops.norm import reference_bdrln, reference_layer_norm
 from jaxsub.testing import assert_close
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -301,7 +301,7 @@ def test_handler_rejects_mixed_parameter_dtypes():
 
 @pytest.mark.parametrize("op", [LN, BDRLN])
 def test_wide_rows_fall_back_to_the_reference(op):
-    inp = _inputs(_key("fallback", op), (2, MAX_COLUMNS + 1), jnp.bfloat16, jnp.float32)
+    inp = _inputs(_key("fallback", op), (2, _ffi.MAX_COLS + 1), jnp.bfloat16, jnp.float32)
     fused, _, args, _ = _fused_and_reference(op, inp)
     assert "jaxsub_" + ("layer_norm" if op == LN else "bdrln") not in _hlo(fused, *args)
     _assert_matches(op, inp)

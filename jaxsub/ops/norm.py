@@ -26,8 +26,6 @@ from jaxsub.ops import dropout
 
 _F32 = jnp.dtype(jnp.float32)
 _ACTIVATION_DTYPES = (_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# The kernels' contract (cuda/ABI.md): rows of at most this many columns.
-MAX_COLUMNS = 32768
 # Rows of the GPU's parameter-gradient workspace (cuda/ABI.md).
 _WORKSPACE_ROWS = 256
 
@@ -202,8 +200,8 @@ def _check_params(op, x, params):
 def _fallback_reason(x):
     if x.size == 0:
         return "zero-size input"
-    if x.shape[-1] > MAX_COLUMNS:
-        return f"last dimension {x.shape[-1]} > {MAX_COLUMNS}"
+    if x.shape[-1] > _ffi.MAX_COLS:
+        return f"last dimension {x.shape[-1]} > {_ffi.MAX_COLS}"
     return None
 
 
