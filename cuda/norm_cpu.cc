@@ -75,7 +75,7 @@ Stats row_stats(const float* h, int64_t n, float eps) {
   const float mean = static_cast<float>(sum / n);
   double sq = 0.0;
   for (int64_t c = 0; c < n; ++c) {
-    const double d = h[c] - mean;
+    const double d = static_cast<double>(h[c]) - mean;
     sq += d * d;
   }
   return {mean, 1.0f / std::sqrt(static_cast<float>(sq / n) + eps)};
