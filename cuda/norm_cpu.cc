@@ -34,13 +34,28 @@ ffi::Error check(const char* op, std::initializer_list<Expect> args) {
   return ffi::Error::Success();
 }
 
-// Parameters (P) come either in the activation dtype T or in f32: a second, two-way dispatch
-// after dispatch_float picked T.
-template <typename T, typename F>
-ffi::Error dispatch_param(const char* op, ffi::DataType x_dtype, ffi::DataType p_dtype, F&& f) {
-  if (p_dtype == x_dtype) return f(TypeTag<T>{});
-  if (p_dtype == ffi::DataType::F32) return f(TypeTag<float>{});
-  return invalid(op, "parameters must be float32 or have the dtype of x");
+// The dims and dtypes a handler checks its other arguments against: x is T[R, N] and the
+// parameters are P[N], P taken from `scale`.
+struct NormShape {
+  ffi::DataType t, p;
+  size_t rows, cols, count;
+};
+
+NormShape norm_shape(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale) {
+  const Rows d = as_rows(x);
+  return {x.element_type(), scale.element_type(), static_cast<size_t>(d.rows), static_cast<size_t>(d.cols),
+          x.element_count()};
+}
+
+// f(TypeTag<T>, TypeTag<P>) for the activation dtype T (dispatch_float) and the parameter
+// dtype P, which is either T or f32.
+template <typename F>
+ffi::Error dispatch_norm(const char* op, const NormShape& s, F&& f) {
+  return dispatch_float<HostTypes>(s.t, op, [&](auto t) -> ffi::Error {
+    if (s.p == s.t) return f(t, t);
+    if (s.p == ffi::DataType::F32) return f(t, TypeTag<float>{});
+    return invalid(op, "parameters must be float32 or have the dtype of x");
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -60,7 +75,7 @@ Stats row_stats(const float* h, int64_t n, float eps) {
   const float mean = static_cast<float>(sum / n);
   double sq = 0.0;
   for (int64_t c = 0; c < n; ++c) {
-    const double d = h[c] - mean;
+    const double d = static_cast<double>(h[c]) - mean;
     sq += d * d;
   }
   return {mean, 1.0f / std::sqrt(static_cast<float>(sq / n) + eps)};
@@ -113,6 +128,17 @@ void layer_norm_bwd_rows(int64_t rows, int64_t n, LoadRow load_row, const T* dy,
   }
 }
 
+// The layer-norm row h = x. x: T[R, N].
+template <typename T>
+struct PlainRow {
+  const T* x;
+  int64_t n;
+
+  void operator()(int64_t r, float* h) const {
+    for (int64_t c = 0; c < n; ++c) h[c] = to_float(x[r * n + c]);
+  }
+};
+
 // The BDRLN row h = residual + dropout(x + bias), in f32 without intermediate rounding.
 // x, residual: T[R, N]; bias: P[N]; seed: u32[2].
 template <typename T, typename P>
@@ -143,26 +169,20 @@ ffi::Error LayerNormFwdCpu(float eps, ffi::AnyBuffer x, ffi::AnyBuffer scale, ff
                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
                            ffi::Result<ffi::AnyBuffer> rstd) {
   constexpr const char* op = "layer_norm_fwd";
-  const Rows d = as_rows(x);
-  const ffi::DataType t = x.element_type(), p = scale.element_type(), f32 = ffi::DataType::F32;
-  const size_t rn = x.element_count(), r = d.rows, n = d.cols;
-  if (auto e = check(op, {{"bias", bias, p, n}, {"y", *y, t, rn}, {"mean", *mean, f32, r}, {"rstd", *rstd, f32, r},
-                          {"scale", scale, p, n}});
+  const NormShape s = norm_shape(x, scale);
+  const ffi::DataType f32 = ffi::DataType::F32;
+  if (auto e = check(op, {{"scale", scale, s.p, s.cols}, {"bias", bias, s.p, s.cols}, {"y", *y, s.t, s.count},
+                          {"mean", *mean, f32, s.rows}, {"rstd", *rstd, f32, s.rows}});
       e.failure()) {
     return e;
   }
-  return dispatch_float<HostTypes>(t, op, [&](auto tt) {
+  return dispatch_norm(op, s, [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
-    return dispatch_param<T>(op, t, p, [&](auto pt) {
-      using P = typename decltype(pt)::type;
-      const T* xs = data<T>(x);
-      auto load = [&](int64_t row, float* h) {
-        for (int64_t c = 0; c < d.cols; ++c) h[c] = to_float(xs[row * d.cols + c]);
-      };
-      layer_norm_fwd_rows<T, P>(d.rows, d.cols, eps, load, data<P>(scale), data<P>(bias), data<T>(y),
-                                data<float>(mean), data<float>(rstd));
-      return ffi::Error::Success();
-    });
+    using P = typename decltype(pt)::type;
+    const PlainRow<T> load{data<T>(x), static_cast<int64_t>(s.cols)};
+    layer_norm_fwd_rows<T, P>(s.rows, s.cols, eps, load, data<P>(scale), data<P>(bias), data<T>(y),
+                              data<float>(mean), data<float>(rstd));
+    return ffi::Error::Success();
   });
 }
 
@@ -172,30 +192,25 @@ ffi::Error LayerNormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer s
                            ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   constexpr const char* op = "layer_norm_bwd";
-  const Rows d = as_rows(x);
-  const ffi::DataType t = x.element_type(), p = scale.element_type(), f32 = ffi::DataType::F32;
-  const size_t rn = x.element_count(), r = d.rows, n = d.cols;
-  if (auto e = check(op, {{"dy", dy, t, rn}, {"scale", scale, p, n}, {"mean", mean, f32, r}, {"rstd", rstd, f32, r},
-                          {"dx", *dx, t, rn}, {"dscale", *dscale, p, n}, {"dbias", *dbias, p, n}});
+  const NormShape s = norm_shape(x, scale);
+  const ffi::DataType f32 = ffi::DataType::F32;
+  if (auto e = check(op, {{"dy", dy, s.t, s.count}, {"scale", scale, s.p, s.cols}, {"mean", mean, f32, s.rows},
+                          {"rstd", rstd, f32, s.rows}, {"dx", *dx, s.t, s.count}, {"dscale", *dscale, s.p, s.cols},
+                          {"dbias", *dbias, s.p, s.cols}});
       e.failure()) {
     return e;
   }
-  return dispatch_float<HostTypes>(t, op, [&](auto tt) {
+  return dispatch_norm(op, s, [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
-    return dispatch_param<T>(op, t, p, [&](auto pt) {
-      using P = typename decltype(pt)::type;
-      const T* xs = data<T>(x);
-      T* dxs = data<T>(dx);
-      auto load = [&](int64_t row, float* h) {
-        for (int64_t c = 0; c < d.cols; ++c) h[c] = to_float(xs[row * d.cols + c]);
-      };
-      auto store = [&](int64_t row, const float* dh) {
-        for (int64_t c = 0; c < d.cols; ++c) dxs[row * d.cols + c] = from_float<T>(dh[c]);
-      };
-      layer_norm_bwd_rows<T, P>(d.rows, d.cols, load, data<T>(dy), data<P>(scale), data<float>(mean),
-                                data<float>(rstd), store, data<P>(dscale), data<P>(dbias));
-      return ffi::Error::Success();
-    });
+    using P = typename decltype(pt)::type;
+    const PlainRow<T> load{data<T>(x), static_cast<int64_t>(s.cols)};
+    T* dxs = data<T>(dx);
+    auto store = [&](int64_t row, const float* dh) {
+      for (size_t c = 0; c < s.cols; ++c) dxs[row * s.cols + c] = from_float<T>(dh[c]);
+    };
+    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), data<P>(scale), data<float>(mean),
+                              data<float>(rstd), store, data<P>(dscale), data<P>(dbias));
+    return ffi::Error::Success();
   });
 }
 
@@ -206,25 +221,23 @@ ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, ffi::Any
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
                        ffi::Result<ffi::AnyBuffer> rstd) {
   constexpr const char* op = "bdrln_fwd";
-  const Rows d = as_rows(x);
-  const ffi::DataType t = x.element_type(), p = scale.element_type(), f32 = ffi::DataType::F32;
-  const size_t rn = x.element_count(), r = d.rows, n = d.cols;
-  if (auto e = check(op, {{"bias", bias, p, n}, {"residual", residual, t, rn}, {"ln_bias", ln_bias, p, n},
-                          {"seed", seed, ffi::DataType::U32, 2}, {"y", *y, t, rn}, {"mean", *mean, f32, r},
-                          {"rstd", *rstd, f32, r}});
+  const NormShape s = norm_shape(x, scale);
+  const ffi::DataType f32 = ffi::DataType::F32;
+  if (auto e = check(op, {{"bias", bias, s.p, s.cols}, {"residual", residual, s.t, s.count},
+                          {"scale", scale, s.p, s.cols}, {"ln_bias", ln_bias, s.p, s.cols},
+                          {"seed", seed, ffi::DataType::U32, 2}, {"y", *y, s.t, s.count},
+                          {"mean", *mean, f32, s.rows}, {"rstd", *rstd, f32, s.rows}});
       e.failure()) {
     return e;
   }
-  return dispatch_float<HostTypes>(t, op, [&](auto tt) {
+  return dispatch_norm(op, s, [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
-    return dispatch_param<T>(op, t, p, [&](auto pt) {
-      using P = typename decltype(pt)::type;
-      const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), data<uint32_t>(seed),
-                                threshold,  keep_scale,    d.cols};
-      layer_norm_fwd_rows<T, P>(d.rows, d.cols, eps, load, data<P>(scale), data<P>(ln_bias), data<T>(y),
-                                data<float>(mean), data<float>(rstd));
-      return ffi::Error::Success();
-    });
+    using P = typename decltype(pt)::type;
+    const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), data<uint32_t>(seed),
+                              threshold,  keep_scale,    static_cast<int64_t>(s.cols)};
+    layer_norm_fwd_rows<T, P>(s.rows, s.cols, eps, load, data<P>(scale), data<P>(ln_bias), data<T>(y),
+                              data<float>(mean), data<float>(rstd));
+    return ffi::Error::Success();
   });
 }
 
@@ -237,100 +250,101 @@ ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, ffi::AnyBuffer dy, 
                        ffi::Result<ffi::AnyBuffer> dresidual, ffi::Result<ffi::AnyBuffer> dscale,
                        ffi::Result<ffi::AnyBuffer> dln_bias, ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   constexpr const char* op = "bdrln_bwd";
-  const Rows d = as_rows(x);
-  const ffi::DataType t = x.element_type(), p = scale.element_type(), f32 = ffi::DataType::F32;
-  const size_t rn = x.element_count(), r = d.rows, n = d.cols;
-  if (auto e = check(op, {{"dy", dy, t, rn}, {"bias", bias, p, n}, {"residual", residual, t, rn},
-                          {"mean", mean, f32, r}, {"rstd", rstd, f32, r}, {"seed", seed, ffi::DataType::U32, 2},
-                          {"dx", *dx, t, rn}, {"dbias", *dbias, p, n}, {"dresidual", *dresidual, t, rn},
-                          {"dscale", *dscale, p, n}, {"dln_bias", *dln_bias, p, n}});
+  const NormShape s = norm_shape(x, scale);
+  const ffi::DataType f32 = ffi::DataType::F32;
+  if (auto e = check(op, {{"dy", dy, s.t, s.count}, {"bias", bias, s.p, s.cols}, {"residual", residual, s.t, s.count},
+                          {"scale", scale, s.p, s.cols}, {"mean", mean, f32, s.rows}, {"rstd", rstd, f32, s.rows},
+                          {"seed", seed, ffi::DataType::U32, 2}, {"dx", *dx, s.t, s.count},
+                          {"dbias", *dbias, s.p, s.cols}, {"dresidual", *dresidual, s.t, s.count},
+                          {"dscale", *dscale, s.p, s.cols}, {"dln_bias", *dln_bias, s.p, s.cols}});
       e.failure()) {
     return e;
   }
-  return dispatch_float<HostTypes>(t, op, [&](auto tt) {
+  return dispatch_norm(op, s, [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
-    return dispatch_param<T>(op, t, p, [&](auto pt) {
-      using P = typename decltype(pt)::type;
-      const uint32_t* s = data<uint32_t>(seed);
-      const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), s, threshold, keep_scale, d.cols};
-      T* dxs = data<T>(dx);
-      T* dres = data<T>(dresidual);
-      std::vector<double> dbias_acc(d.cols, 0.0);
-      auto store = [&](int64_t row, const float* dh) {
-        for (int64_t c = 0; c < d.cols; ++c) {
-          const int64_t i = row * d.cols + c;
-          const float g = dropout_keep(s, static_cast<uint64_t>(i), threshold) ? dh[c] * keep_scale : 0.0f;
-          dres[i] = from_float<T>(dh[c]);
-          dxs[i] = from_float<T>(g);
-          dbias_acc[c] += g;
-        }
-      };
-      layer_norm_bwd_rows<T, P>(d.rows, d.cols, load, data<T>(dy), data<P>(scale), data<float>(mean),
-                                data<float>(rstd), store, data<P>(dscale), data<P>(dln_bias));
-      P* db = data<P>(dbias);
-      for (int64_t c = 0; c < d.cols; ++c) db[c] = from_float<P>(static_cast<float>(dbias_acc[c]));
-      return ffi::Error::Success();
-    });
+    using P = typename decltype(pt)::type;
+    const uint32_t* key = data<uint32_t>(seed);
+    const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), key, threshold, keep_scale,
+                              static_cast<int64_t>(s.cols)};
+    T* dxs = data<T>(dx);
+    T* dres = data<T>(dresidual);
+    std::vector<double> dbias_acc(s.cols, 0.0);
+    // dx = dropout(dh) with the forward's mask; dbias sums dx before it is rounded.
+    auto store = [&](int64_t row, const float* dh) {
+      for (size_t c = 0; c < s.cols; ++c) {
+        const uint64_t i = row * s.cols + c;
+        const float g = dropout_keep(key, i, threshold) ? dh[c] * keep_scale : 0.0f;
+        dres[i] = from_float<T>(dh[c]);
+        dxs[i] = from_float<T>(g);
+        dbias_acc[c] += g;
+      }
+    };
+    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), data<P>(scale), data<float>(mean),
+                              data<float>(rstd), store, data<P>(dscale), data<P>(dln_bias));
+    P* db = data<P>(dbias);
+    for (size_t c = 0; c < s.cols; ++c) db[c] = from_float<P>(static_cast<float>(dbias_acc[c]));
+    return ffi::Error::Success();
   });
 }
 
 }  // namespace
 }  // namespace jaxsub
 
-namespace ffi = xla::ffi;
+// Bindings: attributes by name, then buffers in the order of the handler signatures. (An FFI
+// Binding can only be built in one expression, hence the explicit chains.)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_layer_norm_fwd, jaxsub::LayerNormFwdCpu,
-                              ffi::Ffi::Bind()
+                              xla::ffi::Ffi::Bind()
                                   .Attr<float>("eps")
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<ffi::AnyBuffer>()   // scale
-                                  .Arg<ffi::AnyBuffer>()   // bias
-                                  .Ret<ffi::AnyBuffer>()   // y
-                                  .Ret<ffi::AnyBuffer>()   // mean
-                                  .Ret<ffi::AnyBuffer>());  // rstd
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // bias
+                                  .Ret<xla::ffi::AnyBuffer>()   // y
+                                  .Ret<xla::ffi::AnyBuffer>()   // mean
+                                  .Ret<xla::ffi::AnyBuffer>());  // rstd
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_layer_norm_bwd, jaxsub::LayerNormBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()   // dy
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<ffi::AnyBuffer>()   // scale
-                                  .Arg<ffi::AnyBuffer>()   // mean
-                                  .Arg<ffi::AnyBuffer>()   // rstd
-                                  .Ret<ffi::AnyBuffer>()   // dx
-                                  .Ret<ffi::AnyBuffer>()   // dscale
-                                  .Ret<ffi::AnyBuffer>()   // dbias
-                                  .Ret<ffi::AnyBuffer>());  // workspace
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // dy
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // mean
+                                  .Arg<xla::ffi::AnyBuffer>()   // rstd
+                                  .Ret<xla::ffi::AnyBuffer>()   // dx
+                                  .Ret<xla::ffi::AnyBuffer>()   // dscale
+                                  .Ret<xla::ffi::AnyBuffer>()   // dbias
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bdrln_fwd, jaxsub::BdrlnFwdCpu,
-                              ffi::Ffi::Bind()
+                              xla::ffi::Ffi::Bind()
                                   .Attr<float>("eps")
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<ffi::AnyBuffer>()   // bias
-                                  .Arg<ffi::AnyBuffer>()   // residual
-                                  .Arg<ffi::AnyBuffer>()   // scale
-                                  .Arg<ffi::AnyBuffer>()   // ln_bias
-                                  .Arg<ffi::AnyBuffer>()   // seed
-                                  .Ret<ffi::AnyBuffer>()   // y
-                                  .Ret<ffi::AnyBuffer>()   // mean
-                                  .Ret<ffi::AnyBuffer>());  // rstd
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // bias
+                                  .Arg<xla::ffi::AnyBuffer>()   // residual
+                                  .Arg<xla::ffi::AnyBuffer>()   // scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // ln_bias
+                                  .Arg<xla::ffi::AnyBuffer>()   // seed
+                                  .Ret<xla::ffi::AnyBuffer>()   // y
+                                  .Ret<xla::ffi::AnyBuffer>()   // mean
+                                  .Ret<xla::ffi::AnyBuffer>());  // rstd
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bdrln_bwd, jaxsub::BdrlnBwdCpu,
-                              ffi::Ffi::Bind()
+                              xla::ffi::Ffi::Bind()
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
-                                  .Arg<ffi::AnyBuffer>()   // dy
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<ffi::AnyBuffer>()   // bias
-                                  .Arg<ffi::AnyBuffer>()   // residual
-                                  .Arg<ffi::AnyBuffer>()   // scale
-                                  .Arg<ffi::AnyBuffer>()   // mean
-                                  .Arg<ffi::AnyBuffer>()   // rstd
-                                  .Arg<ffi::AnyBuffer>()   // seed
-                                  .Ret<ffi::AnyBuffer>()   // dx
-                                  .Ret<ffi::AnyBuffer>()   // dbias
-                                  .Ret<ffi::AnyBuffer>()   // dresidual
-                                  .Ret<ffi::AnyBuffer>()   // dscale
-                                  .Ret<ffi::AnyBuffer>()   // dln_bias
-                                  .Ret<ffi::AnyBuffer>());  // workspace
+                                  .Arg<xla::ffi::AnyBuffer>()   // dy
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // bias
+                                  .Arg<xla::ffi::AnyBuffer>()   // residual
+                                  .Arg<xla::ffi::AnyBuffer>()   // scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // mean
+                                  .Arg<xla::ffi::AnyBuffer>()   // rstd
+                                  .Arg<xla::ffi::AnyBuffer>()   // seed
+                                  .Ret<xla::ffi::AnyBuffer>()   // dx
+                                  .Ret<xla::ffi::AnyBuffer>()   // dbias
+                                  .Ret<xla::ffi::AnyBuffer>()   // dresidual
+                                  .Ret<xla::ffi::AnyBuffer>()   // dscale
+                                  .Ret<xla::ffi::AnyBuffer>()   // dln_bias
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace
