@@ -5,16 +5,16 @@
 namespace jaxsub {
 namespace {
 
-// One thread per group of four elements (one Philox call).
+// One thread per group of eight elements (one Philox call).
 __global__ void dropout_mask_kernel(const uint32_t* __restrict__ seed, uint32_t threshold, bool* __restrict__ out,
                                     uint64_t n) {
   const uint32_t s[2] = {seed[0], seed[1]};
-  for (uint64_t q = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; q * 4 < n;
+  for (uint64_t q = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; q * 8 < n;
        q += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     U32x4 w = dropout_words(s, q);
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (q * 4 + i < n) out[q * 4 + i] = threshold == 0 || word_at(w, i) >= threshold;
+    for (int i = 0; i < 8; ++i)
+      if (q * 8 + i < n) out[q * 8 + i] = threshold == 0 || lane16(w, i) >= threshold;
   }
 }
 
@@ -25,7 +25,7 @@ ffi::Error DropoutMaskCuda(cudaStream_t stream, uint32_t threshold, ffi::Buffer<
   if (mask->element_type() != ffi::DataType::PRED) return invalid("dropout_mask", "mask must be bool");
   const uint64_t n = mask->element_count();
   if (n == 0) return ffi::Error::Success();
-  const uint64_t groups = (n + 3) / 4;
+  const uint64_t groups = (n + 7) / 8;
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<uint64_t>((groups + threads - 1) / threads, 65535));
   dropout_mask_kernel<<<blocks, threads, 0, stream>>>(seed.typed_data(), threshold, data<bool>(mask), n);

@@ -12,9 +12,9 @@ ffi::Error DropoutMaskCpu(uint32_t threshold, ffi::Buffer<ffi::U32> seed, ffi::R
   bool* out = data<bool>(mask);
   const uint32_t* s = seed.typed_data();
   const uint64_t n = mask->element_count();
-  for (uint64_t q = 0; q * 4 < n; ++q) {
+  for (uint64_t q = 0; q * 8 < n; ++q) {
     U32x4 w = dropout_words(s, q);
-    for (int i = 0; i < 4 && q * 4 + i < n; ++i) out[q * 4 + i] = threshold == 0 || word_at(w, i) >= threshold;
+    for (int i = 0; i < 8 && q * 8 + i < n; ++i) out[q * 8 + i] = threshold == 0 || lane16(w, i) >= threshold;
   }
   return ffi::Error::Success();
 }

@@ -83,15 +83,17 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
   return dispatch_float<DeviceTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const bool aligned = aligned16(p.x) && aligned16(p.bias) && aligned16(p.out) && (!kBackward || aligned16(p.dy));
-    const RowConfig c = choose_rows(rc.cols, sizeof(T), aligned, kBackward ? 16 : 32);
+    const RowConfig c = choose_rows(rc.cols, sizeof(T), aligned, 16, kBackward ? 512 : 256);
     if (!c.ok) return invalid(op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
-    const bool launched = dispatch_tile<16 / sizeof(T)>(c, [&]<int VEC, int NV>() {
+    const bool launched = dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
+      constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       if constexpr (kBackward) {
-        const int blocks = partial_blocks(rc.rows, c, workspace_rows);
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
-        gelu_kernel<T, VEC, NV, true><<<blocks, block, smem, stream>>>(p, pf32, rc.rows, rc.cols, approximate,
-                                                                       threshold, keep_scale);
+        auto kernel = gelu_kernel<T, VEC, NV, true>;
+        if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
+        kernel<<<blocks, block, smem, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
         void* outs[3] = {dbias, nullptr, nullptr};
         launch_column_sum<T>(p.workspace, blocks, 1, rc.cols, pf32, outs, stream);
       } else {

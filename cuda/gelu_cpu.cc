@@ -31,19 +31,19 @@ float gelu_grad(float v, bool approximate) {
   return 0.5f * (1.f + std::erf(v * kSqrtHalf)) + v * kInvSqrt2Pi * std::exp(-0.5f * v * v);
 }
 
-// Keep decisions walk the row-major index in order, so one Philox call serves four
+// Keep decisions walk the row-major index in order, so one Philox call serves eight
 // consecutive elements instead of being recomputed per element.
 class KeepStream {
  public:
   KeepStream(const uint32_t* seed, uint32_t threshold) : seed_(seed), threshold_(threshold) {}
   bool keep(uint64_t idx) {
     if (threshold_ == 0) return true;
-    const uint64_t q = idx >> 2;
+    const uint64_t q = idx >> 3;
     if (q != q_) {
       q_ = q;
       words_ = dropout_words(seed_, q);
     }
-    return word_at(words_, static_cast<int>(idx & 3)) >= threshold_;
+    return lane16(words_, static_cast<int>(idx & 7)) >= threshold_;
   }
 
  private:

@@ -49,7 +49,7 @@ __device__ __forceinline__ void load_h(const NormPtrs& p, int64_t r, int64_t n, 
 template <typename T, int VEC, int NV, bool kResidual>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     norm_fwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, float eps, uint32_t threshold, float keep_scale) {
-  __shared__ float scratch[32 * (kBlockThreads / 32)];
+  __shared__ float scratch[32 * kMaxBlockRows];
   Tile<VEC, NV> g, b, xb;
   load_param<T, VEC, NV>(p.scale, pf32, n, g);
   load_param<T, VEC, NV>(p.ln_bias, pf32, n, b);
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     norm_bwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, uint32_t threshold, float keep_scale) {
   constexpr int K = kResidual ? 3 : 2;
   extern __shared__ float smem[];
-  __shared__ float scratch[64 * (kBlockThreads / 32)];
+  __shared__ float scratch[64 * kMaxBlockRows];
   Tile<VEC, NV> g, xb;
   load_param<T, VEC, NV>(p.scale, pf32, n, g);
   uint32_t seed[2] = {0u, 0u};
@@ -187,15 +187,17 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
   return dispatch_float<DeviceTypes>(a.t, a.op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const bool aligned = all_aligned({p.dy, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual});
-    const RowConfig c = choose_rows(a.cols, sizeof(T), aligned, kBackward || kResidual ? 16 : 32);
+    const RowConfig c = choose_rows(a.cols, sizeof(T), aligned, 16, kBackward ? 512 : 256);
     if (!c.ok) return invalid(a.op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
-    const bool launched = dispatch_tile<16 / sizeof(T)>(c, [&]<int VEC, int NV>() {
+    const bool launched = dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
+      constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       if constexpr (kBackward) {
-        const int blocks = partial_blocks(a.rows, c, a.workspace_rows);
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
-        norm_bwd_kernel<T, VEC, NV, kResidual>
-            <<<blocks, block, smem, stream>>>(p, pf32, a.rows, a.cols, a.threshold, a.keep_scale);
+        auto kernel = norm_bwd_kernel<T, VEC, NV, kResidual>;
+        if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        const int blocks = partial_blocks(kernel, a.rows, c, smem, a.workspace_rows);
+        kernel<<<blocks, block, smem, stream>>>(p, pf32, a.rows, a.cols, a.threshold, a.keep_scale);
         launch_column_sum<T>(p.workspace, blocks, kResidual ? 3 : 2, a.cols, pf32, a.grads, stream);
       } else {
         norm_fwd_kernel<T, VEC, NV, kResidual>

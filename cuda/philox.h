@@ -2,10 +2,13 @@
 // dropout keep decision every jaxsub kernel uses.
 //
 // The decision for element `idx` of a logical tensor (row-major index) is a pure function
-// of (seed, idx): the counter is (idx / 4 as a 64-bit number, 0, 0) keyed by the two seed
-// words, and word idx % 4 of the output is compared with the drop threshold
-// (round(rate * 2^32)). An element is kept when its word is >= the threshold, so rate 0
-// keeps everything. CPU and CUDA code call the same functions, so masks are bit-identical.
+// of (seed, idx): the counter is (idx / 8 as a 64-bit number, 0, 0) keyed by the two seed
+// words; the 128 output bits are eight 16-bit lanes (lane j = half j % 2 of word j / 2,
+// low half first) and lane idx % 8 is compared with the drop threshold
+// (round(rate * 2^16)). An element is kept when its lane is >= the threshold, so rate 0
+// keeps everything. Sixteen bits per decision (rate resolution 2^-16) let one Philox call
+// serve eight elements: the generator, not memory, was the bottleneck of the dropout
+// kernels. CPU and CUDA code call the same functions, so masks are bit-identical.
 #pragma once
 
 #include <cstdint>
@@ -46,7 +49,7 @@ JAXSUB_HD U32x4 philox4x32_10(U32x4 c, uint32_t k0, uint32_t k1) {
   return c;
 }
 
-// The four random words for elements 4*q .. 4*q+3 of a tensor.
+// The random bits for elements 8*q .. 8*q+7 of a tensor.
 JAXSUB_HD U32x4 dropout_words(const uint32_t* seed, uint64_t q) {
   return philox4x32_10(U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u},
                        seed[0], seed[1]);
@@ -56,10 +59,16 @@ JAXSUB_HD uint32_t word_at(const U32x4& w, int i) {
   return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
 }
 
+// 16-bit lane j (0..7) of a Philox output.
+JAXSUB_HD uint32_t lane16(const U32x4& w, int j) {
+  const uint32_t word = word_at(w, j >> 1);
+  return (j & 1) ? word >> 16 : word & 0xffffu;
+}
+
 // Keep decision for a single element (general paths; fast paths use dropout_words).
 JAXSUB_HD bool dropout_keep(const uint32_t* seed, uint64_t idx, uint32_t threshold) {
   if (threshold == 0) return true;
-  return word_at(dropout_words(seed, idx >> 2), static_cast<int>(idx & 3)) >= threshold;
+  return lane16(dropout_words(seed, idx >> 3), static_cast<int>(idx & 7)) >= threshold;
 }
 
 }  // namespace jaxsub

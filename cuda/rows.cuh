@@ -29,14 +29,14 @@ struct RowConfig {
 // per row (16-bit N <= 16384, f32 N <= 8192); general path {4, 16} with up to 1024
 // (N <= 16384).
 constexpr int kMaxThreads = 1024;
-constexpr int kBlockThreads = 256;
+constexpr int kMaxBlockRows = 16;  // rows per block at most (512 threads / 32)
 JAXSUB_HD constexpr int max_threads_for(int vec, int nv) { return vec == 1 && nv == 16 ? 1024 : 512; }
 
 // Fast path when N is a multiple of the 16-byte vector and every pointer is 16-byte
 // aligned; otherwise scalar accesses. Prefers the most elements per thread (fewest threads
 // per row, so row reductions stay in one warp when they can) within `max_elems` elements
 // per thread (registers), relaxing that bound only when the row needs it.
-inline RowConfig choose_rows(int64_t n, int itemsize, bool aligned, int max_elems) {
+inline RowConfig choose_rows(int64_t n, int itemsize, bool aligned, int max_elems, int block_threads) {
   RowConfig c;
   const int vmax = 16 / itemsize;
   c.vec = (aligned && n % vmax == 0 && n / vmax <= 4 * 512) ? vmax : 1;
@@ -51,7 +51,7 @@ inline RowConfig choose_rows(int64_t n, int itemsize, bool aligned, int max_elem
       }
     }
   }
-  c.ty = std::max(1, kBlockThreads / c.tx);
+  c.ty = std::max(1, std::min(kMaxBlockRows, block_threads / c.tx));
   return c;
 }
 
@@ -66,11 +66,17 @@ inline int sm_count() {
   return cached;
 }
 
-// Number of blocks for a kernel that accumulates column partials: enough to fill the GPU
-// twice, never more than the workspace rows or the row groups.
-inline int partial_blocks(int64_t rows, const RowConfig& c, int64_t workspace_rows) {
-  int64_t groups = (rows + c.ty - 1) / c.ty;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({groups, workspace_rows, 2 * sm_count()})));
+// Number of blocks for a kernel that accumulates column partials: exactly the blocks that
+// are resident at once (one wave, each block walking many rows), never more than the
+// workspace rows or the row groups.
+template <typename Kernel>
+inline int partial_blocks(Kernel kernel, int64_t rows, const RowConfig& c, size_t smem, int64_t workspace_rows) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, c.tx * c.ty, smem) != cudaSuccess || per_sm < 1)
+    per_sm = 1;
+  const int64_t groups = (rows + c.ty - 1) / c.ty;
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({groups, workspace_rows, static_cast<int64_t>(per_sm) * sm_count()})));
 }
 
 inline int row_blocks(int64_t rows, const RowConfig& c) {
@@ -151,9 +157,9 @@ __device__ __forceinline__ void store_tile(T* row, int64_t n, bool valid, const 
   }
 }
 
-// Keep bits for the thread's elements of row r (bit v * VEC + e). One Philox call per
-// four elements on the fast path (VEC is a multiple of 4 and so is every vector's first
-// index, since N is a multiple of VEC); one per element on the general path.
+// Keep bits for the thread's elements of row r (bit v * VEC + e). On the fast path every
+// vector's first index is a multiple of VEC (N is), so a vector of 8 takes one Philox call
+// and a vector of 4 takes half of one; the general path takes one call per element.
 template <int VEC, int NV>
 __device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t threshold, int64_t r, int64_t n) {
   static_assert(VEC * NV <= 32, "keep bits must fit in 32 bits");
@@ -164,15 +170,18 @@ __device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t thr
     const int64_t c = tile_col(v, VEC);
     if (c >= n) continue;
     const uint64_t base = static_cast<uint64_t>(r) * n + c;
-    if constexpr (VEC % 4 == 0) {
+    if constexpr (VEC % 8 == 0) {
 #pragma unroll
-      for (int e = 0; e < VEC; e += 4) {
-        U32x4 w = dropout_words(seed, (base + e) >> 2);
-        bits |= static_cast<uint32_t>(w.x >= threshold) << (v * VEC + e);
-        bits |= static_cast<uint32_t>(w.y >= threshold) << (v * VEC + e + 1);
-        bits |= static_cast<uint32_t>(w.z >= threshold) << (v * VEC + e + 2);
-        bits |= static_cast<uint32_t>(w.w >= threshold) << (v * VEC + e + 3);
+      for (int e = 0; e < VEC; e += 8) {
+        const U32x4 w = dropout_words(seed, (base + e) >> 3);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) bits |= static_cast<uint32_t>(lane16(w, j) >= threshold) << (v * VEC + e + j);
       }
+    } else if constexpr (VEC == 4) {
+      const U32x4 w = dropout_words(seed, base >> 3);
+      const int off = static_cast<int>(base & 7);  // 0 or 4
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bits |= static_cast<uint32_t>(lane16(w, off + j) >= threshold) << (v * VEC + j);
     } else {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) bits |= static_cast<uint32_t>(dropout_keep(seed, base + e, threshold)) << (v * VEC + e);
@@ -218,22 +227,25 @@ __device__ __forceinline__ void write_partials(const Tile<VEC, NV> (&acc)[K], fl
 }
 
 // out_k[c] = sum over g < groups of workspace[g, k, c], k < K, stored as T or float32;
-// block (32, 8), grid (ceil(n/32), K).
+// block (32, 32), grid (ceil(n/32), K). A few loads per thread, all independent, so the
+// kernel costs about one memory latency, not `groups` of them.
 template <typename T>
 __global__ void column_sum_kernel(const float* __restrict__ workspace, int groups, int K, int64_t n, bool f32,
                                   void* out0, void* out1, void* out2) {
-  __shared__ float part[8][33];
+  __shared__ float part[32][33];
   const int k = blockIdx.y;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float s = 0.f;
-  if (c < n)
-    for (int g = threadIdx.y; g < groups; g += 8) s += workspace[(static_cast<int64_t>(g) * K + k) * n + c];
+  if (c < n) {
+#pragma unroll 4
+    for (int g = threadIdx.y; g < groups; g += 32) s += workspace[(static_cast<int64_t>(g) * K + k) * n + c];
+  }
   part[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < n) {
     float t = 0.f;
 #pragma unroll
-    for (int y = 0; y < 8; ++y) t += part[y][threadIdx.x];
+    for (int y = 0; y < 32; ++y) t += part[y][threadIdx.x];
     void* out = k == 0 ? out0 : k == 1 ? out1 : out2;
     if (f32) {
       static_cast<float*>(out)[c] = t;
@@ -247,16 +259,19 @@ template <typename T>
 inline void launch_column_sum(const float* workspace, int groups, int K, int64_t n, bool f32, void* const* outs,
                               cudaStream_t stream) {
   dim3 grid(static_cast<unsigned>((n + 31) / 32), K);
-  column_sum_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(workspace, groups, K, n, f32, outs[0], outs[1], outs[2]);
+  column_sum_kernel<T><<<grid, dim3(32, 32), 0, stream>>>(workspace, groups, K, n, f32, outs[0], outs[1], outs[2]);
 }
 
-// Calls f.template operator()<VEC, NV>() for the configuration chosen at run time.
+template <int V>
+using IntC = std::integral_constant<int, V>;
+
+// Calls f(IntC<VEC>, IntC<NV>) for the configuration chosen at run time.
 template <int VMAX, typename F>
 inline bool dispatch_tile(const RowConfig& c, F&& f) {
-  if (c.vec == VMAX && c.nv == 1) return f.template operator()<VMAX, 1>(), true;
-  if (c.vec == VMAX && c.nv == 4) return f.template operator()<VMAX, 4>(), true;
-  if (c.vec == 1 && c.nv == 4) return f.template operator()<1, 4>(), true;
-  if (c.vec == 1 && c.nv == 16) return f.template operator()<1, 16>(), true;
+  if (c.vec == VMAX && c.nv == 1) return f(IntC<VMAX>{}, IntC<1>{}), true;
+  if (c.vec == VMAX && c.nv == 4) return f(IntC<VMAX>{}, IntC<4>{}), true;
+  if (c.vec == 1 && c.nv == 4) return f(IntC<1>{}, IntC<4>{}), true;
+  if (c.vec == 1 && c.nv == 16) return f(IntC<1>{}, IntC<16>{}), true;
   return false;
 }
 

@@ -30,13 +30,15 @@ def philox4x32_10(ctr, key):
 
 
 def numpy_mask(seed, shape, rate):
-    """philox.h's rule: element i uses counter (i // 4 as 64-bit lo, hi, 0, 0) and word
-    i % 4; it is kept when that word is >= threshold(rate)."""
+    """philox.h's rule: element i uses counter (i // 8 as 64-bit lo, hi, 0, 0) and 16-bit
+    lane i % 8 (lane j = half j % 2 of word j // 2, low half first); it is kept when that
+    lane is >= threshold(rate)."""
     n = math.prod(shape)
-    q = np.arange((n + 3) // 4, dtype=np.uint64)
+    q = np.arange((n + 7) // 8, dtype=np.uint64)
     ctr = np.stack([q & _MASK32, q >> np.uint64(32), 0 * q, 0 * q], axis=-1).astype(np.uint32)
-    words = philox4x32_10(ctr, seed).reshape(-1)[:n]
-    return (words >= threshold(rate)).reshape(shape)
+    words = philox4x32_10(ctr, seed).reshape(-1)
+    lanes = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
+    return (lanes >= threshold(rate)).reshape(shape)
 
 
 # Random123 kat_vectors, philox4x32 with 10 rounds: (counter, key, expected output).

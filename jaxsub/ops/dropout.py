@@ -1,8 +1,9 @@
 """Dropout randomness shared by every fused op.
 
 The keep decision for element i (row-major index into the op's logical tensor) is a pure
-function of (seed, i): Philox4x32-10 keyed by the two seed words, counter i // 4, word
-i % 4, kept when the word is >= round(rate * 2**32). The seed comes from the user's JAX
+function of (seed, i): Philox4x32-10 keyed by the two seed words, counter i // 8, 16-bit
+lane i % 8 of the output (lane j = half j % 2 of word j // 2, low half first), kept when
+the lane is >= round(rate * 2**16). The seed comes from the user's JAX
 key, so any key implementation works (threefry, rbg, typed keys). Kernels regenerate the
 mask in backward; nothing is stored.
 """
@@ -30,7 +31,7 @@ def check_rate(op: str, rate, name: str = "rate") -> float:
 
 def threshold(rate: float) -> np.uint32:
     """Words below this are dropped; 0 keeps everything."""
-    return np.uint32(min(round(rate * 2.0**32), 2**32 - 1))
+    return np.uint32(min(round(rate * 2.0**16), 2**16 - 1))
 
 
 def keep_scale(rate: float) -> np.float32:

@@ -1,0 +1,48 @@
+"""Runs each fused op once (after a warm-up call) at BERT-large sizes, bf16, so `ncu` can
+profile the kernels in a small program (ncu cannot profile while XLA compiles a full
+training step). Usage: ncu --kernel-name regex:'norm_|gelu_|column_sum' ... python3 tools/profile_ops.py"""
+
+import jax
+import jax.numpy as jnp
+
+import jaxsub
+
+
+def main():
+    bf = jnp.bfloat16
+    k = jax.random.split(jax.random.key(0), 8)
+    x = jax.random.normal(k[0], (4096, 1024), bf)
+    r = jax.random.normal(k[1], (4096, 1024), bf)
+    s = 1 + 0.1 * jax.random.normal(k[2], (1024,), jnp.float32)
+    b = 0.1 * jax.random.normal(k[3], (1024,), jnp.float32)
+    h = jax.random.normal(k[4], (4096, 4096), bf)
+    hb = 0.1 * jax.random.normal(k[5], (4096,), jnp.float32)
+    key = k[6]
+
+    def ln(x, s, b):
+        return jaxsub.ops.layer_norm(x, s, b)
+
+    def bdrln(x, b1, r, s, b):
+        return jaxsub.ops.bias_dropout_residual_layer_norm(x, b1, r, s, b, rate=0.1, key=key)
+
+    def gelu(h, hb):
+        return jaxsub.ops.bias_gelu_dropout(h, hb, rate=0.1, key=key)
+
+    def fwd_bwd(f, *args):
+        y, vjp = jax.vjp(f, *args)
+        return y, vjp(y)
+
+    cases = [
+        (jax.jit(ln), (x, s, b)),
+        (jax.jit(lambda *a: fwd_bwd(ln, *a)), (x, s, b)),
+        (jax.jit(lambda *a: fwd_bwd(bdrln, *a)), (x, b, r, s, b)),
+        (jax.jit(lambda *a: fwd_bwd(gelu, *a)), (h, hb)),
+    ]
+    for f, args in cases:
+        jax.block_until_ready(f(*args))
+    for f, args in cases:
+        jax.block_until_ready(f(*args))
+
+
+if __name__ == "__main__":
+    main()
