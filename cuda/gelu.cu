@@ -86,7 +86,8 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
     const RowConfig c = choose_rows(rc.cols, sizeof(T), aligned, 16, kBackward ? 512 : 256);
     if (!c.ok) return invalid(op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
-    const bool launched = dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
+    ffi::Error status = invalid(op, "no kernel for this row length");
+    dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       if constexpr (kBackward) {
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
@@ -94,15 +95,19 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
         if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
         kernel<<<blocks, block, smem, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
+        status = launch_check(op, "gelu_kernel<bwd>", c, blocks, smem);
+        if (status.failure()) return;
         void* outs[3] = {dbias, nullptr, nullptr};
         launch_column_sum<T>(p.workspace, blocks, 1, rc.cols, pf32, outs, stream);
+        status = launch_check(op, "column_sum_kernel", c, blocks, 0);
       } else {
-        gelu_kernel<T, VEC, NV, false><<<row_blocks(rc.rows, c), block, 0, stream>>>(
-            p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
+        const int blocks = row_blocks(rc.rows, c);
+        gelu_kernel<T, VEC, NV, false>
+            <<<blocks, block, 0, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
+        status = launch_check(op, "gelu_kernel<fwd>", c, blocks, 0);
       }
     });
-    if (!launched) return invalid(op, "no kernel for this row length");
-    return launch_status(op);
+    return status;
   });
 }
 

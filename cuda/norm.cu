@@ -190,7 +190,8 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
     const RowConfig c = choose_rows(a.cols, sizeof(T), aligned, 16, kBackward ? 512 : 256);
     if (!c.ok) return invalid(a.op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
-    const bool launched = dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
+    ffi::Error status = invalid(a.op, "no kernel for this row length");
+    dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       if constexpr (kBackward) {
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
@@ -198,14 +199,18 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
         if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         const int blocks = partial_blocks(kernel, a.rows, c, smem, a.workspace_rows);
         kernel<<<blocks, block, smem, stream>>>(p, pf32, a.rows, a.cols, a.threshold, a.keep_scale);
+        status = launch_check(a.op, "norm_bwd_kernel", c, blocks, smem);
+        if (status.failure()) return;
         launch_column_sum<T>(p.workspace, blocks, kResidual ? 3 : 2, a.cols, pf32, a.grads, stream);
+        status = launch_check(a.op, "column_sum_kernel", c, blocks, 0);
       } else {
+        const int blocks = row_blocks(a.rows, c);
         norm_fwd_kernel<T, VEC, NV, kResidual>
-            <<<row_blocks(a.rows, c), block, 0, stream>>>(p, pf32, a.rows, a.cols, a.eps, a.threshold, a.keep_scale);
+            <<<blocks, block, 0, stream>>>(p, pf32, a.rows, a.cols, a.eps, a.threshold, a.keep_scale);
+        status = launch_check(a.op, "norm_fwd_kernel", c, blocks, 0);
       }
     });
-    if (!launched) return invalid(a.op, "no kernel for this row length");
-    return launch_status(a.op);
+    return status;
   });
 }
 

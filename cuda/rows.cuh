@@ -262,6 +262,16 @@ inline void launch_column_sum(const float* workspace, int groups, int K, int64_t
   column_sum_kernel<T><<<grid, dim3(32, 32), 0, stream>>>(workspace, groups, K, n, f32, outs[0], outs[1], outs[2]);
 }
 
+// Checks the launch just made and names the kernel and its shape on failure.
+inline ffi::Error launch_check(const char* op, const char* kernel, const RowConfig& c, int blocks, size_t smem) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(op) + ": launching " + kernel + " (vec " + std::to_string(c.vec) + ", nv " +
+                              std::to_string(c.nv) + ", block " + std::to_string(c.tx) + "x" + std::to_string(c.ty) +
+                              ", grid " + std::to_string(blocks) + ", smem " + std::to_string(smem) +
+                              "): " + cudaGetErrorString(e));
+}
+
 template <int V>
 using IntC = std::integral_constant<int, V>;
 
