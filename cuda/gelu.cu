@@ -92,7 +92,6 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
       if constexpr (kBackward) {
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
         auto kernel = gelu_kernel<T, VEC, NV, true>;
-        if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
         kernel<<<blocks, block, smem, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
         status = launch_check(op, "gelu_kernel<bwd>", c, blocks, smem);

@@ -196,7 +196,6 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
       if constexpr (kBackward) {
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
         auto kernel = norm_bwd_kernel<T, VEC, NV, kResidual>;
-        if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         const int blocks = partial_blocks(kernel, a.rows, c, smem, a.workspace_rows);
         kernel<<<blocks, block, smem, stream>>>(p, pf32, a.rows, a.cols, a.threshold, a.keep_scale);
         status = launch_check(a.op, "norm_bwd_kernel", c, blocks, smem);

@@ -51,7 +51,9 @@ inline RowConfig choose_rows(int64_t n, int itemsize, bool aligned, int max_elem
       }
     }
   }
-  c.ty = std::max(1, std::min(kMaxBlockRows, block_threads / c.tx));
+  // Rows per block, with the backward's partial-sum buffer (tx * ty * nv * vec floats)
+  // kept within 32 KB so no kernel needs the shared-memory opt-in.
+  c.ty = std::max(1, std::min({kMaxBlockRows, block_threads / c.tx, 8192 / (c.tx * c.nv * c.vec)}));
   return c;
 }
 
