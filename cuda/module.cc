@@ -8,6 +8,7 @@ namespace py = pybind11;
 
 #define JAXSUB_DECLARE_CPU(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsubCpu_##name);
 JAXSUB_TARGETS(JAXSUB_DECLARE_CPU)
+JAXSUB_CPU_ONLY_TARGETS(JAXSUB_DECLARE_CPU)
 #ifdef JAXSUB_WITH_CUDA
 #define JAXSUB_DECLARE_CUDA(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsubCuda_##name);
 JAXSUB_TARGETS(JAXSUB_DECLARE_CUDA)
@@ -24,6 +25,7 @@ py::dict cpu_targets() {
   py::dict d;
 #define JAXSUB_ADD_CPU(name) d["jaxsub_" #name] = capsule(JaxsubCpu_##name);
   JAXSUB_TARGETS(JAXSUB_ADD_CPU)
+  JAXSUB_CPU_ONLY_TARGETS(JAXSUB_ADD_CPU)
   return d;
 }
 

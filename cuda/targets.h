@@ -10,4 +10,12 @@
   X(bdrln_fwd)             \
   X(bdrln_bwd)             \
   X(bias_gelu_dropout_fwd) \
-  X(bias_gelu_dropout_bwd)
+  X(bias_gelu_dropout_bwd) \
+  X(softmax_dropout_fwd)   \
+  X(softmax_dropout_bwd)
+
+// Targets with a CPU handler whose CUDA kernels are not written yet: registered for "cpu"
+// only; Python routes GPU calls elsewhere (jaxsub._ffi.has_cuda_target) with a log line.
+#define JAXSUB_CPU_ONLY_TARGETS(X) \
+  X(attention_fwd)                 \
+  X(attention_bwd)

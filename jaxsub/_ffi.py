@@ -31,6 +31,12 @@ def register() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
+@functools.cache
+def has_cuda_target(name: str) -> bool:
+    """Whether `name` has a CUDA handler in this build."""
+    return name in _C.cuda_targets()
+
+
 def cuda_built() -> bool:
     return bool(_C.built_with_cuda)
 

@@ -3,5 +3,14 @@
 from jaxsub.ops.dropout import dropout_mask
 from jaxsub.ops.norm import bias_dropout_residual_layer_norm, layer_norm
 from jaxsub.ops.gelu import bias_gelu_dropout
+from jaxsub.ops.softmax import softmax_dropout
+from jaxsub.ops.attention import attention
 
-__all__ = ["dropout_mask", "layer_norm", "bias_dropout_residual_layer_norm", "bias_gelu_dropout"]
+__all__ = [
+    "dropout_mask",
+    "layer_norm",
+    "bias_dropout_residual_layer_norm",
+    "bias_gelu_dropout",
+    "softmax_dropout",
+    "attention",
+]

@@ -1,0 +1,7 @@
+// STUB: replaced by the CUDA softmax-dropout kernels.
+#include "common.h"
+namespace jaxsub { namespace {
+ffi::Error Stub() { return ffi::Error(ffi::ErrorCode::kUnimplemented, "not implemented"); }
+} }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_softmax_dropout_fwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_softmax_dropout_bwd, jaxsub::Stub, xla::ffi::Ffi::Bind());

@@ -1,0 +1,5 @@
+"""STUB"""
+
+
+def attention(*a, **k):
+    raise NotImplementedError

@@ -1,0 +1,58 @@
+"""Attention masks in the one form the attention-family handlers read (cuda/ABI.md).
+
+A user's mask — a boolean key-padding mask [B, Sk], or a boolean or additive mask
+broadcastable to the probability tensor [..., Sq, Sk] — becomes a 4-D buffer
+[Bm, Hm, Sqm, Skm] whose dims are each 1 (broadcast) or full, plus `mask_kind`
+(0 none, 1 boolean with True = attend, 2 additive f32). Broadcast dims stay size 1, so a
+[B, 1, 1, Sk] padding mask is never expanded to [B, H, Sq, Sk].
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+NONE, BOOLEAN, ADDITIVE = 0, 1, 2
+_DUMMY = np.zeros((1, 1, 1, 1), np.bool_)
+
+
+def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_padding_ok: bool):
+    """Returns (mask4d, kind) for a probability tensor of shape leading + (sq, sk), viewed
+    as [B, H, Sq, Sk] with B = prod(leading[:-1]) and H = leading[-1] (1 when absent).
+
+    `key_padding_ok`: a 2-D mask [B, Sk] is a key-padding mask (attention's q/k/v form,
+    leading == (B, H)) rather than a mask over the last two axes.
+    """
+    if mask is None:
+        return _DUMMY, NONE
+    mask = jnp.asarray(mask)
+    if mask.dtype == jnp.bool_:
+        kind = BOOLEAN
+    elif jnp.issubdtype(mask.dtype, jnp.floating):
+        kind = ADDITIVE
+        mask = mask.astype(jnp.float32)
+    else:
+        raise TypeError(f"jaxsub.{op}: `mask` must be boolean or floating, got {mask.dtype}")
+    full = tuple(leading) + (sq, sk)
+    if key_padding_ok and mask.ndim == 2 and len(leading) == 2 and mask.shape == (leading[0], sk):
+        mask = mask[:, None, None, :]
+    if mask.ndim > len(full):
+        raise ValueError(f"jaxsub.{op}: `mask` has rank {mask.ndim}, more than the scores' {len(full)}")
+    shape = (1,) * (len(full) - mask.ndim) + tuple(mask.shape)
+    for have, want in zip(shape, full):
+        if have not in (1, want):
+            raise ValueError(f"jaxsub.{op}: `mask` of shape {tuple(mask.shape)} does not broadcast to {full}")
+    mask = mask.reshape(shape)
+    # Group the leading dims into (B, H); a group is kept as 1 only if every dim in it is.
+    lead_m, lead_f = shape[:-2], full[:-2]
+    b_dims_m, b_dims_f = lead_m[:-1], lead_f[:-1]
+    h_m = lead_m[-1] if lead_m else 1
+    if all(d == 1 for d in b_dims_m):
+        bm = 1
+    else:
+        if tuple(b_dims_m) != tuple(b_dims_f):
+            mask = jnp.broadcast_to(mask, tuple(b_dims_f) + tuple(mask.shape[len(b_dims_f):]))
+        bm = math.prod(b_dims_f)
+    return mask.reshape(bm, h_m, shape[-2], shape[-1]), kind

@@ -1,0 +1,5 @@
+"""STUB"""
+
+
+def softmax_dropout(*a, **k):
+    raise NotImplementedError
