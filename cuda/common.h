@@ -178,25 +178,39 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[N]) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
+struct SumOp {
+  static constexpr float kIdentity = 0.f;
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  static constexpr float kIdentity = -__builtin_huge_valf();
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+template <typename Op>
+__device__ __forceinline__ float warp_reduce(float x) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  for (int o = 16; o > 0; o >>= 1) x = Op()(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
 
-// Sum over the blockDim.x threads of one row group (threadIdx.y selects the group).
+__device__ __forceinline__ float warp_sum(float x) { return warp_reduce<SumOp>(x); }
+
+// Reduction over the blockDim.x threads of one row group (threadIdx.y selects the group).
 // `scratch` holds at least 32 * blockDim.y floats. All threads of the block must call it.
-__device__ __forceinline__ float row_group_sum(float x, float* scratch) {
-  x = warp_sum(x);
+template <typename Op>
+__device__ __forceinline__ float row_group_reduce(float x, float* scratch) {
+  x = warp_reduce<Op>(x);
   if (blockDim.x <= 32) return x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   float* s = scratch + threadIdx.y * 32;
   __syncthreads();
   if (lane == 0) s[warp] = x;
   __syncthreads();
-  float t = lane < nwarps ? s[lane] : 0.f;
-  return warp_sum(t);
+  return warp_reduce<Op>(lane < nwarps ? s[lane] : Op::kIdentity);
 }
+
+__device__ __forceinline__ float row_group_sum(float x, float* scratch) { return row_group_reduce<SumOp>(x, scratch); }
 
 // Two sums at once (one round of barriers): scratch holds at least 64 * blockDim.y floats.
 __device__ __forceinline__ void row_group_sum2(float& a, float& b, float* scratch) {

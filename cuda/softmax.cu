@@ -1,7 +1,237 @@
-// STUB: replaced by the CUDA softmax-dropout kernels.
+// Scale + mask + softmax + dropout over the last axis (the paper's SM forward and BS
+// backward), CUDA. Contract: ABI.md ("Attention family"). Rows are the B*H*Sq rows of the
+// logical [B, H, Sq, Sk] probability tensor; the row-tile engine is rows.cuh. The forward
+// writes y and the per-row log-sum-exp; the backward recomputes p from the scores and
+// the lse and regenerates the dropout mask, so no [B, H, Sq, Sk] residual is stored.
+#include <cmath>
+
 #include "common.h"
-namespace jaxsub { namespace {
-ffi::Error Stub() { return ffi::Error(ffi::ErrorCode::kUnimplemented, "not implemented"); }
-} }
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_softmax_dropout_fwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_softmax_dropout_bwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
+#include "philox.h"
+#include "rows.cuh"
+
+namespace jaxsub {
+namespace {
+
+constexpr int kMaskNone = 0, kMaskBool = 1, kMaskAdditive = 2;
+
+struct SoftmaxArgs {
+  const void* dy;        // [B, H, Sq, Sk] T (backward)
+  const void* scores;    // [B, H, Sq, Sk] T
+  const void* mask;      // [Bm, Hm, Sqm, Skm] pred or f32, each dim 1 or full
+  const uint32_t* seed;  // [2]
+  void* out;             // [B, H, Sq, Sk] T: y (forward) or dscores (backward)
+  float* lse;            // [B, H, Sq]: written by the forward, read by the backward
+  int64_t b, h, sq, sk;
+  int64_t bm, hm, sqm, skm;
+  float scale;
+  bool causal;
+  int mask_kind;
+  uint32_t threshold;
+  float keep_scale;
+};
+
+// The scaled, masked score of the thread's elements in row r (-inf where masked).
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void masked_scores(const SoftmaxArgs& a, int64_t r, bool valid, Tile<VEC, NV>& s) {
+  load_tile<T, VEC, NV>(static_cast<const T*>(a.scores) + r * a.sk, a.sk, valid, s);
+  const int64_t i = r % a.sq, bh = r / a.sq, hh = bh % a.h, bb = bh / a.h;
+  const int64_t mask_row =
+      (((a.bm == 1 ? 0 : bb) * a.hm + (a.hm == 1 ? 0 : hh)) * a.sqm + (a.sqm == 1 ? 0 : i)) * a.skm;
+  const int64_t last = a.causal ? i + a.sk - a.sq : a.sk - 1;
+#pragma unroll
+  for (int v = 0; v < NV; ++v)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const int64_t j = tile_col(v, VEC) + e;
+      bool visible = valid && j < a.sk && j <= last;
+      float x = s.v[v][e] * a.scale;
+      if (a.mask_kind != kMaskNone && visible) {
+        const int64_t m = mask_row + (a.skm == 1 ? 0 : j);
+        if (a.mask_kind == kMaskBool) {
+          visible = static_cast<const bool*>(a.mask)[m];
+        } else {
+          x += static_cast<const float*>(a.mask)[m];
+        }
+      }
+      s.v[v][e] = visible ? x : -INFINITY;
+    }
+}
+
+// p = exp(x - lse), 0 where x or lse is -inf.
+__device__ __forceinline__ float prob(float x, float lse) { return x == -INFINITY ? 0.f : __expf(x - lse); }
+
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(max_threads_for(VEC, NV)) softmax_fwd_kernel(SoftmaxArgs a, int64_t rows) {
+  __shared__ float scratch[32 * kMaxBlockRows];
+  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t r = base + threadIdx.y;
+    const bool valid = r < rows;
+    Tile<VEC, NV> s;
+    masked_scores<T, VEC, NV>(a, r, valid, s);
+    float m = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) m = fmaxf(m, s.v[v][e]);
+    m = row_group_reduce<MaxOp>(m, scratch);
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        s.v[v][e] = prob(s.v[v][e], m);
+        sum += s.v[v][e];
+      }
+    sum = row_group_sum(sum, scratch);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const uint32_t keep = keep_bits<VEC, NV>(seed, a.threshold, r, a.sk);
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) s.v[v][e] *= bit(keep, v * VEC + e) ? inv * a.keep_scale : 0.f;
+    store_tile<T, VEC, NV>(static_cast<T*>(a.out) + r * a.sk, a.sk, valid, s);
+    if (valid && threadIdx.x == 0) a.lse[r] = sum > 0.f ? m + __logf(sum) : -INFINITY;
+  }
+}
+
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(max_threads_for(VEC, NV)) softmax_bwd_kernel(SoftmaxArgs a, int64_t rows) {
+  __shared__ float scratch[32 * kMaxBlockRows];
+  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t r = base + threadIdx.y;
+    const bool valid = r < rows;
+    Tile<VEC, NV> p, g;
+    masked_scores<T, VEC, NV>(a, r, valid, p);
+    load_tile<T, VEC, NV>(static_cast<const T*>(a.dy) + r * a.sk, a.sk, valid, g);
+    const float lse = valid ? a.lse[r] : -INFINITY;
+    const uint32_t keep = keep_bits<VEC, NV>(seed, a.threshold, r, a.sk);
+    float c = 0.f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        p.v[v][e] = lse == -INFINITY ? 0.f : prob(p.v[v][e], lse);
+        g.v[v][e] = bit(keep, v * VEC + e) ? g.v[v][e] * a.keep_scale : 0.f;
+        c += g.v[v][e] * p.v[v][e];
+      }
+    c = row_group_sum(c, scratch);
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) g.v[v][e] = a.scale * p.v[v][e] * (g.v[v][e] - c);
+    store_tile<T, VEC, NV>(static_cast<T*>(a.out) + r * a.sk, a.sk, valid, g);
+  }
+}
+
+ffi::Error check_shapes(const char* op, const ffi::AnyBuffer& scores, const ffi::AnyBuffer& mask, int32_t mask_kind,
+                        SoftmaxArgs& a) {
+  auto d = scores.dimensions();
+  if (d.size() != 4) return invalid(op, "scores must be [B, H, Sq, Sk]");
+  a.b = d[0], a.h = d[1], a.sq = d[2], a.sk = d[3];
+  auto m = mask.dimensions();
+  if (m.size() != 4) return invalid(op, "mask must be 4-D");
+  a.bm = m[0], a.hm = m[1], a.sqm = m[2], a.skm = m[3];
+  if (mask_kind < kMaskNone || mask_kind > kMaskAdditive) return invalid(op, "mask_kind must be 0, 1 or 2");
+  const int64_t full[4] = {a.b, a.h, a.sq, a.sk}, have[4] = {a.bm, a.hm, a.sqm, a.skm};
+  if (mask_kind != kMaskNone) {
+    for (int i = 0; i < 4; ++i)
+      if (have[i] != 1 && have[i] != full[i]) return invalid(op, "mask dims must be 1 or full");
+    const auto want = mask_kind == kMaskBool ? ffi::DataType::PRED : ffi::DataType::F32;
+    if (mask.element_type() != want) return invalid(op, "mask dtype does not match mask_kind");
+  }
+  a.mask_kind = mask_kind;
+  return ffi::Error::Success();
+}
+
+template <bool kBackward>
+ffi::Error launch_softmax(cudaStream_t stream, const char* op, ffi::DataType t, const SoftmaxArgs& a) {
+  const int64_t rows = a.b * a.h * a.sq;
+  if (rows == 0 || a.sk == 0) return ffi::Error::Success();
+  return dispatch_float<DeviceTypes>(t, op, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    const bool aligned = aligned16(a.scores) && aligned16(a.out) && (!kBackward || aligned16(a.dy));
+    const RowConfig c = choose_rows(a.sk, sizeof(T), aligned, 16, 256);
+    if (!c.ok) return invalid(op, "row too long for the kernel");
+    const dim3 block(c.tx, c.ty);
+    const int blocks = row_blocks(rows, c);
+    ffi::Error status = invalid(op, "no kernel for this row length");
+    dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
+      constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
+      if constexpr (kBackward) {
+        softmax_bwd_kernel<T, VEC, NV><<<blocks, block, 0, stream>>>(a, rows);
+        status = launch_check(op, "softmax_bwd_kernel", c, blocks, 0);
+      } else {
+        softmax_fwd_kernel<T, VEC, NV><<<blocks, block, 0, stream>>>(a, rows);
+        status = launch_check(op, "softmax_fwd_kernel", c, blocks, 0);
+      }
+    });
+    return status;
+  });
+}
+
+// scores: [B, H, Sq, Sk]; mask: [Bm, Hm, Sqm, Skm]; seed: [2] -> y: [B, H, Sq, Sk]; lse: [B, H, Sq].
+ffi::Error SoftmaxDropoutFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
+                             float keep_scale, ffi::AnyBuffer scores, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> lse) {
+  const char* op = "softmax_dropout_fwd";
+  SoftmaxArgs a{};
+  if (auto e = check_shapes(op, scores, mask, mask_kind, a); e.failure()) return e;
+  a.scores = scores.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
+  a.out = y->untyped_data(), a.lse = data<float>(lse);
+  a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
+  return launch_softmax<false>(stream, op, scores.element_type(), a);
+}
+
+// dy, scores: [B, H, Sq, Sk]; lse: [B, H, Sq]; mask; seed: [2] -> dscores: [B, H, Sq, Sk].
+ffi::Error SoftmaxDropoutBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
+                             float keep_scale, ffi::AnyBuffer dy, ffi::AnyBuffer scores, ffi::AnyBuffer lse,
+                             ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dscores) {
+  const char* op = "softmax_dropout_bwd";
+  SoftmaxArgs a{};
+  if (auto e = check_shapes(op, scores, mask, mask_kind, a); e.failure()) return e;
+  if (dy.element_count() != scores.element_count()) return invalid(op, "dy and scores shapes differ");
+  a.dy = dy.untyped_data(), a.scores = scores.untyped_data(), a.mask = mask.untyped_data();
+  a.seed = seed.typed_data(), a.out = dscores->untyped_data(), a.lse = data<float>(lse);
+  a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
+  return launch_softmax<true>(stream, op, scores.element_type(), a);
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_softmax_dropout_fwd, jaxsub::SoftmaxDropoutFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_softmax_dropout_bwd, jaxsub::SoftmaxDropoutBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
