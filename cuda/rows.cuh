@@ -28,7 +28,6 @@ struct RowConfig {
 // Vectors per thread the kernels are compiled for: fast path {1, 4} with up to 512 threads
 // per row (16-bit N <= 16384, f32 N <= 8192); general path {4, 16} with up to 1024
 // (N <= 16384).
-constexpr int kMaxThreads = 1024;
 constexpr int kMaxBlockRows = 16;  // rows per block at most (512 threads / 32)
 JAXSUB_HD constexpr int max_threads_for(int vec, int nv) { return vec == 1 && nv == 16 ? 1024 : 512; }
 
