@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +117,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _check_scale(scale) -> float:
-    if isinstance(scale, (bool, np.bool_)):
+    # float() would also take strings and booleans; neither is a meaningful scale.
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)):
         raise TypeError(f"jaxsub.{_OP}: `scale` must be a Python number, got {scale!r}")
     try:
         value = float(scale)
