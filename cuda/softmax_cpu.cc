@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -217,31 +218,34 @@ ffi::Error SoftmaxDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer scores, ffi::A
 }
 
 }  // namespace
+
+// The attributes both handlers take, in ABI.md's order; one definition so that forward and
+// backward cannot drift apart.
+template <typename Binding>
+auto bind_attrs(Binding&& b) {
+  return std::forward<Binding>(b)
+      .template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<int32_t>("mask_kind")
+      .template Attr<uint32_t>("threshold")
+      .template Attr<float>("keep_scale");
+}
+
 }  // namespace jaxsub
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_softmax_dropout_fwd, jaxsub::SoftmaxDropoutFwdCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()   // scores
-                                  .Arg<xla::ffi::AnyBuffer>()   // mask
-                                  .Arg<xla::ffi::AnyBuffer>()   // seed
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("mask_kind")
-                                  .Attr<uint32_t>("threshold")
-                                  .Attr<float>("keep_scale")
+                              jaxsub::bind_attrs(xla::ffi::Ffi::Bind()
+                                                     .Arg<xla::ffi::AnyBuffer>()   // scores
+                                                     .Arg<xla::ffi::AnyBuffer>()   // mask
+                                                     .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_softmax_dropout_bwd, jaxsub::SoftmaxDropoutBwdCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()   // dy
-                                  .Arg<xla::ffi::AnyBuffer>()   // scores
-                                  .Arg<xla::ffi::AnyBuffer>()   // lse
-                                  .Arg<xla::ffi::AnyBuffer>()   // mask
-                                  .Arg<xla::ffi::AnyBuffer>()   // seed
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("mask_kind")
-                                  .Attr<uint32_t>("threshold")
-                                  .Attr<float>("keep_scale")
+                              jaxsub::bind_attrs(xla::ffi::Ffi::Bind()
+                                                     .Arg<xla::ffi::AnyBuffer>()   // dy
+                                                     .Arg<xla::ffi::AnyBuffer>()   // scores
+                                                     .Arg<xla::ffi::AnyBuffer>()   // lse
+                                                     .Arg<xla::ffi::AnyBuffer>()   // mask
+                                                     .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Ret<xla::ffi::AnyBuffer>());  // dscores
