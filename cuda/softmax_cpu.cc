@@ -1,7 +1,247 @@
-// STUB: replaced by the family's real CPU handlers.
+// CPU handlers for softmax + dropout (ABI.md, "Attention family": softmax_dropout_fwd /
+// _bwd; paper: SM forward, BS backward). Plain loops over the rows of the logical
+// [B, H, Sq, Sk] tensor, with row statistics in double, so they are a tight oracle for the
+// CUDA kernels on any machine.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
 #include "common.h"
-namespace jaxsub { namespace {
-ffi::Error Stub() { return ffi::Error(ffi::ErrorCode::kUnimplemented, "not implemented"); }
-} }
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_softmax_dropout_fwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_softmax_dropout_bwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
+#include "philox.h"
+
+namespace jaxsub {
+namespace {
+
+constexpr const char* kFwd = "softmax_dropout_fwd";
+constexpr const char* kBwd = "softmax_dropout_bwd";
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum MaskKind : int32_t { kNoMask = 0, kBoolean = 1, kAdditive = 2 };
+
+// The logical dims of the probability tensor [B, H, Sq, Sk].
+struct Dims {
+  int64_t b = 0, h = 0, sq = 0, sk = 0;
+  int64_t rows() const { return b * h * sq; }
+  size_t count() const { return static_cast<size_t>(rows() * sk); }
+};
+
+// The 4-D mask [Bm, Hm, Sqm, Skm] read with broadcasting: a dim of size 1 gets stride 0,
+// so a [B, 1, 1, Sk] padding mask is indexed in place, never expanded.
+struct MaskView {
+  int32_t kind = kNoMask;
+  const void* data = nullptr;
+  int64_t stride[4] = {0, 0, 0, 0};
+
+  // Offset of row (b, h, i) in the mask; column j adds j * stride[3].
+  int64_t row_offset(int64_t b, int64_t h, int64_t i) const {
+    return b * stride[0] + h * stride[1] + i * stride[2];
+  }
+};
+
+// The scaled, masked score row s' (f32[Sk]) of row (b, h, i): -inf where masked out.
+// scores: T[Sk] (the row); mask: see MaskView.
+template <typename T>
+void masked_row(const T* scores, const Dims& d, const MaskView& m, float scale, bool causal, int64_t b,
+                int64_t h, int64_t i, float* out) {
+  // Causal alignment is bottom-right: the last query sees every key.
+  const int64_t last_visible = causal ? i + (d.sk - d.sq) : d.sk - 1;
+  const int64_t base = m.row_offset(b, h, i);
+  for (int64_t j = 0; j < d.sk; ++j) {
+    float v = scale * to_float(scores[j]);
+    if (m.kind == kBoolean) {
+      if (!static_cast<const bool*>(m.data)[base + j * m.stride[3]]) v = kNegInf;
+    } else if (m.kind == kAdditive) {
+      v += static_cast<const float*>(m.data)[base + j * m.stride[3]];
+    }
+    out[j] = j > last_visible ? kNegInf : v;
+  }
+}
+
+// Keep decisions for `n` consecutive elements starting at row-major index `start`; one
+// Philox call serves each aligned group of eight.
+void keep_row(const uint32_t* seed, uint32_t threshold, uint64_t start, int64_t n, std::vector<uint8_t>& keep) {
+  if (threshold == 0) {
+    std::fill(keep.begin(), keep.begin() + n, uint8_t{1});
+    return;
+  }
+  U32x4 words{};
+  uint64_t block = ~uint64_t{0};
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t idx = start + static_cast<uint64_t>(j);
+    if ((idx >> 3) != block) {
+      block = idx >> 3;
+      words = dropout_words(seed, block);
+    }
+    keep[j] = lane16(words, static_cast<int>(idx & 7)) >= threshold;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Argument checks. Everything is bound as AnyBuffer, so dtypes and sizes are checked here.
+
+ffi::Error scores_dims(const char* op, const ffi::AnyBuffer& scores, Dims& d) {
+  auto s = scores.dimensions();
+  if (s.size() != 4) return invalid(op, "scores must have rank 4 [B, H, Sq, Sk]");
+  d = Dims{s[0], s[1], s[2], s[3]};
+  return ffi::Error::Success();
+}
+
+ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyBuffer& b, ffi::DataType dtype,
+                        size_t count) {
+  if (b.element_type() == dtype && b.element_count() == count) return ffi::Error::Success();
+  return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
+}
+
+ffi::Error mask_view(const char* op, const ffi::AnyBuffer& mask, int32_t kind, const Dims& d, MaskView& m) {
+  m = MaskView{};
+  if (kind == kNoMask) return ffi::Error::Success();
+  if (kind != kBoolean && kind != kAdditive) return invalid(op, "mask_kind must be 0, 1 or 2");
+  const ffi::DataType want = kind == kBoolean ? ffi::DataType::PRED : ffi::DataType::F32;
+  if (mask.element_type() != want) return invalid(op, "`mask` dtype does not match mask_kind (pred or f32)");
+  auto md = mask.dimensions();
+  const int64_t full[4] = {d.b, d.h, d.sq, d.sk};
+  if (md.size() != 4) return invalid(op, "`mask` must have rank 4 [Bm, Hm, Sqm, Skm]");
+  int64_t stride = 1;
+  for (int k = 3; k >= 0; --k) {
+    if (md[k] != 1 && md[k] != full[k]) return invalid(op, "`mask` dims must each be 1 or the full size");
+    m.stride[k] = md[k] == 1 ? 0 : stride;
+    stride *= md[k];
+  }
+  m.kind = kind;
+  m.data = mask.untyped_data();
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------
+// FFI handlers.
+
+// scores: T[B, H, Sq, Sk]; mask: pred/f32[Bm, Hm, Sqm, Skm] (or a dummy); seed: u32[2]
+//   -> y: T[B, H, Sq, Sk]; lse: f32[B, H, Sq].
+ffi::Error SoftmaxDropoutFwdCpu(ffi::AnyBuffer scores, ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale,
+                                bool causal, int32_t mask_kind, uint32_t threshold, float keep_scale,
+                                ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> lse) {
+  Dims d;
+  MaskView m;
+  if (auto e = scores_dims(kFwd, scores, d); e.failure()) return e;
+  if (auto e = mask_view(kFwd, mask, mask_kind, d, m); e.failure()) return e;
+  if (auto e = check_buffer(kFwd, "seed", seed, ffi::DataType::U32, 2); e.failure()) return e;
+  if (auto e = check_buffer(kFwd, "y", *y, scores.element_type(), d.count()); e.failure()) return e;
+  if (auto e = check_buffer(kFwd, "lse", *lse, ffi::DataType::F32, d.rows()); e.failure()) return e;
+  return dispatch_float<HostTypes>(scores.element_type(), kFwd, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    const T* s = data<T>(scores);
+    T* ys = data<T>(y);
+    float* lses = data<float>(lse);
+    const uint32_t* key = data<uint32_t>(seed);
+    std::vector<float> row(d.sk);
+    std::vector<uint8_t> keep(d.sk);
+    int64_t r = 0;
+    for (int64_t b = 0; b < d.b; ++b) {
+      for (int64_t h = 0; h < d.h; ++h) {
+        for (int64_t i = 0; i < d.sq; ++i, ++r) {
+          masked_row(s + r * d.sk, d, m, scale, causal, b, h, i, row.data());
+          T* out = ys + r * d.sk;
+          float mx = kNegInf;
+          for (int64_t j = 0; j < d.sk; ++j) mx = std::max(mx, row[j]);
+          if (mx == kNegInf) {  // no visible key
+            lses[r] = kNegInf;
+            for (int64_t j = 0; j < d.sk; ++j) out[j] = from_float<T>(0.f);
+            continue;
+          }
+          double sum = 0.0;
+          for (int64_t j = 0; j < d.sk; ++j) sum += std::exp(static_cast<double>(row[j]) - mx);
+          lses[r] = static_cast<float>(mx + std::log(sum));
+          keep_row(key, threshold, static_cast<uint64_t>(r * d.sk), d.sk, keep);
+          for (int64_t j = 0; j < d.sk; ++j) {
+            const float p = static_cast<float>(std::exp(static_cast<double>(row[j]) - mx) / sum);
+            out[j] = from_float<T>(keep[j] ? p * keep_scale : 0.f);
+          }
+        }
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+// dy, scores: T[B, H, Sq, Sk]; lse: f32[B, H, Sq]; mask: pred/f32[Bm, Hm, Sqm, Skm] (or a
+// dummy); seed: u32[2] -> dscores: T[B, H, Sq, Sk].
+ffi::Error SoftmaxDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer scores, ffi::AnyBuffer lse, ffi::AnyBuffer mask,
+                                ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
+                                float keep_scale, ffi::Result<ffi::AnyBuffer> dscores) {
+  Dims d;
+  MaskView m;
+  if (auto e = scores_dims(kBwd, scores, d); e.failure()) return e;
+  if (auto e = mask_view(kBwd, mask, mask_kind, d, m); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "dy", dy, scores.element_type(), d.count()); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "lse", lse, ffi::DataType::F32, d.rows()); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "seed", seed, ffi::DataType::U32, 2); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "dscores", *dscores, scores.element_type(), d.count()); e.failure()) return e;
+  return dispatch_float<HostTypes>(scores.element_type(), kBwd, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    const T* s = data<T>(scores);
+    const T* dys = data<T>(dy);
+    const float* lses = data<float>(lse);
+    T* ds = data<T>(dscores);
+    const uint32_t* key = data<uint32_t>(seed);
+    std::vector<float> p(d.sk), g(d.sk);
+    std::vector<uint8_t> keep(d.sk);
+    int64_t r = 0;
+    for (int64_t b = 0; b < d.b; ++b) {
+      for (int64_t h = 0; h < d.h; ++h) {
+        for (int64_t i = 0; i < d.sq; ++i, ++r) {
+          T* out = ds + r * d.sk;
+          // A row with no visible key has no probabilities, hence no gradient; checking
+          // lse first also keeps exp(-inf - -inf) = NaN out of it.
+          if (!(lses[r] > kNegInf)) {
+            for (int64_t j = 0; j < d.sk; ++j) out[j] = from_float<T>(0.f);
+            continue;
+          }
+          masked_row(s + r * d.sk, d, m, scale, causal, b, h, i, p.data());
+          keep_row(key, threshold, static_cast<uint64_t>(r * d.sk), d.sk, keep);
+          double dot = 0.0;  // sum_j g_j p_j
+          for (int64_t j = 0; j < d.sk; ++j) {
+            p[j] = std::exp(p[j] - lses[r]);
+            g[j] = keep[j] ? to_float(dys[r * d.sk + j]) * keep_scale : 0.f;
+            dot += static_cast<double>(g[j]) * p[j];
+          }
+          const float dotf = static_cast<float>(dot);
+          for (int64_t j = 0; j < d.sk; ++j) out[j] = from_float<T>(scale * p[j] * (g[j] - dotf));
+        }
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_softmax_dropout_fwd, jaxsub::SoftmaxDropoutFwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // scores
+                                  .Arg<xla::ffi::AnyBuffer>()   // mask
+                                  .Arg<xla::ffi::AnyBuffer>()   // seed
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Ret<xla::ffi::AnyBuffer>()   // y
+                                  .Ret<xla::ffi::AnyBuffer>());  // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_softmax_dropout_bwd, jaxsub::SoftmaxDropoutBwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // dy
+                                  .Arg<xla::ffi::AnyBuffer>()   // scores
+                                  .Arg<xla::ffi::AnyBuffer>()   // lse
+                                  .Arg<xla::ffi::AnyBuffer>()   // mask
+                                  .Arg<xla::ffi::AnyBuffer>()   // seed
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Ret<xla::ffi::AnyBuffer>());  // dscores

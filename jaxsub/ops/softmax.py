@@ -1,5 +1,187 @@
-"""STUB"""
+"""Scaled, masked softmax + dropout over the last axis, fused (paper: SM forward, BS backward).
+
+The attention probabilities of a transformer: y = dropout(softmax(scale * scores + mask)).
+The fused kernels read the scores once and write the probabilities once; forward saves
+only the log-sum-exp of each row (f32) besides the input, and backward recomputes the
+probabilities from scores and lse and regenerates the dropout mask from the seed.
+
+Layout of this module: reference, ffi_call wrappers, custom_vjp, public function.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsub import _ffi
+from jaxsub.ops import dropout as _dropout
+from jaxsub.ops import masks as _masks
+
+_OP = "softmax_dropout"
+_F32 = jnp.dtype(jnp.float32)
+_DTYPES = (_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def softmax_dropout(*a, **k):
-    raise NotImplementedError
+# ---------------------------------------------------------------------------------------
+# Reference: fp32 compute, output in scores.dtype. The test oracle and the fallback.
+
+
+def _causal_visible(sq: int, sk: int):
+    """[Sq, Sk] bool: query i sees key j when j <= i + (Sk - Sq) (bottom-right aligned)."""
+    return jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
+
+
+def reference_softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, keep=None, rate=0.0):
+    """Pure-JAX softmax(scale * scores (+ mask)) over the last axis, then dropout.
+
+    `mask` broadcasts to scores: boolean (True = attend) or additive (floating, added to
+    the scaled scores). `causal` hides keys j > i + (Sk - Sq). A row with no visible key
+    gives zeros (and zero gradients). `keep` is the boolean keep-mask of scores' shape
+    (None = no dropout); kept values are scaled by 1 / (1 - rate).
+    """
+    s = scores.astype(_F32) * jnp.float32(scale)
+    visible = None
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype == jnp.bool_:
+            visible = mask
+        else:
+            s = s + mask.astype(_F32)
+    if causal:
+        c = _causal_visible(*scores.shape[-2:])
+        visible = c if visible is None else visible & c
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+    # Safe max and denominator: a fully masked row has max -inf and sum 0, and must give
+    # zeros without a NaN in either pass. The max only shifts, so it carries no gradient.
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))
+    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(total > 0.0, total, 1.0)
+    return _dropout.apply_reference(p, keep, rate).astype(scores.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# ffi_call wrappers, argument for argument as cuda/ABI.md lists them. scores: [B, H, Sq, Sk].
+
+
+def _attrs(scale, causal, kind, rate):
+    return dict(scale=np.float32(scale), causal=bool(causal), mask_kind=np.int32(kind),
+                threshold=_dropout.threshold(rate), keep_scale=_dropout.keep_scale(rate))
+
+
+def _fwd_call(scores, mask, seed, scale, causal, kind, rate):
+    return _ffi.call(
+        "jaxsub_softmax_dropout_fwd",
+        (jax.ShapeDtypeStruct(scores.shape, scores.dtype), jax.ShapeDtypeStruct(scores.shape[:-1], _F32)),
+        scores, mask, seed, **_attrs(scale, causal, kind, rate))
+
+
+def _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate):
+    return _ffi.call(
+        "jaxsub_softmax_dropout_bwd", jax.ShapeDtypeStruct(scores.shape, scores.dtype),
+        dy, scores, lse, mask, seed, **_attrs(scale, causal, kind, rate))
+
+
+# ---------------------------------------------------------------------------------------
+# custom_vjp. The mask and the seed are primals so that they may be traced (jit, vmap over
+# masks or keys); neither is differentiated: an additive mask gets a zero cotangent, like
+# the integer seed. scale, causal, mask kind and rate are static.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(scores, mask, seed, scale, causal, kind, rate):
+    return _fwd_call(scores, mask, seed, scale, causal, kind, rate)[0]
+
+
+def _fused_fwd(scores, mask, seed, scale, causal, kind, rate):
+    y, lse = _fwd_call(scores, mask, seed, scale, causal, kind, rate)
+    return y, (scores, lse, mask, seed)
+
+
+def _fused_bwd(scale, causal, kind, rate, res, dy):
+    scores, lse, mask, seed = res
+    return _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate), None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ---------------------------------------------------------------------------------------
+# Public function.
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{_OP}: `scale` must be a Python number, got {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"jaxsub.{_OP}: `scale` must be a static Python number, got {scale!r}") from e
+    if not math.isfinite(value):
+        raise ValueError(f"jaxsub.{_OP}: `scale` must be finite, got {value}")
+    return value
+
+
+def _check_scores(scores):
+    scores = scores if isinstance(scores, jax.Array) else jnp.asarray(scores)
+    if scores.ndim < 2:
+        raise ValueError(f"jaxsub.{_OP}: `scores` must have rank >= 2 [..., Sq, Sk], got shape {scores.shape}")
+    if scores.dtype not in _DTYPES:
+        raise TypeError(f"jaxsub.{_OP}: `scores` must be float32, bfloat16 or float16, got {scores.dtype}")
+    return scores
+
+
+def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key=None):
+    """dropout(softmax(scale * scores (+ mask))) over the last axis, fused.
+
+    Args:
+      scores: [..., Sq, Sk] (rank >= 2), float32, bfloat16 or float16; for attention
+        [B, H, Sq, Sk].
+      scale: static finite Python number multiplying the scores before the mask.
+      mask: None, or an array broadcastable to scores: boolean (True = attend) or
+        floating (additive, added to the scaled scores in f32). It is not differentiated.
+      causal: query i sees keys j <= i + (Sk - Sq), i.e. bottom-right aligned, so with
+        Sq < Sk the last query sees every key (decoding with a cache). Combines with mask.
+      rate: dropout probability, a static float in [0, 1).
+      key: a JAX PRNG key (typed or raw), required when rate > 0; it may be traced.
+
+    Returns:
+      The probabilities after dropout, of scores' shape and dtype. Softmax is computed in
+      f32 and rounded once. A row with no visible key is all zeros, with zero gradient.
+
+    Dropout is generated in the kernel with Philox4x32-10 from a seed derived from `key`:
+    scores is viewed as [B, H, Sq, Sk] with H = scores.shape[-3] (1 for rank 2) and B the
+    product of the dims before it, and element (b, h, i, j) is kept by its row-major index
+    ((b * H + h) * Sq + i) * Sk + j, as in fused attention. For 4-D scores
+    `jaxsub.ops.dropout_mask(key, scores.shape, rate)` returns exactly the keep-mask used
+    (for other ranks, that of shape (B, H, Sq, Sk) reshaped to scores.shape), so
+    `reference_softmax_dropout(scores, ..., keep=mask, rate=rate)` reproduces the result.
+    Backward recomputes the probabilities from the scores and the saved per-row
+    log-sum-exp and regenerates the mask; nothing else is stored.
+    """
+    scores = _check_scores(scores)
+    scale = _check_scale(scale)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{_OP}: `causal` must be a Python bool, got {causal!r}")
+    causal = bool(causal)
+    rate = _dropout.check_rate(_OP, rate)
+    *leading, sq, sk = scores.shape
+    b, h = math.prod(leading[:-1]), (leading[-1] if leading else 1)
+    mask4, kind = _masks.normalize(_OP, mask, tuple(leading), sq, sk, key_padding_ok=False)
+    seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
+
+    if sk > _ffi.MAX_COLS or scores.size == 0:
+        _ffi.fallback(_OP, "zero-size input" if scores.size == 0 else f"last dimension {sk} > {_ffi.MAX_COLS}")
+        keep = None
+        if rate > 0.0 and scores.size:
+            keep = _dropout.dropout_mask(key, (b, h, sq, sk), rate).reshape(scores.shape)
+        if mask is not None:
+            mask = jax.lax.stop_gradient(jnp.asarray(mask))
+        return reference_softmax_dropout(scores, scale=scale, mask=mask, causal=causal, keep=keep, rate=rate)
+    y = _fused(scores.reshape(b, h, sq, sk), jnp.asarray(mask4), jnp.asarray(seed), scale, causal, kind, rate)
+    return y.reshape(scores.shape)
