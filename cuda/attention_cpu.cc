@@ -1,7 +1,339 @@
-// STUB: replaced by the family's real CPU handlers.
+// CPU handlers for fused attention (ABI.md, "Attention family": attention_fwd / _bwd).
+// Plain loops over (b, h, i) rows, f32 element math with double dot products and row
+// sums, so these handlers are a tight oracle for the CUDA kernels and for the unfused path.
+// Nothing [B, H, Sq, Sk] is stored: each row's scores are recomputed from q and k, and
+// backward regenerates probabilities from lse and the dropout mask from the seed.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
 #include "common.h"
-namespace jaxsub { namespace {
-ffi::Error Stub() { return ffi::Error(ffi::ErrorCode::kUnimplemented, "not implemented"); }
-} }
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_fwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::Stub, xla::ffi::Ffi::Bind());
+#include "philox.h"
+
+namespace jaxsub {
+namespace {
+
+constexpr const char* kFwd = "attention_fwd";
+constexpr const char* kBwd = "attention_bwd";
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum MaskKind : int32_t { kNoMask = 0, kBoolMask = 1, kAddMask = 2 };
+
+// ---------------------------------------------------------------------------------------
+// Shapes and checks.
+
+struct Dims {
+  int64_t b, sq, sk, h, d;
+};
+
+// A mask [Bm, Hm, Sqm, Skm] read with broadcasting: a dim of size 1 is read at index 0.
+struct Mask {
+  const void* ptr = nullptr;
+  int32_t kind = kNoMask;
+  int64_t bm = 1, hm = 1, sqm = 1, skm = 1;
+
+  // Index of the first element of the row (b, h, i); consecutive j follow with step `step`.
+  int64_t row(int64_t b, int64_t h, int64_t i) const {
+    return ((bm == 1 ? 0 : b) * hm + (hm == 1 ? 0 : h)) * sqm * skm + (sqm == 1 ? 0 : i) * skm;
+  }
+  int64_t step() const { return skm == 1 ? 0 : 1; }
+};
+
+ffi::Error check_like(const char* op, const char* name, const ffi::AnyBuffer& b, ffi::DataType dtype,
+                      size_t count) {
+  if (b.element_type() == dtype && b.element_count() == count) return ffi::Error::Success();
+  return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
+}
+
+// q: T[B, Sq, H, D]; k, v: T[B, Sk, H, D]; seed: u32[2].
+ffi::Error qkv_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                    const ffi::AnyBuffer& seed, Dims& out) {
+  auto dq = q.dimensions(), dk = k.dimensions(), dv = v.dimensions();
+  if (dq.size() != 4 || dk.size() != 4 || dv.size() != 4) return invalid(op, "q, k and v must have rank 4");
+  out = Dims{dq[0], dq[1], dk[1], dq[2], dq[3]};
+  if (dk[0] != out.b || dk[2] != out.h || dk[3] != out.d)
+    return invalid(op, "k must be [B, Sk, H, D] with q's B, H and D");
+  for (int a = 0; a < 4; ++a) {
+    if (dv[a] != dk[a]) return invalid(op, "v must have k's shape");
+  }
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
+    return invalid(op, "q, k and v must have one dtype");
+  return check_like(op, "seed", seed, ffi::DataType::U32, 2);
+}
+
+ffi::Error mask_view(const char* op, const ffi::AnyBuffer& m, int32_t kind, const Dims& d, Mask& out) {
+  out = Mask{};
+  out.kind = kind;
+  if (kind == kNoMask) return ffi::Error::Success();
+  if (kind != kBoolMask && kind != kAddMask) return invalid(op, "mask_kind must be 0, 1 or 2");
+  const ffi::DataType want = kind == kBoolMask ? ffi::DataType::PRED : ffi::DataType::F32;
+  if (m.element_type() != want) return invalid(op, "mask must be pred (mask_kind 1) or f32 (mask_kind 2)");
+  auto md = m.dimensions();
+  const int64_t full[4] = {d.b, d.h, d.sq, d.sk};
+  if (md.size() != 4) return invalid(op, "mask must have rank 4");
+  for (int a = 0; a < 4; ++a) {
+    if (md[a] != 1 && md[a] != full[a]) return invalid(op, "mask dims must be 1 or the full [B, H, Sq, Sk]");
+  }
+  out.ptr = m.untyped_data();
+  out.bm = md[0], out.hm = md[1], out.sqm = md[2], out.skm = md[3];
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------
+// One (b, h, i) row: its scaled, masked scores and probabilities.
+
+struct RowCtx {
+  Dims d;
+  float scale;
+  bool causal;
+  Mask mask;
+  const uint32_t* seed;
+  uint32_t threshold;
+  float keep_scale;
+};
+
+// Offset of position s (of a sequence of length seq) of head h in a [B, seq, H, D] tensor.
+int64_t at(const Dims& d, int64_t b, int64_t s, int64_t seq, int64_t h) { return ((b * seq + s) * d.h + h) * d.d; }
+
+template <typename T>
+double dot(const T* a, const T* b, int64_t n) {
+  double acc = 0.0;
+  for (int64_t c = 0; c < n; ++c) acc += static_cast<double>(to_float(a[c])) * to_float(b[c]);
+  return acc;
+}
+
+// s: f32[Sk], the scaled (and additively masked) scores of row (b, h, i); kNegInf where
+// the key is not visible. Returns the row maximum (kNegInf when no key is visible).
+template <typename T>
+float row_scores(const RowCtx& c, const T* q, const T* k, int64_t b, int64_t h, int64_t i, float* s) {
+  const Dims& d = c.d;
+  const T* qi = q + at(d, b, i, d.sq, h);
+  const int64_t last = i + (d.sk - d.sq);  // causal: keys j <= last are visible
+  const int64_t m0 = c.mask.row(b, h, i), ms = c.mask.step();
+  float mx = kNegInf;
+  for (int64_t j = 0; j < d.sk; ++j) {
+    bool visible = !c.causal || j <= last;
+    if (visible && c.mask.kind == kBoolMask) visible = static_cast<const bool*>(c.mask.ptr)[m0 + j * ms];
+    float v = kNegInf;
+    if (visible) {
+      v = static_cast<float>(dot(qi, k + at(d, b, j, d.sk, h), d.d)) * c.scale;
+      if (c.mask.kind == kAddMask) v += static_cast<const float*>(c.mask.ptr)[m0 + j * ms];
+    }
+    s[j] = v;
+    if (v > mx) mx = v;
+  }
+  return mx;
+}
+
+// Keep decision of probability (b, h, i, j): one Philox call per eight consecutive j.
+class RowKeep {
+ public:
+  RowKeep(const RowCtx& c, int64_t b, int64_t h, int64_t i)
+      : seed_(c.seed), threshold_(c.threshold), base_(static_cast<uint64_t>(((b * c.d.h + h) * c.d.sq + i) * c.d.sk)) {}
+
+  bool operator()(int64_t j) {
+    if (threshold_ == 0) return true;
+    const uint64_t idx = base_ + static_cast<uint64_t>(j), blk = idx >> 3;
+    if (blk != blk_) {
+      blk_ = blk;
+      words_ = dropout_words(seed_, blk);
+    }
+    return lane16(words_, static_cast<int>(idx & 7)) >= threshold_;
+  }
+
+ private:
+  const uint32_t* seed_;
+  uint32_t threshold_;
+  uint64_t base_;
+  uint64_t blk_ = ~uint64_t{0};
+  U32x4 words_{};
+};
+
+// ---------------------------------------------------------------------------------------
+// Forward and backward over all rows.
+
+// out: T[B, Sq, H, D]; lse: f32[B, H, Sq].
+template <typename T>
+void attention_fwd(const RowCtx& c, const T* q, const T* k, const T* v, T* out, float* lse) {
+  const Dims& d = c.d;
+  std::vector<float> s(d.sk);
+  std::vector<double> acc(d.d);
+  for (int64_t b = 0; b < d.b; ++b) {
+    for (int64_t h = 0; h < d.h; ++h) {
+      for (int64_t i = 0; i < d.sq; ++i) {
+        T* oi = out + at(d, b, i, d.sq, h);
+        float& lse_i = lse[(b * d.h + h) * d.sq + i];
+        const float mx = row_scores(c, q, k, b, h, i, s.data());
+        if (mx == kNegInf) {  // no visible key: probabilities, output and gradients are 0
+          lse_i = kNegInf;
+          for (int64_t e = 0; e < d.d; ++e) oi[e] = from_float<T>(0.f);
+          continue;
+        }
+        double sum = 0.0;
+        for (int64_t j = 0; j < d.sk; ++j) {
+          s[j] = std::exp(s[j] - mx);
+          sum += s[j];
+        }
+        lse_i = mx + static_cast<float>(std::log(sum));
+        const float inv = static_cast<float>(1.0 / sum);
+        std::fill(acc.begin(), acc.end(), 0.0);
+        RowKeep keep(c, b, h, i);
+        for (int64_t j = 0; j < d.sk; ++j) {
+          if (s[j] == 0.f || !keep(j)) continue;
+          const float pd = s[j] * inv * c.keep_scale;
+          const T* vj = v + at(d, b, j, d.sk, h);
+          for (int64_t e = 0; e < d.d; ++e) acc[e] += static_cast<double>(pd) * to_float(vj[e]);
+        }
+        for (int64_t e = 0; e < d.d; ++e) oi[e] = from_float<T>(static_cast<float>(acc[e]));
+      }
+    }
+  }
+}
+
+// dout, out: T[B, Sq, H, D]; lse: f32[B, H, Sq]; dq: T[B, Sq, H, D]; dk, dv: T[B, Sk, H, D].
+template <typename T>
+void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                   const float* lse, T* dq, T* dk, T* dv) {
+  const Dims& d = c.d;
+  std::vector<float> p(d.sk);
+  std::vector<double> dqi(d.d), dkh(d.sk * d.d), dvh(d.sk * d.d);
+  for (int64_t b = 0; b < d.b; ++b) {
+    for (int64_t h = 0; h < d.h; ++h) {
+      std::fill(dkh.begin(), dkh.end(), 0.0);
+      std::fill(dvh.begin(), dvh.end(), 0.0);
+      for (int64_t i = 0; i < d.sq; ++i) {
+        const int64_t qi = at(d, b, i, d.sq, h);
+        const float lse_i = lse[(b * d.h + h) * d.sq + i];
+        std::fill(dqi.begin(), dqi.end(), 0.0);
+        if (lse_i != kNegInf) {
+          row_scores(c, q, k, b, h, i, p.data());
+          // delta = sum_j dP_j P_j = dO . O (ABI.md), so no second pass over the row.
+          const float delta = static_cast<float>(dot(dout + qi, out + qi, d.d));
+          RowKeep keep(c, b, h, i);
+          for (int64_t j = 0; j < d.sk; ++j) {
+            const float pj = std::exp(p[j] - lse_i);
+            if (pj == 0.f) continue;
+            const int64_t kj = at(d, b, j, d.sk, h);
+            const bool kept = keep(j);
+            const float dpd = static_cast<float>(dot(dout + qi, v + kj, d.d));
+            const float dp = kept ? dpd * c.keep_scale : 0.f;
+            const float ds = pj * (dp - delta) * c.scale;
+            const float pd = kept ? pj * c.keep_scale : 0.f;
+            double* dkj = dkh.data() + j * d.d;
+            double* dvj = dvh.data() + j * d.d;
+            for (int64_t e = 0; e < d.d; ++e) {
+              dqi[e] += static_cast<double>(ds) * to_float(k[kj + e]);
+              dkj[e] += static_cast<double>(ds) * to_float(q[qi + e]);
+              dvj[e] += static_cast<double>(pd) * to_float(dout[qi + e]);
+            }
+          }
+        }
+        for (int64_t e = 0; e < d.d; ++e) dq[qi + e] = from_float<T>(static_cast<float>(dqi[e]));
+      }
+      for (int64_t j = 0; j < d.sk; ++j) {
+        const int64_t kj = at(d, b, j, d.sk, h);
+        for (int64_t e = 0; e < d.d; ++e) {
+          dk[kj + e] = from_float<T>(static_cast<float>(dkh[j * d.d + e]));
+          dv[kj + e] = from_float<T>(static_cast<float>(dvh[j * d.d + e]));
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// FFI handlers.
+
+// q: T[B, Sq, H, D]; k, v: T[B, Sk, H, D]; mask: [Bm, Hm, Sqm, Skm] (pred or f32);
+// seed: u32[2] -> out: T[B, Sq, H, D]; lse: f32[B, H, Sq].
+ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                           ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
+                           float keep_scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+  Dims d;
+  Mask m;
+  if (auto e = qkv_dims(kFwd, q, k, v, seed, d); e.failure()) return e;
+  if (auto e = mask_view(kFwd, mask, mask_kind, d, m); e.failure()) return e;
+  if (auto e = check_like(kFwd, "out", *out, q.element_type(), q.element_count()); e.failure()) return e;
+  if (auto e = check_like(kFwd, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  return dispatch_float<HostTypes>(q.element_type(), kFwd, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    attention_fwd<T>(c, data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse));
+    return ffi::Error::Success();
+  });
+}
+
+// dout: T[B, Sq, H, D]; q: T[B, Sq, H, D]; k, v: T[B, Sk, H, D]; out: T[B, Sq, H, D];
+// lse: f32[B, H, Sq]; mask: [Bm, Hm, Sqm, Skm]; seed: u32[2]
+//   -> dq: T[B, Sq, H, D]; dk, dv: T[B, Sk, H, D]; workspaces f32[B, H, Sq] and
+//      f32[B, Sq, H, D] (GPU scratch, untouched here).
+ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::AnyBuffer seed,
+                           float scale, bool causal, int32_t mask_kind, uint32_t threshold, float keep_scale,
+                           ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                           ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
+                           ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
+  Dims d;
+  Mask m;
+  if (auto e = qkv_dims(kBwd, q, k, v, seed, d); e.failure()) return e;
+  if (auto e = mask_view(kBwd, mask, mask_kind, d, m); e.failure()) return e;
+  const ffi::DataType t = q.element_type();
+  const size_t nq = q.element_count(), nk = k.element_count();
+  if (auto e = check_like(kBwd, "dout", dout, t, nq); e.failure()) return e;
+  if (auto e = check_like(kBwd, "out", out, t, nq); e.failure()) return e;
+  if (auto e = check_like(kBwd, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
+  if (auto e = check_like(kBwd, "dq", *dq, t, nq); e.failure()) return e;
+  if (auto e = check_like(kBwd, "dk", *dk, t, nk); e.failure()) return e;
+  if (auto e = check_like(kBwd, "dv", *dv, t, nk); e.failure()) return e;
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  return dispatch_float<HostTypes>(t, kBwd, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    attention_bwd<T>(c, data<T>(dout), data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse),
+                     data<T>(dq), data<T>(dk), data<T>(dv));
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+// Bindings in ABI.md's order: arguments, then attributes, then results.
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_fwd, jaxsub::AttentionFwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // q
+                                  .Arg<xla::ffi::AnyBuffer>()   // k
+                                  .Arg<xla::ffi::AnyBuffer>()   // v
+                                  .Arg<xla::ffi::AnyBuffer>()   // mask
+                                  .Arg<xla::ffi::AnyBuffer>()   // seed
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Ret<xla::ffi::AnyBuffer>()   // out
+                                  .Ret<xla::ffi::AnyBuffer>());  // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // dout
+                                  .Arg<xla::ffi::AnyBuffer>()   // q
+                                  .Arg<xla::ffi::AnyBuffer>()   // k
+                                  .Arg<xla::ffi::AnyBuffer>()   // v
+                                  .Arg<xla::ffi::AnyBuffer>()   // out
+                                  .Arg<xla::ffi::AnyBuffer>()   // lse
+                                  .Arg<xla::ffi::AnyBuffer>()   // mask
+                                  .Arg<xla::ffi::AnyBuffer>()   // seed
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Ret<xla::ffi::AnyBuffer>()   // dq
+                                  .Ret<xla::ffi::AnyBuffer>()   // dk
+                                  .Ret<xla::ffi::AnyBuffer>()   // dv
+                                  .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator

@@ -1,5 +1,262 @@
-"""STUB"""
+"""Multi-head attention: out = dropout(softmax(scale * Q Kᵀ + mask)) V, per batch and head.
+
+Two implementations of the same function (cuda/ABI.md, "Attention family"):
+
+- "unfused", the paper's structure: the score GEMM in XLA, the fused softmax-dropout op
+  (`jaxsub.ops.softmax_dropout`, one pass over [B, H, Sq, Sk] in each direction), then
+  the GEMM with V.
+- "fused": one custom call per direction (`jaxsub_attention_fwd/_bwd`) that never writes
+  the [B, H, Sq, Sk] probabilities; forward saves only the per-row log-sum-exp.
+
+Both drop exactly the same probabilities: element (b, h, i, j) of the logical
+[B, H, Sq, Sk] tensor is kept or dropped by `dropout_mask(key, (B, H, Sq, Sk), rate)`,
+so `reference_attention(..., keep=that_mask)` reproduces either.
+
+Layout of this module: reference, ffi_call wrappers, custom_vjp, public function.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsub import _ffi
+from jaxsub.ops import dropout as _dropout
+from jaxsub.ops import masks as _masks
+from jaxsub.ops import softmax as _softmax
+
+_OP = "attention"
+_F32, _F64 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)
+_DTYPES = (_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# What the CUDA fused kernels take (ABI.md); the CPU handlers take any D and all _DTYPES.
+_CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_CUDA_HEAD_DIMS = (32, 64, 128)
+_IMPLEMENTATIONS = (None, "fused", "unfused")
 
 
-def attention(*a, **k):
-    raise NotImplementedError
+# ---------------------------------------------------------------------------------------
+# Reference.
+
+
+def _visible(kind, mask4d, causal, sq, sk):
+    """Boolean [*, *, Sq, Sk] (broadcastable): which keys each query may attend to."""
+    vis = jnp.ones((1, 1, 1, 1), jnp.bool_)
+    if kind == _masks.BOOLEAN:
+        vis = vis & mask4d
+    if causal:
+        i = jnp.arange(sq)[:, None]
+        j = jnp.arange(sk)[None, :]
+        vis = vis & (j <= i + (sk - sq))
+    return vis
+
+
+def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=None, rate=0.0):
+    """Pure-JAX attention: f32 compute (f64 when the inputs are f64), output in q.dtype.
+
+    q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; `mask` as in `attention`; `keep` is the boolean
+    keep-mask [B, H, Sq, Sk] (None = no dropout), kept probabilities scaled by
+    1 / (1 - rate). Rows with no visible key give zeros (and zero gradients), not NaN.
+    """
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    cdt = _F64 if q.dtype == _F64 else _F32
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(cdt), k.astype(cdt), precision=hi) * scale
+    if kind == _masks.ADDITIVE:
+        s = s + mask4d.astype(cdt)
+    vis = _visible(kind, mask4d, causal, sq, sk) & (s > -jnp.inf)
+    # Masked scores are replaced by 0 before exp (and zeroed after) so that no inf or NaN
+    # reaches the gradient; an empty row has denominator 0 and gives p = 0.
+    s = jnp.where(vis, s, 0.0)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(vis, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(denom > 0, denom, 1.0)
+    p = _dropout.apply_reference(p, keep, rate)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(cdt), precision=hi).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# ffi_call wrappers, argument for argument as cuda/ABI.md lists them.
+
+
+def _attrs(scale, causal, kind, rate):
+    return dict(scale=np.float32(scale), causal=causal, mask_kind=np.int32(kind),
+                threshold=_dropout.threshold(rate), keep_scale=_dropout.keep_scale(rate))
+
+
+def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
+    b, sq, h, _ = q.shape
+    return _ffi.call(
+        "jaxsub_attention_fwd",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)),
+        q, k, v, mask4d, seed,
+        **_attrs(scale, causal, kind, rate),
+    )
+
+
+def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
+    b, sq, h, _ = q.shape
+    dq, dk, dv, _, _ = _ffi.call(
+        "jaxsub_attention_bwd",
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((b, h, sq), _F32),
+            jax.ShapeDtypeStruct(q.shape, _F32),
+        ),
+        dout, q, k, v, out, lse, mask4d, seed,
+        **_attrs(scale, causal, kind, rate),
+    )
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------
+# custom_vjp for the fused path. The mask and the seed are primals (they may be traced:
+# jit, vmap over masks or keys) that get no cotangent; scale, causal, the mask kind and
+# the rate are static attributes.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fused(q, k, v, mask4d, seed, scale, causal, kind, rate):
+    return _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)[0]
+
+
+def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate):
+    out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
+    return out, (q, k, v, out, lse, mask4d, seed)
+
+
+def _fused_bwd(scale, causal, kind, rate, res, dout):
+    q, k, v, out, lse, mask4d, seed = res
+    dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
+    return dq, dk, dv, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ---------------------------------------------------------------------------------------
+# Public function.
+
+
+def _unfused(q, k, v, mask4d, kind, causal, scale, rate, key):
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=_F32).astype(q.dtype)
+    p = _softmax.softmax_dropout(scores, scale=scale, mask=None if kind == _masks.NONE else mask4d,
+                                 causal=causal, rate=rate, key=key)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=_F32).astype(q.dtype)
+
+
+def _platform(q) -> str:
+    """Where `q` lives: its device's platform when concrete, else the default backend."""
+    if isinstance(q, jax.core.Tracer):
+        return jax.default_backend()
+    return next(iter(q.devices())).platform
+
+
+def _fused_unsupported(q) -> str | None:
+    """Why the fused kernels cannot run on q's platform (None when they can)."""
+    platform = _platform(q)
+    if platform == "cpu":
+        return None
+    if platform != "gpu" or not _ffi.has_cuda_target("jaxsub_attention_fwd"):
+        return f"no fused attention kernel for platform {platform!r} in this build, running the unfused path"
+    if q.dtype not in _CUDA_DTYPES:
+        return f"the CUDA fused kernel takes bfloat16/float16, not {q.dtype}; running the unfused path"
+    if q.shape[-1] not in _CUDA_HEAD_DIMS:
+        return f"the CUDA fused kernel takes head dims {_CUDA_HEAD_DIMS}, not {q.shape[-1]}; running the unfused path"
+    return None
+
+
+def _check_inputs(q, k, v):
+    arrays = []
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        a = a if isinstance(a, jax.Array) else jnp.asarray(a)
+        if a.ndim != 4:
+            raise ValueError(f"jaxsub.{_OP}: `{name}` must have rank 4 [B, S, H, D], got shape {a.shape}")
+        arrays.append(a)
+    q, k, v = arrays
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"jaxsub.{_OP}: `q` must be float32, bfloat16 or float16, got {q.dtype}")
+    for name, a in (("k", k), ("v", v)):
+        if a.dtype != q.dtype:
+            raise TypeError(f"jaxsub.{_OP}: `{name}` must have q's dtype ({q.dtype}), got {a.dtype}")
+    for axis, dim in ((0, "B"), (2, "H"), (3, "D")):
+        if k.shape[axis] != q.shape[axis]:
+            raise ValueError(f"jaxsub.{_OP}: `k` must have q's {dim} ({q.shape[axis]}), got shape {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"jaxsub.{_OP}: `v` must have k's shape {k.shape} (same Sk), got {v.shape}")
+    return q, k, v
+
+
+def _check_scale(scale, d) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    try:
+        scale = float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"jaxsub.{_OP}: `scale` must be a static Python float or None, got {scale!r}") from e
+    if not math.isfinite(scale):
+        raise ValueError(f"jaxsub.{_OP}: `scale` must be finite, got {scale}")
+    return scale
+
+
+def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0, key=None,
+              implementation=None):
+    """Scaled dot-product attention with optional mask, causal masking and dropout.
+
+    Args:
+      q: queries [B, Sq, H, D]; float32, bfloat16 or float16.
+      k, v: keys and values [B, Sk, H, D], q's dtype, B, H and D.
+      mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
+        (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
+        mask broadcastable to [B, H, Sq, Sk]. The mask is a constant: it gets no gradient.
+      causal: query i attends to keys j <= i + (Sk - Sq), i.e. the causal diagonal is
+        aligned to the bottom-right corner, so that with Sq < Sk the queries are the last
+        Sq positions of the key sequence (decoding with a cache). With Sq > Sk the first
+        Sq - Sk queries see no key. Combines with `mask` (both must allow a key).
+      scale: static float multiplying Q Kᵀ; default 1 / sqrt(D).
+      dropout_rate: static float in [0, 1), dropout on the attention probabilities.
+      key: a JAX PRNG key, required when dropout_rate > 0 (may be traced).
+      implementation: "fused" (one kernel per direction, no [B, H, Sq, Sk] tensor in
+        memory), "unfused" (score GEMM, fused softmax-dropout, GEMM), or None, which is
+        "unfused" for now: the layout selector will pick by timing once both are tuned.
+        "fused" on a GPU without a CUDA fused kernel for this build, dtype (float32) or head
+        dim (not 32, 64 or 128) runs the unfused path with a one-time log line.
+
+    Returns:
+      [B, Sq, H, D] in q's dtype. A query with no visible key gets zeros and zero
+      gradients. Probability (b, h, i, j) is dropped exactly where
+      `dropout_mask(key, (B, H, Sq, Sk), dropout_rate)` is False, in both implementations.
+    """
+    q, k, v = _check_inputs(q, k, v)
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(f"jaxsub.{_OP}: `implementation` must be None, 'fused' or 'unfused', got {implementation!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{_OP}: `causal` must be a Python bool, got {causal!r}")
+    causal = bool(causal)
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    scale = _check_scale(scale, d)
+    rate = _dropout.check_rate(_OP, dropout_rate, "dropout_rate")
+    seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
+    mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True)
+    mask4d = jax.lax.stop_gradient(mask4d)
+
+    if q.size == 0 or k.size == 0:
+        _ffi.fallback(_OP, "zero-size input")
+        return jnp.zeros(q.shape, q.dtype)
+    if implementation == "fused":
+        reason = _fused_unsupported(q)
+        if reason is None:
+            return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
+        _ffi.fallback(_OP, reason)
+    return _unfused(q, k, v, mask4d, kind, causal, scale, rate, key if rate > 0.0 else None)
