@@ -56,9 +56,9 @@ def _warn_once(key: str, message: str) -> None:
     log.warning(message)
 
 
-def fallback(op: str, reason: str) -> None:
-    """One log line per (op, reason) when an op runs its pure-JAX reference instead."""
-    _warn_once(f"{op}:{reason}", f"jaxsub.{op}: {reason}; using the reference implementation")
+def fallback(op: str, reason: str, instead: str = "the reference implementation") -> None:
+    """One log line per (op, reason) when an op runs something other than its kernel."""
+    _warn_once(f"{op}:{reason}", f"jaxsub.{op}: {reason}; using {instead}")
 
 
 def call(target: str, out_types, *args, **attrs):

@@ -1,4 +1,5 @@
-"""Attention masks in the one form the attention-family handlers read (cuda/ABI.md).
+"""Arguments shared by the attention family (softmax_dropout, attention): masks in the one
+form the handlers read (cuda/ABI.md), the score scale, and the FFI attributes.
 
 A user's mask — a boolean key-padding mask [B, Sk], or a boolean or additive mask
 broadcastable to the probability tensor [..., Sq, Sk] — becomes a 4-D buffer
@@ -10,9 +11,13 @@ broadcastable to the probability tensor [..., Sq, Sk] — becomes a 4-D buffer
 from __future__ import annotations
 
 import math
+import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxsub.ops import dropout
 
 NONE, BOOLEAN, ADDITIVE = 0, 1, 2
 _DUMMY = np.zeros((1, 1, 1, 1), np.bool_)
@@ -56,3 +61,22 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
             mask = jnp.broadcast_to(mask, tuple(b_dims_f) + tuple(mask.shape[len(b_dims_f):]))
         bm = math.prod(b_dims_f)
     return mask.reshape(bm, h_m, shape[-2], shape[-1]), kind
+
+
+def check_scale(op: str, scale) -> float:
+    """A static, finite Python number (strings and booleans are not scales)."""
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)):
+        raise TypeError(f"jaxsub.{op}: `scale` must be a Python number, got {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"jaxsub.{op}: `scale` must be a static Python number, got {scale!r}") from e
+    if not math.isfinite(value):
+        raise ValueError(f"jaxsub.{op}: `scale` must be finite, got {value}")
+    return value
+
+
+def attrs(scale: float, causal: bool, kind: int, rate: float) -> dict:
+    """The FFI attributes every attention-family target takes (cuda/ABI.md)."""
+    return dict(scale=np.float32(scale), causal=bool(causal), mask_kind=np.int32(kind),
+                threshold=dropout.threshold(rate), keep_scale=dropout.keep_scale(rate))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -70,22 +69,17 @@ def reference_softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, kee
 # ffi_call wrappers, argument for argument as cuda/ABI.md lists them. scores: [B, H, Sq, Sk].
 
 
-def _attrs(scale, causal, kind, rate):
-    return dict(scale=np.float32(scale), causal=bool(causal), mask_kind=np.int32(kind),
-                threshold=_dropout.threshold(rate), keep_scale=_dropout.keep_scale(rate))
-
-
 def _fwd_call(scores, mask, seed, scale, causal, kind, rate):
     return _ffi.call(
         "jaxsub_softmax_dropout_fwd",
         (jax.ShapeDtypeStruct(scores.shape, scores.dtype), jax.ShapeDtypeStruct(scores.shape[:-1], _F32)),
-        scores, mask, seed, **_attrs(scale, causal, kind, rate))
+        scores, mask, seed, **_masks.attrs(scale, causal, kind, rate))
 
 
 def _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate):
     return _ffi.call(
         "jaxsub_softmax_dropout_bwd", jax.ShapeDtypeStruct(scores.shape, scores.dtype),
-        dy, scores, lse, mask, seed, **_attrs(scale, causal, kind, rate))
+        dy, scores, lse, mask, seed, **_masks.attrs(scale, causal, kind, rate))
 
 
 # ---------------------------------------------------------------------------------------
@@ -114,19 +108,6 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 # ---------------------------------------------------------------------------------------
 # Public function.
-
-
-def _check_scale(scale) -> float:
-    # float() would also take strings and booleans; neither is a meaningful scale.
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)):
-        raise TypeError(f"jaxsub.{_OP}: `scale` must be a Python number, got {scale!r}")
-    try:
-        value = float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise TypeError(f"jaxsub.{_OP}: `scale` must be a static Python number, got {scale!r}") from e
-    if not math.isfinite(value):
-        raise ValueError(f"jaxsub.{_OP}: `scale` must be finite, got {value}")
-    return value
 
 
 def _check_scores(scores):
@@ -167,7 +148,7 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
     log-sum-exp and regenerates the mask; nothing else is stored.
     """
     scores = _check_scores(scores)
-    scale = _check_scale(scale)
+    scale = _masks.check_scale(_OP, scale)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"jaxsub.{_OP}: `causal` must be a Python bool, got {causal!r}")
     causal = bool(causal)

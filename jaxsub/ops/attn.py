@@ -87,18 +87,13 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
 # ffi_call wrappers, argument for argument as cuda/ABI.md lists them.
 
 
-def _attrs(scale, causal, kind, rate):
-    return dict(scale=np.float32(scale), causal=causal, mask_kind=np.int32(kind),
-                threshold=_dropout.threshold(rate), keep_scale=_dropout.keep_scale(rate))
-
-
 def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
     b, sq, h, _ = q.shape
     return _ffi.call(
         "jaxsub_attention_fwd",
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)),
         q, k, v, mask4d, seed,
-        **_attrs(scale, causal, kind, rate),
+        **_masks.attrs(scale, causal, kind, rate),
     )
 
 
@@ -114,7 +109,7 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
         dout, q, k, v, out, lse, mask4d, seed,
-        **_attrs(scale, causal, kind, rate),
+        **_masks.attrs(scale, causal, kind, rate),
     )
     return dq, dk, dv
 
@@ -168,11 +163,11 @@ def _fused_unsupported(q) -> str | None:
     if platform == "cpu":
         return None
     if platform != "gpu" or not _ffi.has_cuda_target("jaxsub_attention_fwd"):
-        return f"no fused attention kernel for platform {platform!r} in this build, running the unfused path"
+        return f"no fused attention kernel for platform {platform!r} in this build"
     if q.dtype not in _CUDA_DTYPES:
-        return f"the CUDA fused kernel takes bfloat16/float16, not {q.dtype}; running the unfused path"
+        return f"the CUDA fused kernel takes bfloat16/float16, not {q.dtype}"
     if q.shape[-1] not in _CUDA_HEAD_DIMS:
-        return f"the CUDA fused kernel takes head dims {_CUDA_HEAD_DIMS}, not {q.shape[-1]}; running the unfused path"
+        return f"the CUDA fused kernel takes head dims {_CUDA_HEAD_DIMS}, not {q.shape[-1]}"
     return None
 
 
@@ -195,18 +190,6 @@ def _check_inputs(q, k, v):
     if v.shape != k.shape:
         raise ValueError(f"jaxsub.{_OP}: `v` must have k's shape {k.shape} (same Sk), got {v.shape}")
     return q, k, v
-
-
-def _check_scale(scale, d) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    try:
-        scale = float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise TypeError(f"jaxsub.{_OP}: `scale` must be a static Python float or None, got {scale!r}") from e
-    if not math.isfinite(scale):
-        raise ValueError(f"jaxsub.{_OP}: `scale` must be finite, got {scale}")
-    return scale
 
 
 def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0, key=None,
@@ -245,7 +228,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
     causal = bool(causal)
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    scale = _check_scale(scale, d)
+    scale = 1.0 / math.sqrt(d) if scale is None else _masks.check_scale(_OP, scale)
     rate = _dropout.check_rate(_OP, dropout_rate, "dropout_rate")
     seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
     mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True)
@@ -258,5 +241,5 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         reason = _fused_unsupported(q)
         if reason is None:
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
-        _ffi.fallback(_OP, reason)
+        _ffi.fallback(_OP, reason, instead="the unfused path")
     return _unfused(q, k, v, mask4d, kind, causal, scale, rate, key if rate > 0.0 else None)
