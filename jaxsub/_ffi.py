@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import jax
+import jax.numpy as jnp
 
 log = logging.getLogger("jaxsub")
 
 # Longest row (last dimension) the row kernels take (ABI.md); wider rows use the reference.
 MAX_COLS = 16384
+# Rows of the GPU's parameter-gradient workspaces (ABI.md: C = clamp(R, 1, 256)).
+WORKSPACE_ROWS = 256
 
 try:
     from jaxsub import _C
@@ -59,6 +63,12 @@ def _warn_once(key: str, message: str) -> None:
 def fallback(op: str, reason: str, instead: str = "the reference implementation") -> None:
     """One log line per (op, reason) when an op runs something other than its kernel."""
     _warn_once(f"{op}:{reason}", f"jaxsub.{op}: {reason}; using {instead}")
+
+
+def workspace(x, k: int) -> jax.ShapeDtypeStruct:
+    """The f32 [C, k, N] scratch result of a row kernel's backward over x [..., N]."""
+    rows = math.prod(x.shape[:-1])
+    return jax.ShapeDtypeStruct((min(max(rows, 1), WORKSPACE_ROWS), k, x.shape[-1]), jnp.float32)
 
 
 def call(target: str, out_types, *args, **attrs):

@@ -38,6 +38,11 @@ def keep_scale(rate: float) -> np.float32:
     return np.float32(1.0 / (1.0 - rate))
 
 
+def attrs(rate: float) -> dict:
+    """The dropout attributes of every fused op with dropout (cuda/ABI.md)."""
+    return dict(threshold=threshold(rate), keep_scale=keep_scale(rate))
+
+
 def seed_from_key(op: str, key) -> jax.Array:
     """Two uint32 words from any JAX PRNG key, passed to kernels as a device buffer.
 

@@ -18,8 +18,6 @@ from jaxsub.ops import dropout as _dropout
 
 _OP = "bias_gelu_dropout"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# ABI.md: the backward workspace has C = clamp(R, 1, 256) rows of partial sums.
-_MAX_WORKSPACE_ROWS = 256
 
 
 # ---------------------------------------------------------------------------------------
@@ -47,26 +45,21 @@ def _fwd_call(x, bias, seed, *, approximate, rate):
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         x, bias, seed,
         approximate=approximate,
-        threshold=_dropout.threshold(rate),
-        keep_scale=_dropout.keep_scale(rate),
+        **_dropout.attrs(rate),
     )
 
 
 def _bwd_call(dy, x, bias, seed, *, approximate, rate):
-    n = x.shape[-1]
-    rows = x.size // n
-    c = min(max(rows, 1), _MAX_WORKSPACE_ROWS)
     dx, dbias, _ = _ffi.call(
         "jaxsub_bias_gelu_dropout_bwd",
         (
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(bias.shape, bias.dtype),
-            jax.ShapeDtypeStruct((c, 1, n), jnp.float32),
+            _ffi.workspace(x, 1),
         ),
         dy, x, bias, seed,
         approximate=approximate,
-        threshold=_dropout.threshold(rate),
-        keep_scale=_dropout.keep_scale(rate),
+        **_dropout.attrs(rate),
     )
     return dx, dbias
 

@@ -78,5 +78,4 @@ def check_scale(op: str, scale) -> float:
 
 def attrs(scale: float, causal: bool, kind: int, rate: float) -> dict:
     """The FFI attributes every attention-family target takes (cuda/ABI.md)."""
-    return dict(scale=np.float32(scale), causal=bool(causal), mask_kind=np.int32(kind),
-                threshold=dropout.threshold(rate), keep_scale=dropout.keep_scale(rate))
+    return dict(scale=np.float32(scale), causal=bool(causal), mask_kind=np.int32(kind), **dropout.attrs(rate))

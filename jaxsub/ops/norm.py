@@ -26,8 +26,6 @@ from jaxsub.ops import dropout
 
 _F32 = jnp.dtype(jnp.float32)
 _ACTIVATION_DTYPES = (_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Rows of the GPU's parameter-gradient workspace (cuda/ABI.md).
-_WORKSPACE_ROWS = 256
 
 
 # ---------------------------------------------------------------------------------------
@@ -75,15 +73,6 @@ def _row_stats(x):
     return s, s
 
 
-def _workspace(x, k):
-    rows = math.prod(x.shape[:-1])
-    return jax.ShapeDtypeStruct((min(max(rows, 1), _WORKSPACE_ROWS), k, x.shape[-1]), _F32)
-
-
-def _dropout_attrs(rate):
-    return dict(threshold=dropout.threshold(rate), keep_scale=dropout.keep_scale(rate))
-
-
 def _layer_norm_fwd_call(x, scale, bias, eps):
     return _ffi.call("jaxsub_layer_norm_fwd", (_like(x), *_row_stats(x)), x, scale, bias,
                      eps=np.float32(eps))
@@ -91,21 +80,21 @@ def _layer_norm_fwd_call(x, scale, bias, eps):
 
 def _layer_norm_bwd_call(dy, x, scale, mean, rstd):
     dx, dscale, dbias, _ = _ffi.call(
-        "jaxsub_layer_norm_bwd", (_like(x), _like(scale), _like(scale), _workspace(x, 2)),
+        "jaxsub_layer_norm_bwd", (_like(x), _like(scale), _like(scale), _ffi.workspace(x, 2)),
         dy, x, scale, mean, rstd)
     return dx, dscale, dbias
 
 
 def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate):
     return _ffi.call("jaxsub_bdrln_fwd", (_like(x), *_row_stats(x)), x, bias, residual, scale,
-                     ln_bias, seed, eps=np.float32(eps), **_dropout_attrs(rate))
+                     ln_bias, seed, eps=np.float32(eps), **dropout.attrs(rate))
 
 
 def _bdrln_bwd_call(dy, x, bias, residual, scale, mean, rstd, seed, rate):
     *grads, _ = _ffi.call(
         "jaxsub_bdrln_bwd",
-        (_like(x), _like(bias), _like(x), _like(scale), _like(scale), _workspace(x, 3)),
-        dy, x, bias, residual, scale, mean, rstd, seed, **_dropout_attrs(rate))
+        (_like(x), _like(bias), _like(x), _like(scale), _like(scale), _ffi.workspace(x, 3)),
+        dy, x, bias, residual, scale, mean, rstd, seed, **dropout.attrs(rate))
     return grads
 
 
