@@ -1,0 +1,13 @@
+"""The jaxpr pass: find transformer patterns in a traced function, run them as fused ops."""
+
+from jaxsub.rewrite import patterns
+from jaxsub.rewrite.explain import Report, explain
+from jaxsub.rewrite.interpreter import optimize
+from jaxsub.rewrite.match_gelu import match_bias_gelu_dropout
+from jaxsub.rewrite.match_norm import match_layer_norm
+
+# Layer norm first: at a shared anchor the normalization is the larger pattern.
+patterns.register("layer_norm", match_layer_norm, priority=10)
+patterns.register("bias_gelu_dropout", match_bias_gelu_dropout, priority=20)
+
+__all__ = ["optimize", "explain", "Report", "patterns"]

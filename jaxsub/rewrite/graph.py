@@ -1,0 +1,219 @@
+"""A flat, rewritable view of a jaxpr.
+
+`build` turns a ClosedJaxpr into a `Graph` of `Node`s connected by `Ref`s. Calls to
+`jit`/`pjit`/`closed_call` are inlined (fresh `Ref`s per call site, so a sub-jaxpr shared
+by several calls stays correct); `scan` and `remat` keep their own body `Graph`, searched
+separately and re-wrapped at evaluation time. Everything else, including
+`custom_jvp_call`/`custom_vjp_call`, `while` and `cond`, is an opaque node evaluated as
+is. Scalar constants are folded so that matchers can read values such as `jnp.var`'s
+normalizer, which arrives as a computation on a literal.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# jit-wrapped library functions kept whole because matchers recognize the call itself.
+_OPAQUE_CALLS = frozenset({"_bernoulli"})
+SCAN = "scan"
+REMAT = frozenset({"remat2", "checkpoint", "remat"})
+# Bodies never searched; explain() lists them.
+UNSEARCHED = frozenset({"while", "cond", "custom_jvp_call", "custom_vjp_call",
+                        "custom_vjp_call_jaxpr", "custom_lin"})
+_FOLDABLE = frozenset({"convert_element_type", "add", "sub", "mul", "div", "neg", "gt", "ge",
+                       "lt", "le", "eq", "ne", "max", "min", "sqrt", "rsqrt", "select_n",
+                       "reshape", "broadcast_in_dim", "and", "or", "not"})
+UNIT_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape"})
+
+
+class Ref:
+    """One value of the graph; `value` is set for literals, constants and folded scalars."""
+
+    __slots__ = ("aval", "value")
+
+    def __init__(self, aval, value=None):
+        self.aval = aval
+        self.value = value
+
+    @property
+    def shape(self):
+        return tuple(self.aval.shape)
+
+    @property
+    def dtype(self):
+        return self.aval.dtype
+
+
+class Node:
+    __slots__ = ("eqn", "ins", "outs", "body", "sites")
+
+    def __init__(self, eqn, ins, outs, body=None, sites=()):
+        self.eqn = eqn
+        self.sites = sites  # the inlined call equations around eqn, innermost first
+        self.ins = ins
+        self.outs = outs
+        self.body = body
+
+    @property
+    def prim(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def params(self):
+        return self.eqn.params
+
+    @property
+    def call_name(self):
+        return self.eqn.params.get("name") if self.prim in _INLINE else None
+
+
+class Graph:
+    def __init__(self):
+        self.invars: list[Ref] = []
+        self.outvars: list[Ref] = []
+        self.nodes: list[Node] = []
+        self.producer: dict[Ref, Node] = {}
+        self.uses: Counter = Counter()
+
+    # -- queries used by matchers -------------------------------------------------------
+
+    def op(self, ref, *names):
+        """The node producing `ref` when its primitive is one of `names`, else None."""
+        node = self.producer.get(ref)
+        return node if node is not None and node.prim in names else None
+
+    def is_output(self, ref) -> bool:
+        return any(r is ref for r in self.outvars)
+
+    def scalar(self, ref):
+        """The Python float of a one-element constant (after broadcasts/converts), else None."""
+        nodes = []
+        while ref.value is None:
+            node = self.op(ref, "broadcast_in_dim", "reshape", "convert_element_type")
+            if node is None:
+                return None
+            nodes.append(node)
+            ref = node.ins[0]
+        val = ref.value
+        if getattr(val, "size", 1) != 1:
+            return None
+        try:
+            return float(np.asarray(val).reshape(()))
+        except (TypeError, ValueError):
+            return None
+
+
+def bind(eqn, vals):
+    """Bind eqn's primitive on vals as `jax.core.eval_jaxpr` does; always a list."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    # Before jax 0.10 this returned (subfuns, params); the subfuns are leading operands.
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *vals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _fold(eqn, ins):
+    if eqn.primitive.name not in _FOLDABLE or eqn.primitive.multiple_results:
+        return None
+    if any(r.value is None or getattr(r.value, "size", 1) != 1 for r in ins):
+        return None
+    if any(np.prod(v.aval.shape, dtype=int) != 1 for v in eqn.outvars):
+        return None
+    with jax.ensure_compile_time_eval():
+        return np.asarray(bind(eqn, [r.value for r in ins])[0])
+
+
+def _body(params):
+    """(Jaxpr, consts) of a scan/remat/jit body, whichever form the version uses."""
+    body = params.get("jaxpr", params.get("call_jaxpr"))
+    if isinstance(body, jcore.ClosedJaxpr):
+        return body.jaxpr, list(body.consts)
+    return body, []
+
+
+class _Builder:
+    def __init__(self, graph: Graph):
+        self.g = graph
+
+    def ref(self, env, atom):
+        if isinstance(atom, jcore.Literal):
+            return Ref(atom.aval, atom.val)
+        return env[atom]
+
+    def emit(self, jaxpr, consts, in_refs, sites=()):
+        env = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = Ref(v.aval, c)
+        for v, r in zip(jaxpr.invars, in_refs):
+            env[v] = r
+        for eqn in jaxpr.eqns:
+            ins = [self.ref(env, a) for a in eqn.invars]
+            name = eqn.primitive.name
+            if name in _INLINE and eqn.params.get("name") not in _OPAQUE_CALLS:
+                inner, inner_consts = _body(eqn.params)
+                outs = self.emit(inner, inner_consts, ins, (eqn, *sites))
+            else:
+                body = None
+                if name == SCAN or name in REMAT:
+                    inner, inner_consts = _body(eqn.params)
+                    body = build(inner, inner_consts)
+                outs = [Ref(v.aval) for v in eqn.outvars]
+                node = Node(eqn, ins, outs, body, sites)
+                folded = _fold(eqn, ins)
+                if folded is not None:
+                    outs[0].value = folded
+                self.g.nodes.append(node)
+                for r in outs:
+                    self.g.producer[r] = node
+                self.g.uses.update(ins)
+            for v, r in zip(eqn.outvars, outs):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = r
+        return [self.ref(env, a) for a in jaxpr.outvars]
+
+
+def build(jaxpr, consts) -> Graph:
+    """The Graph of an open jaxpr whose constvars take `consts`."""
+    g = Graph()
+    g.invars = [Ref(v.aval) for v in jaxpr.invars]
+    g.outvars = _Builder(g).emit(jaxpr, consts, g.invars)
+    g.uses.update(g.outvars)
+    return g
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
+
+
+def _frames(siu, source_info):
+    """User frames first; then library frames (flax), which JAX hides from user_frames and
+    which are all that remains when its traceback depth limit cuts the user's off."""
+    yield from siu.user_frames(source_info.traceback)
+    if source_info.traceback is not None:
+        code, lasti = source_info.traceback.raw_frames()
+        for c, i in zip(code, lasti):
+            if not os.path.abspath(c.co_filename).startswith(_JAX_DIR):
+                yield siu.raw_frame_to_frame(c, i)
+
+
+def source_line(node) -> str:
+    """`file:line:col (function)` of the code that emitted `node`, when JAX can say.
+
+    Frames inside jaxsub (the tracing wrapper) are skipped; an equation inlined from a
+    library jit (jnp.where) falls back to its call sites, innermost first."""
+    try:
+        from jax._src import source_info_util as siu
+        for eqn in (node.eqn, *node.sites):
+            for frame in _frames(siu, eqn.source_info):
+                if not os.path.abspath(frame.file_name).startswith(_PACKAGE_DIR):
+                    return siu._summarize_frame(frame)
+    except Exception:  # private API: a missing or changed helper only loses the location
+        pass
+    return "<unknown>"

@@ -1,0 +1,164 @@
+"""Evaluating a planned graph, and `optimize`.
+
+The rewritten program is never materialized as a jaxpr: the graph is re-evaluated node by
+node on whatever values arrive (concrete arrays or jit/grad/vmap tracers), and a matched
+pattern's anchor calls the fused op instead of its nodes. Because the fused ops are
+`jax.custom_vjp` functions, differentiating the optimized function uses their backward
+kernels. Differentiate the optimized function (`jax.grad(jaxsub.optimize(f))`), not the
+other way round: a gradient's jaxpr no longer contains the forward patterns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jaxsub.rewrite import graph as G
+from jaxsub.rewrite import patterns as P
+
+LAYOUT_ISSUE = "layout selection (issue: layouts and configuration selector)"
+
+
+def _scan(node, plan, vals):
+    p = node.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+
+    def body(carry, x):
+        outs = run(node.body, plan, [*consts, *carry, *x])
+        return outs[:nk], outs[nk:]
+
+    carry, ys = jax.lax.scan(body, list(init), list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
+
+
+def _remat(node, plan, vals):
+    p = node.params
+    fn = jax.checkpoint(lambda *a: run(node.body, plan, list(a)),
+                        prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))
+    return fn(*vals)
+
+
+def run(g: G.Graph, plan: P.Plan, args):
+    """The outputs of `g` on `args`, with `plan`'s matches replaced by fused ops."""
+    env = dict(zip(g.invars, args))
+
+    def read(ref):
+        return env[ref] if ref in env else ref.value
+
+    for node in g.nodes:
+        if node in plan.skip:
+            continue
+        match = plan.at.get(node)
+        vals = [read(r) for r in node.ins]
+        if match is not None:
+            outs = match.build(read)
+        elif node.prim == G.SCAN:
+            outs = _scan(node, plan.sub[node], vals)
+        elif node.prim in G.REMAT:
+            outs = _remat(node, plan.sub[node], vals)
+        else:
+            outs = G.bind(node.eqn, vals)
+        env.update(zip(node.outs, outs))
+    return [read(r) for r in g.outvars]
+
+
+@dataclasses.dataclass
+class Traced:
+    """One specialization of the user's function: its graph, plan and output structure."""
+    graph: G.Graph
+    plan: P.Plan
+    out_tree: object
+
+
+def _abstract(leaf):
+    aval = jax.typeof(leaf) if hasattr(jax, "typeof") else jax.core.get_aval(leaf)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def _is_array(leaf):
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _split(args, kwargs):
+    """(array leaves, cache key). Leaves that are not arrays (Python bools, numbers,
+    strings: flags such as `deterministic`) are static, part of the key, like
+    `jax.jit`'s static arguments."""
+    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    arrays = [x for x in leaves if _is_array(x)]
+    static = tuple(None if _is_array(x) else x for x in leaves)
+    return arrays, (in_tree, static, tuple(_abstract(x) for x in arrays))
+
+
+def trace(fn, options: P.Options, args, kwargs):
+    """Trace fn for the abstract values of (args, kwargs), build its graph and plan.
+    Returns the Traced specialization and the array leaves it takes."""
+    arrays, (in_tree, static, _) = _split(args, kwargs)
+    out_tree = []
+
+    def flat(*xs):
+        it = iter(xs)
+        leaves = [next(it) if s is None else s for s in static]
+        a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
+        out, tree = jax.tree_util.tree_flatten(fn(*a, **k))
+        out_tree.append(tree)
+        return out
+
+    closed = jax.make_jaxpr(flat)(*[_abstract(x) for x in arrays])
+    graph = G.build(closed.jaxpr, closed.consts)
+    return Traced(graph, P.plan(graph, options), out_tree[0]), arrays
+
+
+def _check_layouts(layouts):
+    if layouts is None or layouts == "none":
+        return None
+    raise NotImplementedError(f"jaxsub.optimize: layouts={layouts!r} is not supported yet; it comes "
+                              f"with the {LAYOUT_ISSUE}. Use layouts=None.")
+
+
+class Optimized:
+    """`fn` with its layer norm, BDRLN and bias+GELU(+dropout) patterns run as fused ops."""
+
+    def __init__(self, fn, options: P.Options, layouts):
+        self.fn = fn
+        self.options = options
+        self.layouts = layouts
+        self._cache = {}
+        functools.update_wrapper(self, fn)
+
+    def specialize(self, args, kwargs):
+        arrays, key = _split(args, kwargs)
+        traced = self._cache.get(key)
+        if traced is None:
+            traced, _ = trace(self.fn, self.options, args, kwargs)
+            self._cache[key] = traced
+        return traced, arrays
+
+    def __call__(self, *args, **kwargs):
+        traced, leaves = self.specialize(args, kwargs)
+        outs = run(traced.graph, traced.plan, leaves)
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+
+def optimize(fn=None, *, rewrite_dropout=True, layouts=None):
+    """Rewrite fn's transformer patterns into jaxsub's fused ops; usable as a decorator.
+
+    The result has fn's signature and pytree structure and composes with jit, grad,
+    value_and_grad and vmap. fn is traced once per input structure/shape/dtype; matched
+    patterns (layer norm, bias+dropout+residual+layer norm, bias+GELU+dropout) call the
+    fused ops, everything else runs exactly as before. See `jaxsub.explain`.
+
+    With rewrite_dropout=True, user dropout inside a matched pattern is replaced by the
+    kernel's in-kernel dropout, keyed by the same JAX key that fed `jax.random.bernoulli`:
+    same keep probability, different random bits. With rewrite_dropout=False such
+    patterns are left alone (bias+GELU without its dropout may still be fused).
+    `layouts` is reserved for layout selection; only None ("none") is accepted for now.
+    """
+    _check_layouts(layouts)
+    if fn is None:
+        return functools.partial(optimize, rewrite_dropout=rewrite_dropout, layouts=layouts)
+    return Optimized(fn, P.Options(rewrite_dropout=bool(rewrite_dropout)), layouts)

@@ -1,0 +1,114 @@
+"""Recognizing user-written dropout so a fused kernel can take it over.
+
+Recognized spellings of dropout(h) with keep probability p, mask = bernoulli(key, p, shape):
+  select_n(mask, 0, h / p)        jnp.where(mask, h / p, 0) and flax.linen.Dropout
+  h * mask / p, h / p * mask      with the mask converted to h's dtype
+Division by p may also be multiplication by 1 / p. The mask must have h's shape
+(flax's `broadcast_dims` masks are left alone).
+
+The fused kernels draw their own mask from the *same key* that fed `bernoulli`, so every
+call site keeps its own key (after the user's `split`/`fold_in`), the keep probability
+is the same (rounded to 1/65536), but the bits differ from `jax.random.bernoulli`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxsub.rewrite import graph as G
+
+NOT_REWRITTEN = "dropout not rewritten (rewrite_dropout=False)"
+
+
+@dataclasses.dataclass
+class Dropout:
+    h: G.Ref          # the value dropped
+    key: G.Ref        # the PRNG key that fed bernoulli
+    rate: float
+    nodes: list       # nodes of the dropout itself, mask generation included
+    bernoulli: G.Node
+
+
+def _rate(p):
+    """The drop rate of keep probability p, without the float32 literal's noise."""
+    return round(1.0 - p, 7)
+
+
+def _bernoulli(g: G.Graph, mask):
+    node = g.producer.get(mask)
+    if node is None or node.call_name != "_bernoulli" or len(node.ins) != 2:
+        return None
+    p = g.scalar(node.ins[1])
+    return (node, p) if p is not None and 0.0 < p < 1.0 else None
+
+
+def _scaled(g: G.Graph, ref, p):
+    """(h, node) when ref = h / p or h * (1 / p)."""
+    node = g.op(ref, "div", "mul")
+    if node is None:
+        return None
+    for h, c in (node.ins, node.ins[::-1]):
+        k = g.scalar(c)
+        if k is None:
+            continue
+        factor = 1.0 / k if node.prim == "div" else k
+        if node.prim == "div" and c is not node.ins[1]:
+            continue
+        if abs(factor * p - 1.0) <= 1e-6:
+            return h, node
+    return None
+
+
+def _masked(g: G.Graph, ref, shape):
+    """(value, mask, nodes) when ref = value * convert(mask) with a boolean mask."""
+    node = g.op(ref, "mul")
+    if node is None:
+        return None
+    for v, m in (node.ins, node.ins[::-1]):
+        conv = g.op(m, "convert_element_type")
+        if conv is not None and conv.ins[0].dtype == bool and conv.ins[0].shape == shape:
+            return v, conv.ins[0], [node, conv]
+    return None
+
+
+def parse(g: G.Graph, ref):
+    """The Dropout whose output is `ref`, or None."""
+    node = g.producer.get(ref)
+    if node is None:
+        return None
+    shape = ref.shape
+    if node.prim == "select_n" and len(node.ins) == 3:
+        mask, zero, kept = node.ins
+        found = _bernoulli(g, mask)
+        if found is None or mask.shape != shape or g.scalar(zero) != 0.0:
+            return None
+        bern, p = found
+        scaled = _scaled(g, kept, p)
+        if scaled is None:
+            return None
+        h, div = scaled
+        return Dropout(h, bern.ins[0], _rate(p), [node, div, bern], bern)
+    if node.prim == "div" or node.prim == "mul":
+        # (h * mask) / p
+        for inner_ref in node.ins:
+            masked = _masked(g, inner_ref, shape)
+            if masked is None:
+                continue
+            h, mask, mnodes = masked
+            found = _bernoulli(g, mask)
+            scaled = _scaled(g, ref, found[1]) if found is not None else None
+            if scaled is None or scaled[0] is not inner_ref:
+                continue
+            bern, p = found
+            return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern)
+        # (h / p) * mask
+        masked = _masked(g, ref, shape)
+        if masked is not None:
+            scaled_ref, mask, mnodes = masked
+            found = _bernoulli(g, mask)
+            if found is not None:
+                scaled = _scaled(g, scaled_ref, found[1])
+                if scaled is not None:
+                    bern, p = found
+                    return Dropout(scaled[0], bern.ins[0], _rate(p), [*mnodes, scaled[1], bern], bern)
+    return None

@@ -1,0 +1,160 @@
+"""Bias + GELU (+ dropout) matcher.
+
+GELU has many spellings (jax.nn.gelu's erfc form, 0.5*v*(1+erf(v/sqrt2)), the tanh
+approximation with integer_pow or v*v*v, ...). Instead of one template per spelling, the
+matcher takes the elementwise subgraph between the bias add v = x + bias and the
+activation's output -- it must read nothing but v and scalar constants, use only
+arithmetic, erf/erfc/tanh and float converts, and contain erf/erfc (exact) or tanh
+(approximate) -- and evaluates it in float64 on probe points spanning the activation's
+curved region and both tails. It is accepted when it agrees with that GELU to 1e-6
+everywhere; the two GELUs differ by up to 2e-2 there, and a wrong constant or operator
+moves some probe by far more, so the check separates them with a wide margin.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxsub import ops
+from jaxsub.rewrite import graph as G
+from jaxsub.rewrite import match_dropout
+from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation,
+                                     shapes, split_vec)
+
+BGD = "bias_gelu_dropout"
+_MAX_NODES = 24
+_PROBES = np.concatenate([np.linspace(-6.0, 6.0, 97), [-0.3, 0.05, 0.7, 2.2]])
+_erf = np.vectorize(math.erf)
+_EVAL = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "pow": lambda a, b: a ** b,
+    "neg": lambda a: -a,
+    "square": lambda a: a * a,
+    "sqrt": np.sqrt,
+    "tanh": np.tanh,
+    "erf": _erf,
+    "erfc": lambda a: 1.0 - _erf(a),
+    "copy": lambda a: a,
+    "convert_element_type": lambda a: a,
+}
+
+
+def _exact(t):
+    return 0.5 * t * (1.0 + _erf(t / math.sqrt(2.0)))
+
+
+def _tanh(t):
+    return 0.5 * t * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t ** 3)))
+
+
+def _elementwise(g, node, shape):
+    if node.prim not in _EVAL and node.prim != "integer_pow":
+        return False
+    if node.prim == "convert_element_type" and node.outs[0].dtype not in ACTIVATION_DTYPES:
+        return False
+    return node.outs[0].shape == shape
+
+
+def _bias_add(g, ref, n):
+    node = g.op(ref, "add")
+    return (node, split_vec(g, node, n)) if node is not None else (None, None)
+
+
+def _subgraph(g, out):
+    """(v, bias add split, nodes in evaluation order) of the elementwise function ending at
+    `out` whose single non-constant leaf is a bias add output v; None otherwise."""
+    n = out.shape[-1]
+    leaf, split, seen, order = None, None, set(), []
+
+    def visit(ref):
+        nonlocal leaf, split
+        if ref is leaf or g.scalar(ref) is not None:
+            return True
+        node, s = _bias_add(g, ref, n)
+        if s is not None:
+            if leaf is not None and leaf is not ref:
+                return False
+            leaf, split = ref, (node, s)
+            return True
+        node = g.producer.get(ref)
+        if node is None or not _elementwise(g, node, out.shape) or len(seen) >= _MAX_NODES:
+            return False
+        if node in seen:
+            return True
+        seen.add(node)
+        if not all(visit(r) for r in node.ins):
+            return False
+        order.append(node)
+        return True
+
+    if not visit(out) or leaf is None:
+        return None
+    return leaf, split, order
+
+
+def _evaluate(g, order, leaf, out):
+    vals = {leaf: _PROBES}
+    for node in order:
+        args = [vals[r] if r in vals else g.scalar(r) for r in node.ins]
+        if node.prim == "integer_pow":
+            vals[node.outs[0]] = args[0] ** node.params["y"]
+        else:
+            vals[node.outs[0]] = _EVAL[node.prim](*args)
+    return np.broadcast_to(vals[out], _PROBES.shape)
+
+
+def _gelu(g, out):
+    """(x, bias, approximate, nodes) when `out` is gelu(x + bias)."""
+    found = _subgraph(g, out)
+    if found is None:
+        return None
+    leaf, (add, (x, bias)), order = found
+    prims = {n.prim for n in order}
+    if prims & {"erf", "erfc"}:
+        approximate, want = False, _exact(_PROBES)
+    elif "tanh" in prims:
+        approximate, want = True, _tanh(_PROBES)
+    else:
+        return None
+    with np.errstate(all="ignore"):
+        got = _evaluate(g, order, leaf, out)
+    if not np.all(np.abs(got - want) <= 1e-6 * (1.0 + np.abs(want))):
+        return None
+    return x, bias, approximate, [*order, add]
+
+
+def match_bias_gelu_dropout(g, anchor, options):
+    """dropout(gelu(x + bias)) or gelu(x + bias) at `anchor`."""
+    if len(anchor.outs) != 1 or not anchor.outs[0].shape:
+        return None
+    out = anchor.outs[0]
+    drop = match_dropout.parse(g, out)
+    gelu = _gelu(g, drop.h if drop is not None else out)
+    if gelu is None:
+        return None
+    x, bias, approximate, nodes = gelu
+    if x.dtype not in ACTIVATION_DTYPES or x.dtype != out.dtype or bias.dtype not in (x.dtype, F32):
+        return None
+    if drop is not None and not options.rewrite_dropout:
+        return NearMiss(BGD, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(drop.bernoulli)))
+    if drop is not None:
+        nodes = [*drop.nodes, *nodes]
+    why = private_violation(g, [anchor, *nodes] if anchor not in nodes else nodes, anchor)
+    if why is not None:
+        return NearMiss(BGD, anchor, why, key=("gelu", id(nodes[-1])))
+    rate = drop.rate if drop is not None else 0.0
+
+    def build(read):
+        key = read(drop.key) if drop is not None else None
+        return [ops.bias_gelu_dropout(read(x), read(bias), rate=rate, key=key,
+                                      approximate=approximate)]
+
+    kind = "tanh" if approximate else "exact"
+    desc = f"x {shapes(x)}, {kind} GELU" + (f", dropout rate={rate:g}" if drop else ", no dropout")
+    return Match(BGD, anchor, nodes if anchor in nodes else [anchor, *nodes],
+                 dict(x=x, bias=bias, key=drop.key if drop else None), build, desc)

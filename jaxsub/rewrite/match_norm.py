@@ -1,0 +1,356 @@
+"""Layer norm and bias-dropout-residual-layer-norm (BDRLN) matchers.
+
+Layer norm is recognized from its parts rather than from one spelling:
+  y = centered * rstd [* scale] [+ bias], optionally inside an f32 upcast/downcast, where
+  centered = x - mean(x), mean = reduce_sum(x, last axis) / N,
+  rstd     = rsqrt(var + eps) | 1 / sqrt(var + eps) | a division by sqrt(var + eps),
+  var      = mean((x - mean)^2) | mean(x^2) - mean^2 (optionally max(0, .)) | jnp.var,
+the product in any association and with unit-axis reshapes/broadcasts anywhere. This
+covers hand-written jnp, flax.linen.LayerNorm (fast variance or not, any dtype) and
+flax.nnx.LayerNorm. eps is read from the constant. Reductions over another axis are
+near-misses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxsub import ops
+from jaxsub.rewrite import graph as G
+from jaxsub.rewrite import match_dropout
+from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation,
+                                     shapes, split_vec, strip_row, strip_vec)
+
+LN = "layer_norm"
+BDRLN = "bias_dropout_residual_layer_norm"
+
+
+@dataclasses.dataclass
+class _Stat:
+    x: G.Ref
+    axes: tuple
+    nodes: list
+
+
+def _mean(g, ref):
+    base, row = strip_row(g, ref)
+    div = g.op(base, "div")
+    if div is None:
+        return None
+    total, row2 = strip_row(g, div.ins[0])
+    red = g.op(total, "reduce_sum")
+    if red is None:
+        return None
+    x, axes = red.ins[0], tuple(red.params["axes"])
+    if g.scalar(div.ins[1]) != float(math.prod(x.shape[a] for a in axes)):
+        return None
+    return _Stat(x, axes, [*row, div, *row2, red])
+
+
+def _square(g, ref):
+    node = g.op(ref, "square", "integer_pow", "mul", "pow")
+    if node is None:
+        return None
+    a = node.ins[0]
+    if (node.prim == "square"
+            or (node.prim == "integer_pow" and node.params["y"] == 2)
+            or (node.prim == "mul" and node.ins[1] is a)
+            or (node.prim == "pow" and g.scalar(node.ins[1]) == 2.0)):
+        return a, node
+    return None
+
+
+class _Parse:
+    """Accumulates the nodes of one candidate layer norm and the x's they read."""
+
+    def __init__(self, g):
+        self.g = g
+        self.nodes, self.roles, self.xs, self.stats = [], {}, [], []
+
+    def take(self, nodes, role):
+        for n in nodes:
+            if n not in self.roles:
+                self.roles[n] = role
+                self.nodes.append(n)
+
+    def mean(self, ref, role="mean"):
+        st = _mean(self.g, ref)
+        if st is None:
+            return False
+        self.take(st.nodes, role)
+        self.xs.append(st.x)
+        self.stats.append(st)
+        return True
+
+    def centered(self, ref):
+        node = self.g.op(ref, "sub")
+        if node is None or node.ins[0].shape != ref.shape or not self.mean(node.ins[1]):
+            return False
+        self.take([node], "centered input")
+        self.xs.append(node.ins[0])
+        return True
+
+    def variance(self, ref):
+        g = self.g
+        ref, row = strip_row(g, ref)
+        self.take(row, "variance")
+        clamp = g.op(ref, "max")
+        if clamp is not None:
+            for v, z in (clamp.ins, clamp.ins[::-1]):
+                if g.scalar(z) == 0.0:
+                    self.take([clamp], "variance")
+                    ref, row = strip_row(g, v)
+                    self.take(row, "variance")
+                    break
+        select = g.op(ref, "select_n")  # jnp.var guards ddof >= N with a constant predicate
+        if select is not None and len(select.ins) == 3 and g.scalar(select.ins[0]) is not None:
+            self.take([select], "variance")
+            ref = select.ins[2] if g.scalar(select.ins[0]) else select.ins[1]
+        st = _mean(g, ref)
+        if st is not None:
+            sq = _square(g, st.x)
+            if sq is None or not self.centered(sq[0]):
+                return False
+            self.take([*st.nodes, sq[1]], "variance")
+            self.stats.append(st)
+            return True
+        sub = g.op(ref, "sub")
+        if sub is None:
+            return False
+        st = _mean(g, sub.ins[0])
+        sq_x = _square(g, st.x) if st is not None else None
+        m_ref, row = strip_row(g, sub.ins[1])
+        sq_m = _square(g, m_ref)
+        if sq_x is None or sq_m is None or not self.mean(sq_m[0]):
+            return False
+        self.take([sub, *st.nodes, sq_x[1], *row, sq_m[1]], "variance")
+        self.stats.append(st)
+        self.xs.append(sq_x[0])
+        return True
+
+
+def _factors(g, ref, sign, out, taken, depth=0):
+    node = g.op(ref, "mul", "div")
+    if node is None or depth > 4:
+        out.append((ref, sign))
+        return
+    taken.append(node)
+    _factors(g, node.ins[0], sign, out, taken, depth + 1)
+    _factors(g, node.ins[1], -sign if node.prim == "div" else sign, out, taken, depth + 1)
+
+
+def _inv_std(g, ref, sign):
+    """(var + eps ref, nodes) when the factor is 1/sqrt(var + eps) in one of its spellings."""
+    base, row = strip_row(g, ref)
+    node = g.producer.get(base)
+    if node is None:
+        return None
+    if sign > 0 and node.prim == "rsqrt":
+        return node.ins[0], [*row, node]
+    if sign < 0 and node.prim == "sqrt":
+        return node.ins[0], [*row, node]
+    if sign > 0 and node.prim == "div" and g.scalar(node.ins[0]) == 1.0:
+        root = g.op(node.ins[1], "sqrt")
+        if root is not None:
+            return root.ins[0], [*row, node, root]
+    return None
+
+
+def _root(g, x):
+    """(source, upcast node or None): looks through an f32 upcast of a float input."""
+    conv = g.op(x, "convert_element_type")
+    if conv is not None and x.dtype == F32 and conv.ins[0].dtype in ACTIVATION_DTYPES:
+        return conv.ins[0], conv
+    return x, None
+
+
+@dataclasses.dataclass
+class _LN:
+    x: G.Ref
+    scale: G.Ref | None
+    bias: G.Ref | None
+    eps: float
+    nodes: list
+    roles: dict
+    upcast: bool
+    core: G.Node   # the first reduction: identifies this layer norm across anchors
+
+
+def _parse_ln(g, anchor):
+    if len(anchor.outs) != 1 or not anchor.outs[0].shape:
+        return None
+    out = anchor.outs[0]
+    n = out.shape[-1]
+    p = _Parse(g)
+    ref, node, down = out, anchor, None
+    if node.prim == "convert_element_type":
+        down = node
+        p.take([node], "downcast")
+        ref = node.ins[0]
+        node = g.producer.get(ref)
+    bias = scale = None
+    if node is not None and node.prim == "add":
+        split = split_vec(g, node, n)
+        if split is not None:
+            p.take([node], "normalized value")
+            ref, bias = split
+            node = g.producer.get(ref)
+    if node is None or node.prim not in ("mul", "div"):
+        return None
+    factors, taken = [], []
+    _factors(g, ref, 1, factors, taken)
+    p.take(taken, "normalized value")
+    var_eps, centered = None, 0
+    for f, sign in factors:
+        inv = _inv_std(g, f, sign) if var_eps is None else None
+        if inv is not None:
+            var_eps = inv[0]
+            p.take(inv[1], "rstd")
+        elif sign > 0 and centered == 0 and p.centered(f):
+            centered = 1
+        elif sign > 0 and g.scalar(f) == 1.0:
+            continue
+        elif sign > 0 and scale is None and strip_vec(g, f, n) is not None:
+            scale = strip_vec(g, f, n)
+        else:
+            return None
+    if var_eps is None or not centered:
+        return None
+    base, row = strip_row(g, var_eps)
+    add = g.op(base, "add")
+    if add is None:
+        return None
+    p.take([*row, add], "variance + eps")
+    eps = None
+    for v, e in (add.ins, add.ins[::-1]):
+        e_val = g.scalar(e)
+        if e_val is not None and e_val > 0 and math.isfinite(e_val) and p.variance(v):
+            eps = e_val
+            break
+    if eps is None:
+        return None
+    for st in p.stats:
+        if st.axes != (len(st.x.shape) - 1,):
+            return NearMiss(LN, anchor, f"normalizes over axes {st.axes} of a rank-{len(st.x.shape)} "
+                            "tensor; the fused layer norm reduces the last axis only",
+                            key=("ln", id(p.stats[0].nodes[-1])))
+    roots = [_root(g, x) for x in p.xs]
+    if len({id(src) for src, _ in roots}) != 1 or any(x.shape != out.shape for x in p.xs):
+        return None
+    src = roots[0][0]
+    upcasts = [c for _, c in roots if c is not None]
+    if down is not None:
+        if not upcasts or down.outs[0].dtype != src.dtype:
+            return None
+        p.take(upcasts, "upcast input")
+        x = src
+    else:
+        x = p.xs[0]
+    if x.dtype not in ACTIVATION_DTYPES or x.dtype != out.dtype:
+        return None
+    if any(v is not None and v.dtype not in (x.dtype, F32) for v in (scale, bias)):
+        return None
+    return _LN(x, scale, bias, eps, p.nodes, p.roles, bool(upcasts), p.stats[0].nodes[-1])
+
+
+@dataclasses.dataclass
+class _Residual:
+    x: G.Ref
+    residual: G.Ref
+    bias: G.Ref | None
+    drop: match_dropout.Dropout | None
+    nodes: list
+
+
+def _residual_candidates(g, x_ln):
+    """Ways x_ln = residual + dropout(x + bias) (dropout and bias optional, not both absent)."""
+    add = g.op(x_ln, "add")
+    if add is None:
+        return
+    n = x_ln.shape[-1]
+    split = split_vec(g, add, n)
+    if split is not None:  # (residual + x) + bias
+        inner = g.op(split[0], "add")
+        if inner is not None and all(r.shape == x_ln.shape for r in inner.ins):
+            yield _Residual(inner.ins[1], inner.ins[0], split[1], None, [add, inner])
+        return
+    for res, t in (add.ins, add.ins[::-1]):
+        drop = match_dropout.parse(g, t)
+        h = drop.h if drop is not None else t
+        biased = g.op(h, "add")
+        split = split_vec(g, biased, n) if biased is not None else None
+        if drop is None and split is None:
+            continue
+        x, bias = split if split is not None else (h, None)
+        nodes = [add, *(drop.nodes if drop else []), *([biased] if split else [])]
+        yield _Residual(x, res, bias, drop, nodes)
+
+
+def _extend(g, anchor, ln, options):
+    """The BDRLN Match that grows `ln` backwards, and the near-misses met on the way."""
+    misses = []
+    for c in _residual_candidates(g, ln.x):
+        if (c.x.shape != ln.x.shape or c.residual.shape != ln.x.shape
+                or c.x.dtype != ln.x.dtype or c.residual.dtype != ln.x.dtype
+                or (c.bias is not None and c.bias.dtype not in (c.x.dtype, F32))):
+            continue
+        if c.drop is not None and not options.rewrite_dropout:
+            misses.append(NearMiss(BDRLN, anchor, match_dropout.NOT_REWRITTEN,
+                                   key=("drop", id(c.drop.bernoulli))))
+            continue
+        roles = {**ln.roles, **{n: "residual sum" for n in c.nodes}}
+        why = private_violation(g, ln.nodes + c.nodes, anchor, roles)
+        if why is not None:
+            misses.append(NearMiss(BDRLN, anchor, why, key=("bdrln", id(c.nodes[0]))))
+            continue
+        return _bdrln_match(anchor, ln, c), misses
+    return None, misses
+
+
+def _describe(ln, x, extra=""):
+    parts = [f"x {shapes(x)}", f"eps={ln.eps:g}",
+             "scale" if ln.scale is not None else "no scale",
+             "bias" if ln.bias is not None else "no bias"]
+    if ln.upcast:
+        parts.append("f32 upcast")
+    return ", ".join(parts) + extra
+
+
+def _bdrln_match(anchor, ln, c):
+    rate = c.drop.rate if c.drop is not None else 0.0
+
+    def build(read):
+        key = read(c.drop.key) if c.drop is not None else None
+        return [ops.bias_dropout_residual_layer_norm(
+            read(c.x), read(c.bias) if c.bias is not None else None, read(c.residual),
+            read(ln.scale) if ln.scale is not None else None,
+            read(ln.bias) if ln.bias is not None else None,
+            rate=rate, key=key, eps=ln.eps)]
+
+    inputs = dict(x=c.x, bias=c.bias, residual=c.residual, scale=ln.scale, ln_bias=ln.bias,
+                  key=c.drop.key if c.drop is not None else None)
+    extra = f", dropout rate={rate:g}" if c.drop is not None else ", no dropout"
+    return Match(BDRLN, anchor, ln.nodes + c.nodes, inputs, build, _describe(ln, c.x, extra))
+
+
+def match_layer_norm(g, anchor, options):
+    """Layer norm at `anchor`, grown into BDRLN when a residual add (with dropout and/or a
+    bias) feeds it."""
+    ln = _parse_ln(g, anchor)
+    if not isinstance(ln, _LN):
+        return ln
+    why = private_violation(g, ln.nodes, anchor, ln.roles)
+    if why is not None:
+        return NearMiss(LN, anchor, why, key=("ln", id(ln.core)))
+    bdrln, misses = _extend(g, anchor, ln, options)
+    if bdrln is not None:
+        bdrln.near_misses = misses
+        return bdrln
+
+    def build(read):
+        return [ops.layer_norm(read(ln.x), read(ln.scale) if ln.scale is not None else None,
+                               read(ln.bias) if ln.bias is not None else None, eps=ln.eps)]
+
+    return Match(LN, anchor, ln.nodes, dict(x=ln.x, scale=ln.scale, bias=ln.bias), build,
+                 _describe(ln, ln.x), near_misses=misses)

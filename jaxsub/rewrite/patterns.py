@@ -1,0 +1,179 @@
+"""The pattern registry and the search that places matches in a graph.
+
+A matcher is `fn(graph, anchor, options) -> Match | NearMiss | None`. It is anchored at
+the *last* node of its pattern and walks producers backwards. Anchors are tried from the
+end of the graph to its start, so the largest pattern ending at a node wins (BDRLN before
+its layer norm, bias+GELU+dropout before bias+GELU), and a node already claimed by a
+match is never claimed again. New patterns (attention) register with `register`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+
+from jaxsub.rewrite import graph as G
+
+ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+F32 = jnp.dtype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    rewrite_dropout: bool = True
+
+
+@dataclasses.dataclass
+class Match:
+    """`nodes` (anchor included) are replaced by `build(read)`, which returns the anchor's
+    outputs from the values of `inputs` (`read` maps a Ref to its value)."""
+    pattern: str
+    anchor: G.Node
+    nodes: list
+    inputs: dict
+    build: Callable
+    description: str
+    near_misses: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class NearMiss:
+    pattern: str
+    anchor: G.Node
+    reason: str
+    # Several anchors can reach the same near-miss; it is reported once per key.
+    key: object = None
+
+
+_REGISTRY: list = []
+
+
+def register(name: str, fn: Callable, *, priority: int = 0):
+    """Add a matcher; lower priority values are tried first at each anchor."""
+    _REGISTRY.append((priority, name, fn))
+    _REGISTRY.sort(key=lambda t: t[0])
+
+
+def registered() -> list[str]:
+    return [name for _, name, _ in _REGISTRY]
+
+
+@dataclasses.dataclass
+class Plan:
+    at: dict                 # anchor Node -> Match
+    skip: set                # consumed Nodes other than anchors
+    near_misses: list
+    sub: dict                # scan/remat Node -> Plan of its body
+    unsearched: list         # opaque Nodes with bodies (while, cond, custom_jvp/vjp)
+
+
+def plan(g: G.Graph, options: Options) -> Plan:
+    at, claimed, misses, seen = {}, set(), [], set()
+
+    def note(miss):
+        key = miss.key if miss.key is not None else id(miss.anchor)
+        if key not in seen:
+            seen.add(key)
+            misses.append(miss)
+
+    for node in reversed(g.nodes):
+        if node in claimed:
+            continue
+        for _, _, fn in _REGISTRY:
+            found = fn(g, node, options)
+            if isinstance(found, NearMiss):
+                note(found)
+            elif isinstance(found, Match) and not claimed.intersection(found.nodes):
+                for miss in found.near_misses:
+                    note(miss)
+                claimed.update(found.nodes)
+                at[node] = found
+                break
+    sub = {n: plan(n.body, options) for n in g.nodes if n.body is not None}
+    unsearched = [n for n in g.nodes if n.prim in G.UNSEARCHED]
+    return Plan(at, claimed - set(at), misses[::-1], sub, unsearched)
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers shared by matchers.
+
+
+def private_violation(g: G.Graph, nodes, anchor, roles=None):
+    """None when every value produced inside `nodes` (the anchor's outputs excepted) is used
+    only inside `nodes`; else the reason the rewrite would change the program."""
+    members = set(nodes)
+    inside = {}
+    for n in members:
+        for r in n.ins:
+            inside[r] = inside.get(r, 0) + 1
+    for n in nodes:
+        if n is anchor:
+            continue
+        for r in n.outs:
+            if g.uses[r] == inside.get(r, 0):
+                continue
+            role = (roles or {}).get(n, "intermediate")
+            where = "returned as an output" if g.is_output(r) else "also used elsewhere"
+            return f"{role} {r.dtype}{list(r.shape)} ({n.prim}) is {where}"
+    return None
+
+
+def _nonunit(shape):
+    return tuple(d for d in shape if d != 1)
+
+
+def strip_row(g: G.Graph, ref):
+    """Follow reshapes/broadcasts that only add or drop unit axes, or broadcast a row
+    statistic [..., 1] along the last axis, back to the statistic itself."""
+    nodes = []
+    while True:
+        node = g.op(ref, *G.UNIT_SHAPE_OPS)
+        if node is None:
+            return ref, nodes
+        src, out = node.ins[0], node.outs[0]
+        unit = _nonunit(src.shape) == _nonunit(out.shape)
+        along_last = (node.prim == "broadcast_in_dim" and len(out.shape) >= 1
+                      and _nonunit(src.shape) == _nonunit(out.shape[:-1])
+                      and tuple(node.params["broadcast_dimensions"]) == tuple(range(len(src.shape)))
+                      and src.shape[-1:] == (1,))
+        if not (unit or along_last):
+            return ref, nodes
+        nodes.append(node)
+        ref = src
+
+
+def strip_vec(g: G.Graph, ref, n: int):
+    """The [n] vector behind `ref` when `ref` is that vector reshaped/broadcast along the
+    last axis; None otherwise."""
+    while True:
+        if ref.shape == (n,):
+            return ref
+        node = g.op(ref, *G.UNIT_SHAPE_OPS)
+        if node is None or not ref.shape or ref.shape[-1] != n:
+            return None
+        src = node.ins[0]
+        if not src.shape or src.shape[-1] != n or _nonunit(src.shape) != (n,):
+            return None
+        if node.prim == "broadcast_in_dim" and node.params["broadcast_dimensions"][-1] != len(ref.shape) - 1:
+            return None
+        ref = src
+
+
+def split_vec(g: G.Graph, node, n: int):
+    """For a binary `node` with one operand an [n] vector along the last axis and the other
+    a full tensor of the node's shape: (full operand, vector). Else None."""
+    if len(node.ins) != 2:
+        return None
+    for full, other in (node.ins, node.ins[::-1]):
+        if full.shape != node.outs[0].shape:
+            continue
+        vec = strip_vec(g, other, n)
+        if vec is not None and vec is not full:
+            return full, vec
+    return None
+
+
+def shapes(*refs) -> str:
+    return ", ".join(f"{r.dtype}{list(r.shape)}" for r in refs if r is not None)

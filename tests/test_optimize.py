@@ -1,0 +1,409 @@
+"""jaxsub.optimize / jaxsub.explain: the jaxpr pass on CPU.
+
+Each source (hand-written jnp, flax.linen, flax.nnx) is optimized and compared with the
+original: deterministic outputs and gradients within the jaxsub.testing tolerance, the
+expected number of each fused target in the lowered HLO, and explain()'s report. With
+dropout, the fused kernels draw different bits, so statistics and the mask itself (the
+fused op's mask for the key the user's code used) are checked instead.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsub
+from jaxsub import ops
+from jaxsub.testing import assert_close
+
+N = 32
+RATE = 0.25
+TARGETS = ("jaxsub_layer_norm_fwd", "jaxsub_bdrln_fwd", "jaxsub_bias_gelu_dropout_fwd")
+
+
+def _normal(i, shape, dtype=jnp.float32):
+    # numpy draws: eager jax.random would compile a kernel per shape.
+    return jnp.asarray(np.random.default_rng(i).standard_normal(shape, np.float32).astype(dtype))
+
+
+def _counts(f, *args):
+    text = jax.jit(f).lower(*args).as_text()
+    return {t: text.count(f"@{t}(") for t in TARGETS}
+
+
+def _expect(f, args, **counts):
+    want = {t: 0 for t in TARGETS}
+    want.update({f"jaxsub_{k}_fwd": v for k, v in counts.items()})
+    assert _counts(jaxsub.optimize(f), *args) == want
+
+
+def _assert_same(f, args, dtype=jnp.float32, argnums=(0,)):
+    """optimize(f) == f in value and in the gradients of a random projection of the output."""
+    opt = jaxsub.optimize(f)
+    out, ref = jax.jit(opt)(*args), jax.jit(f)(*args)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert_close(out, ref, dtype, reduction=N, what="value")
+    dy = _normal(99, ref.shape)
+
+    def loss(g):
+        return lambda *a: jnp.sum(g(*a).astype(jnp.float32) * dy)
+
+    grads = jax.jit(jax.grad(loss(opt), argnums))(*args)
+    refs = jax.jit(jax.grad(loss(f), argnums))(*args)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(refs)):
+        assert g.dtype == r.dtype
+        assert_close(g, r, dtype, reduction=ref.size // N, grad=True, what="grad")
+
+
+# ---------------------------------------------------------------------------------------
+# Layer norm from every source.
+
+
+def ln_two_pass(x, s, b):
+    m = jnp.mean(x, -1, keepdims=True)
+    v = jnp.mean((x - m) ** 2, -1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(v + 1e-5) * s + b
+
+
+def ln_fast_upcast(x, s, b):
+    xf = x.astype(jnp.float32)
+    m = xf.mean(-1, keepdims=True)
+    v = jnp.mean(xf * xf, -1, keepdims=True) - m * m
+    return ((xf - m) / jnp.sqrt(v + 1e-6) * s + b).astype(x.dtype)
+
+
+def ln_var_recip(x, s, b):
+    inv = 1.0 / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
+    return s * ((x - x.mean(-1, keepdims=True)) * inv)
+
+
+def ln_no_params(x):
+    return (x - x.mean(-1, keepdims=True)) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
+
+
+@pytest.mark.parametrize("fn,dtype", [(ln_two_pass, jnp.float32), (ln_fast_upcast, jnp.bfloat16),
+                                      (ln_fast_upcast, jnp.float32), (ln_var_recip, jnp.float32)],
+                         ids=["two_pass", "fast_upcast_bf16", "fast_f32", "var_recip"])
+def test_hand_written_layer_norm(fn, dtype):
+    args = (_normal(0, (6, N), dtype), _normal(1, (N,)), _normal(2, (N,)))
+    _assert_same(fn, args, dtype, argnums=(0, 1, 2))
+    _expect(fn, args, layer_norm=1)
+    assert jaxsub.explain(fn, *args).totals == {"layer_norm": 1}
+
+
+def test_layer_norm_without_parameters():
+    x = _normal(0, (2, 3, N))
+    _assert_same(ln_no_params, (x,))
+    _expect(ln_no_params, (x,), layer_norm=1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_flax_linen_layer_norm(dtype):
+    m = nn.LayerNorm(dtype=dtype, param_dtype=jnp.float32)
+    x = _normal(0, (6, N), dtype)
+    params = m.init(jax.random.key(0), x)
+    params = jax.tree.map(lambda p: p + _normal(3, p.shape), params)
+    _assert_same(m.apply, (params, x), dtype, argnums=(0, 1))
+    _expect(m.apply, (params, x), layer_norm=1)
+
+
+def test_flax_nnx_layer_norm():
+    layer = nnx.LayerNorm(N, rngs=nnx.Rngs(0))
+    x = _normal(0, (6, N))
+    _assert_same(lambda x: layer(x), (x,))
+    _expect(lambda x: layer(x), (x,), layer_norm=1)
+
+
+# ---------------------------------------------------------------------------------------
+# BDRLN and bias + GELU + dropout, hand-written.
+
+
+def _bernoulli_dropout(key, h, rate):
+    keep = jax.random.bernoulli(key, 1.0 - rate, h.shape)
+    return h * keep / (1.0 - rate)
+
+
+def bdrln_block(x, b, r, s, lb, key, *, rate):
+    h = x + b
+    if rate:
+        h = _bernoulli_dropout(key, h, rate)
+    return ln_two_pass(r + h, s, lb)
+
+
+def ffn_block(x, w, b, key, *, rate, approximate):
+    h = jax.nn.gelu(x @ w + b, approximate=approximate)
+    if rate:
+        h = jnp.where(jax.random.bernoulli(key, 1.0 - rate, h.shape), h / (1.0 - rate), 0)
+    return h
+
+
+def _bdrln_args():
+    return (_normal(0, (8, N)), _normal(1, (N,)), _normal(2, (8, N)), _normal(3, (N,)), _normal(4, (N,)),
+            jax.random.key(5))
+
+
+def test_bdrln_without_dropout_matches():
+    f = functools.partial(bdrln_block, rate=0.0)
+    _assert_same(f, _bdrln_args(), argnums=(0, 1, 2, 3, 4))
+    _expect(f, _bdrln_args(), bdrln=1)
+
+
+def test_bdrln_dropout_uses_the_users_key():
+    x, b, r, s, lb, key = _bdrln_args()
+    x = _normal(0, (64, N))
+    r = _normal(2, (64, N))
+    f = functools.partial(bdrln_block, rate=RATE)
+    opt = jaxsub.optimize(f)
+    _expect(f, (x, b, r, s, lb, key), bdrln=1)
+    np.testing.assert_array_equal(opt(x, b, r, s, lb, key), opt(x, b, r, s, lb, key))
+    # Dropped elements of x + b get no gradient; the mask is the fused op's for the same key.
+    dx = jax.grad(lambda x: jnp.sum(opt(x, b, r, s, lb, key) * _normal(9, x.shape)))(x)
+    kept = np.asarray(dx != 0)
+    np.testing.assert_array_equal(kept, ops.dropout_mask(key, x.shape, RATE))
+    sigma = np.sqrt(kept.size * RATE * (1 - RATE))
+    assert abs((~kept).sum() - kept.size * RATE) < 5 * sigma
+    other = opt(x, b, r, s, lb, jax.random.key(6))
+    assert np.mean(np.asarray(other != opt(x, b, r, s, lb, key))) > 0.05
+
+
+@pytest.mark.parametrize("approximate", [False, True], ids=["exact", "tanh"])
+def test_ffn_bias_gelu(approximate):
+    x, w, b = _normal(0, (8, 16)), _normal(1, (16, N)) / 4, _normal(2, (N,))
+    f = functools.partial(ffn_block, rate=0.0, approximate=approximate)
+    args = (x, w, b, jax.random.key(3))
+    _assert_same(f, args, argnums=(0, 1, 2))
+    _expect(f, args, bias_gelu_dropout=1)
+    report = jaxsub.explain(f, *args)
+    assert report.totals == {"bias_gelu_dropout": 1}
+    assert ("tanh" if approximate else "exact") in str(report)
+
+
+def test_hand_written_gelu_formulas():
+    def erf_gelu(x, b):
+        v = x + b
+        return 0.5 * v * (1.0 + jax.lax.erf(v / np.sqrt(2.0)))
+
+    def tanh_gelu(x, b):
+        v = b + x
+        return v * 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v * v * v)))
+
+    def not_gelu(x, b):  # a wrong constant must not pass for GELU
+        v = x + b
+        return 0.5 * v * (1.0 + jnp.tanh(0.8 * (v + 0.044715 * v ** 3)))
+
+    args = (_normal(0, (8, N)), _normal(1, (N,)))
+    for fn in (erf_gelu, tanh_gelu):
+        _assert_same(fn, args, argnums=(0, 1))
+        _expect(fn, args, bias_gelu_dropout=1)
+    _expect(not_gelu, args)
+
+
+@pytest.mark.parametrize("approximate", [False, True], ids=["exact", "tanh"])
+def test_ffn_dropout_statistics(approximate):
+    x, w, b, key = _normal(0, (128, 16)), _normal(1, (16, N)) / 8, _normal(2, (N,)), jax.random.key(3)
+    f = functools.partial(ffn_block, rate=RATE, approximate=approximate)
+    opt = jaxsub.optimize(f)
+    _expect(f, (x, w, b, key), bias_gelu_dropout=1)
+    y = np.asarray(opt(x, w, b, key))
+    np.testing.assert_array_equal(y, opt(x, w, b, key))
+    clean = np.asarray(ffn_block(x, w, b, key, rate=0.0, approximate=approximate))
+    mask = np.asarray(ops.dropout_mask(key, y.shape, RATE))
+    # The fused op's mask for the user's key; GELU itself may underflow to an exact zero.
+    np.testing.assert_array_equal((y != 0)[clean != 0], mask[clean != 0])
+    sigma = np.sqrt(y.size * RATE * (1 - RATE))
+    assert abs((~mask).sum() - y.size * RATE) < 5 * sigma
+    assert abs(y.mean() - clean.mean()) < 5 * np.std(y) / np.sqrt(y.size)
+
+
+# ---------------------------------------------------------------------------------------
+# flax.linen blocks: Dropout, and a two-layer stack under scan.
+
+
+class FlaxBlock(nn.Module):
+    rate: float = RATE
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(2 * N)(x)
+        h = nn.Dropout(self.rate, deterministic=self.deterministic)(nn.gelu(h, approximate=False))
+        h = nn.Dropout(self.rate, deterministic=self.deterministic)(nn.Dense(N)(h))
+        return nn.LayerNorm()(x + h)
+
+
+def test_flax_linen_block_deterministic():
+    m = FlaxBlock()
+    x = _normal(0, (8, N))
+    params = m.init(jax.random.key(0), x)
+    _assert_same(m.apply, (params, x), argnums=(0, 1))
+    _expect(m.apply, (params, x), bias_gelu_dropout=1, bdrln=1)
+
+
+def _flax_dropout_block(rows):
+    """(f, args): FlaxBlock with its two dropouts active, the key an argument."""
+    m = FlaxBlock(deterministic=False)
+    x = _normal(0, (rows, N))
+
+    def f(params, x, key):
+        return m.apply(params, x, rngs={"dropout": key})
+
+    return f, (m.init(jax.random.key(0), x), x, jax.random.key(1))
+
+
+def test_flax_linen_dropout_rewritten():
+    f, args = _flax_dropout_block(64)
+    _expect(f, args, bias_gelu_dropout=1, bdrln=1)
+    opt = jaxsub.optimize(f)
+    np.testing.assert_array_equal(opt(*args), opt(*args))
+    assert np.isfinite(np.asarray(opt(*args))).all()
+    report = jaxsub.explain(f, *args)
+    assert report.totals == {"bias_gelu_dropout": 1, "bias_dropout_residual_layer_norm": 1}
+    assert "rate=0.25" in str(report)
+
+
+def test_rewrite_dropout_false_leaves_dropout_alone():
+    f, args = _flax_dropout_block(8)
+    opt = jaxsub.optimize(f, rewrite_dropout=False)
+    # The user's own bernoulli bits are kept, so results agree with the original.
+    assert_close(opt(*args), f(*args), reduction=N)
+    counts = _counts(opt, *args)
+    # Bias + GELU and the layer norm are still fused, each without the dropout next to it.
+    assert counts == {"jaxsub_bdrln_fwd": 0, "jaxsub_layer_norm_fwd": 1, "jaxsub_bias_gelu_dropout_fwd": 1}
+    report = jaxsub.explain(opt, *args)
+    reasons = [m.detail for m in report.near_misses]
+    assert reasons.count("dropout not rewritten (rewrite_dropout=False)") == 2
+
+
+class ScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(N)(nn.gelu(nn.Dense(2 * N)(x), approximate=True))
+        return nn.LayerNorm()(x + h), None
+
+
+def test_nn_scan_stack():
+    stack = nn.scan(ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()
+    x = _normal(0, (8, N))
+    params = stack.init(jax.random.key(0), x, None)
+
+    def f(params, x):
+        return stack.apply(params, x, None)[0]
+
+    _assert_same(f, (params, x), argnums=(0, 1))
+    _expect(f, (params, x), bias_gelu_dropout=1, bdrln=1)
+    assert all(m.scope == "scan" for m in jaxsub.explain(f, params, x).matches)
+
+
+def test_lax_scan_stack():
+    ws = {"w1": _normal(1, (2, N, 2 * N)) / 6, "b1": _normal(2, (2, 2 * N)), "w2": _normal(3, (2, 2 * N, N)) / 8,
+          "b2": _normal(4, (2, N)), "s": _normal(5, (2, N)), "lb": _normal(6, (2, N))}
+
+    def f(ws, x):
+        def layer(h, w):
+            a = ffn_block(h, w["w1"], w["b1"], None, rate=0.0, approximate=False)
+            return bdrln_block(a @ w["w2"], w["b2"], h, w["s"], w["lb"], None, rate=0.0), None
+        return jax.lax.scan(jax.checkpoint(layer), x, ws)[0]
+
+    x = _normal(0, (8, N))
+    _assert_same(f, (ws, x), argnums=(0, 1))
+    _expect(f, (ws, x), bias_gelu_dropout=1, bdrln=1)
+
+
+# ---------------------------------------------------------------------------------------
+# Near-misses: left alone and reported.
+
+
+def test_near_misses_are_left_alone_and_reported():
+    def other_axis(x):
+        m = jnp.mean(x, 0, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(jnp.var(x, 0, keepdims=True) + 1e-5)
+
+    def mean_escapes(x, s, b):
+        m = jnp.mean(x, -1, keepdims=True)
+        return ln_two_pass(x, s, b), m * 2.0
+
+    def normalized_escapes(x, s, b):
+        m = jnp.mean(x, -1, keepdims=True)
+        n = (x - m) * jax.lax.rsqrt(jnp.mean(jnp.square(x - m), -1, keepdims=True) + 1e-5)
+        return n * s + b, n
+
+    def residual_escapes(x, b, r, s, lb):
+        h = r + (x + b)
+        return ln_two_pass(h, s, lb), h
+
+    x, s, b = _normal(0, (6, N)), _normal(1, (N,)), _normal(2, (N,))
+    cases = [(other_axis, (x,), "axes (0,)"), (normalized_escapes, (x, s, b), "returned as an output"),
+             (residual_escapes, (x, b, x + 1, s, b), "residual sum")]
+    for fn, args, reason in cases:
+        report = jaxsub.explain(fn, *args)
+        assert any(reason in m.detail for m in report.near_misses), (fn.__name__, str(report))
+        out, ref = jaxsub.optimize(fn)(*args), fn(*args)
+        for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+            assert_close(o, r, reduction=N)
+    _expect(other_axis, (x,))
+    # The normalized value is an output: the parameter-free layer norm producing it is
+    # fused, the scale and bias stay outside.
+    _expect(normalized_escapes, (x, s, b), layer_norm=1)
+    # The residual sum is needed elsewhere, so only the layer norm itself is fused.
+    _expect(residual_escapes, (x, b, x + 1, s, b), layer_norm=1)
+    # The mean returned here is a separate computation (no CSE in jaxprs): still a match.
+    _expect(mean_escapes, (x, s, b), layer_norm=1)
+
+
+def test_shared_mean_is_a_near_miss():
+    def shared(x, s, b):
+        m = jnp.mean(x, -1, keepdims=True)
+        v = jnp.mean(jnp.square(x - m), -1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(v + 1e-5) * s + b, m
+
+    args = (_normal(0, (6, N)), _normal(1, (N,)), _normal(2, (N,)))
+    report = jaxsub.explain(shared, *args)
+    assert report.matches == [] and "mean" in report.near_misses[0].detail
+    assert "returned as an output" in report.near_misses[0].detail
+    _expect(shared, args)
+
+
+# ---------------------------------------------------------------------------------------
+# API: composition, pytrees, options, explain's report.
+
+
+def test_composes_with_jit_grad_vmap_and_keeps_pytrees():
+    @jaxsub.optimize
+    def f(inputs, params):
+        y = ln_two_pass(inputs["x"], params[0], params[1])
+        return {"y": y, "aux": (inputs["x"].sum(),)}
+
+    inputs, params = {"x": _normal(0, (6, N))}, (_normal(1, (N,)), _normal(2, (N,)))
+    out = jax.jit(f)(inputs, params)
+    assert set(out) == {"y", "aux"} and isinstance(out["aux"], tuple)
+    assert_close(out["y"], ln_two_pass(inputs["x"], *params), reduction=N)
+    batched = jax.vmap(f, in_axes=({"x": 0}, None))({"x": _normal(3, (4, 6, N))}, params)
+    assert batched["y"].shape == (4, 6, N)
+    val, grads = jax.value_and_grad(lambda p: jnp.sum(f(inputs, p)["y"] ** 2))(params)
+    ref_val, ref_grads = jax.value_and_grad(lambda p: jnp.sum(ln_two_pass(inputs["x"], *p) ** 2))(params)
+    assert_close(val, ref_val, reduction=6 * N)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, reduction=6, grad=True)
+    assert f.__name__ == "f"
+
+
+def test_decorator_options_and_layouts():
+    @jaxsub.optimize(rewrite_dropout=False, layouts=None)
+    def f(x):
+        return ln_no_params(x)
+
+    assert _counts(f, _normal(0, (2, N)))["jaxsub_layer_norm_fwd"] == 1
+    with pytest.raises(NotImplementedError, match="layout"):
+        jaxsub.optimize(ln_no_params, layouts="auto")
+
+
+def test_explain_report_lists_matches_with_source():
+    args = (_normal(0, (6, N)), _normal(1, (N,)), _normal(2, (N,)))
+    text = str(jaxsub.explain(ln_two_pass, *args))
+    assert "layer_norm" in text and "float32[6, 32]" in text and "eps=1e-05" in text
+    assert "test_optimize.py" in text and "ln_two_pass" in text
+    assert "Totals: layer_norm x1" in text
