@@ -18,7 +18,6 @@ import math
 import numpy as np
 
 from jaxsub import ops
-from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout
 from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation,
                                      shapes, split_vec)
