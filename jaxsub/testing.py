@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -44,3 +45,15 @@ def assert_close(actual, expected, dtype=None, reduction: int = 1, grad: bool = 
             f"{what}: {bad.sum()} of {err.size} elements out of tolerance {tol:.2e} "
             f"(worst at {i}: got {actual[i]}, expected {expected[i]})"
         )
+
+
+def assert_vmap_matches_loop(f, keys):
+    """vmap of f over a batch of keys equals f applied key by key (bit for bit), and two
+    different keys give different results: per-example keys keep their meaning."""
+
+
+    got = jax.jit(jax.vmap(f))(keys)
+    for i in range(keys.shape[0]):
+        for g, w in zip(got, jax.jit(f)(keys[i])):
+            np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
+    assert not np.array_equal(np.asarray(got[0][0]), np.asarray(got[0][1]))
