@@ -96,3 +96,29 @@ def test_floor_bytes_match_abi_traffic():
     big = 4096 * 4096 * 2
     assert gelu.floor_bytes("fwd+bwd", rows, 4096, jnp.float16, jnp.float32) == (
         2 * big + 4096 * 4 + 8 + 3 * big + 2 * 4096 * 4 + 8)
+
+
+def test_trace_sums_device_kernels_per_call():
+    from bench import trace
+
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 50.0, "name": "PjitFunction(f)"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 4.0, "name": "norm_fwd_kernel"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 9, "dur": 6.0, "name": "norm_fwd_kernel"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 20, "dur": 3.0, "name": "loop_fusion"},
+    ]
+    assert trace.kernel_times_from_events(events, repeats=2) == {"norm_fwd_kernel": 5.0, "loop_fusion": 1.5}
+
+
+def test_trace_finds_device_kernels_only_on_a_gpu():
+    import jax.numpy as jnp
+
+    from bench import trace
+
+    times = trace.kernel_times(jax.jit(lambda x: jnp.tanh(x) * 2), (jnp.ones((64, 64)),), repeats=2)
+    if jax.devices()[0].platform == "gpu":
+        assert times and all(us > 0 for us in times.values())
+    else:
+        assert times == {}

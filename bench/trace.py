@@ -1,0 +1,50 @@
+"""Device time per kernel from a JAX profiler trace.
+
+The slope method in `timing.py` measures what one more application of an op costs inside
+a jitted program, launch gaps included. This module measures the kernels themselves: it
+runs a function under `jax.profiler.trace`, reads the Perfetto (Chrome-format) trace, and
+sums the durations of the events on the GPU device's stream threads, per kernel name.
+Comparing the two tells launch overhead from slow kernels.
+
+Usage: `kernel_times(fn, args, repeats=10)` -> {kernel name: µs per call}; empty where
+the trace holds no device events (CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+
+import jax
+
+
+def kernel_times_from_events(events, repeats: int) -> dict[str, float]:
+    """µs per call of each event name on processes named '/device:GPU...'."""
+    device_pids = {e["pid"] for e in events
+                   if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and str(e.get("args", {}).get("name", "")).startswith("/device:GPU")}
+    totals: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device_pids:
+            totals[e["name"]] += float(e.get("dur", 0.0))
+    return {name: us / repeats for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def kernel_times(fn, args, *, repeats: int = 10) -> dict[str, float]:
+    """Runs fn(*args) once to warm up, then `repeats` times under the profiler."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(repeats):
+                jax.block_until_ready(fn(*args))
+        paths = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not paths:
+            return {}
+        with gzip.open(paths[0]) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return kernel_times_from_events(events, repeats)
