@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import sys
 from collections.abc import Callable
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 import jaxsub
 import jaxsub.ops.gelu as gelu_module
 import jaxsub.ops.norm as norm_module
-from bench import timing
+from bench import report, timing
 from jaxsub import testing
 
 RATE = 0.1
@@ -53,14 +52,8 @@ DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "ops.json"
 
 
 @dataclasses.dataclass(frozen=True)
-class Size:
+class Size(timing.RunSize):
     rows: int
-    k1: int
-    k2: int
-    copy_buffer_bytes: int
-    copy_k1: int
-    copy_k2: int
-    repeats: int
 
 
 # BERT-large: batch 8 x sequence 512 rows. The copy measurement reaches 1 GiB at K2.
@@ -165,41 +158,9 @@ PASSES = ("fwd", "fwd+bwd")
 
 
 def make_inputs(op: Op, rows: int, cols: int, dtype, param_dtype, count: int, seed: int):
-    """`count` distinct input sets, dropout keys and cotangents, all random normal,
-    drawn in one jitted call (one compilation instead of one per draw)."""
-
-    def draw(key):
-        sets, cotangents = [], []
-        for i in range(count):
-            set_key, cot_key = jax.random.split(jax.random.fold_in(key, i))
-            draws = jax.random.split(set_key, len(op.inputs))
-            sets.append(tuple(
-                jax.random.normal(k, (rows, cols) if name in _ACTIVATIONS else (cols,), jnp.float32)
-                .astype(dtype if name in _ACTIVATIONS else param_dtype)
-                for k, name in zip(draws, op.inputs)
-            ))
-            cotangents.append(jax.random.normal(cot_key, (rows, cols), jnp.float32).astype(dtype))
-        return sets, jax.random.split(jax.random.fold_in(key, count), count), cotangents
-
-    return jax.jit(draw)(jax.random.key(seed))
-
-
-def apply_k(apply: Callable, pass_: str):
-    """One jitted function applying `apply(args, key)` to every input set it is given."""
-
-    def run(sets, keys, cotangents):
-        outs = []
-        for i, args in enumerate(sets):
-            def f(*a, key=keys[i]):
-                return apply(a, key)
-            if pass_ == "fwd":
-                outs.append(f(*args))
-            else:
-                y, vjp = jax.vjp(f, *args)
-                outs.append((y, vjp(cotangents[i])))
-        return outs
-
-    return jax.jit(run)
+    """`count` distinct input sets, dropout keys and cotangents, all random normal."""
+    specs = [((rows, cols), dtype) if name in _ACTIVATIONS else ((cols,), param_dtype) for name in op.inputs]
+    return timing.random_sets(specs, ((rows, cols), dtype), count, seed)
 
 
 def spot_check(op: Op, args, key, dtype) -> str:
@@ -209,13 +170,13 @@ def spot_check(op: Op, args, key, dtype) -> str:
         deterministic = op.fused(args, key, True)
         dropped = op.fused(args, key, False) if op.dropout else None
     except NotImplementedError as e:
-        return f"not implemented: {_reason(e)}"
+        return f"not implemented: {report.reason(e)}"
     try:
         expected = op.reference(args, None)
         expected_dropped = (op.reference(args, jaxsub.ops.dropout_mask(key, args[0].shape, RATE))
                             if op.dropout else None)
     except NotImplementedError as e:
-        return f"skipped: reference {_reason(e)}"
+        return f"skipped: reference {report.reason(e)}"
     reduction = args[0].shape[-1] if op.reduction else 1
     try:
         testing.assert_close(deterministic, expected, dtype, reduction, what=f"{op.name} deterministic")
@@ -228,24 +189,11 @@ def spot_check(op: Op, args, key, dtype) -> str:
 
 def time_impl(apply: Callable, pass_: str, sets, keys, cotangents, size: Size, repeats: int):
     """(microseconds per application, SlopeTiming) or (None, reason) if not implemented."""
-    fn = apply_k(apply, pass_)
-
-    def build(k):
-        return fn, (sets[:k], keys[:k], cotangents[:k])
-
     try:
-        t = timing.slope_time(build, size.k1, size.k2, repeats=repeats)
+        t = timing.time_applications(apply, pass_, sets, keys, cotangents, size.k1, size.k2, repeats=repeats)
     except NotImplementedError as e:
-        return None, f"not implemented: {_reason(e)}"
+        return None, f"not implemented: {report.reason(e)}"
     return t.per_call_s * 1e6, t
-
-
-def _reason(e: Exception) -> str:
-    return str(e) or "stub raises NotImplementedError"
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b is not None and b > 0 else None
 
 
 def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: bool,
@@ -275,10 +223,10 @@ def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: 
             row[f"{impl}_us"] = us
             row[f"{impl}_status"] = "ok" if us is not None else detail
             row[f"{impl}_timing"] = detail.as_dict() if us is not None else None
-            row[f"{impl}_over_floor"] = _ratio(us, floor_us)
-        row["speedup"] = _ratio(row["xla_us"], row["jaxsub_us"])
+            row[f"{impl}_over_floor"] = report.ratio(us, floor_us)
+        row["speedup"] = report.ratio(row["xla_us"], row["jaxsub_us"])
         rows.append(row)
-        print(f"    {pass_:8s} jaxsub {_fmt(row['jaxsub_us'])} us  xla {_fmt(row['xla_us'])} us  "
+        print(f"    {pass_:8s} jaxsub {report.fmt(row['jaxsub_us'])} us  xla {report.fmt(row['xla_us'])} us  "
               f"floor {floor_us:.1f} us", flush=True)
         if row["xla_us"] is None:
             print(f"    xla {row['xla_status']}", flush=True)
@@ -288,65 +236,34 @@ def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: 
     return rows
 
 
-def _fmt(value, spec: str = ".1f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def format_table(rows: list[dict]) -> str:
     header = ("op", "dtype", "pass", "jaxsub µs", "XLA µs", "speedup", "floor µs", "jaxsub/floor", "XLA/floor")
-    lines = [[r["op"], r["dtype"], r["pass"], _fmt(r["jaxsub_us"]), _fmt(r["xla_us"]),
-              _fmt(r["speedup"], ".2f"), _fmt(r["floor_us"]), _fmt(r["jaxsub_over_floor"], ".2f"),
-              _fmt(r["xla_over_floor"], ".2f")] for r in rows]
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-    out = [" | ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
-    out.append("-+-".join("-" * w for w in widths))
-    out += [" | ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-            for line in lines]
-    return "\n".join(out)
-
-
-def _csv(choices):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        unknown = [t for t in items if t not in choices]
-        if unknown or not items:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
-        return items
-    return parse
+    f = report.fmt
+    lines = [[r["op"], r["dtype"], r["pass"], f(r["jaxsub_us"]), f(r["xla_us"]), f(r["speedup"], ".2f"),
+              f(r["floor_us"]), f(r["jaxsub_over_floor"], ".2f"), f(r["xla_over_floor"], ".2f")] for r in rows]
+    return report.format_table(header, lines, text_columns=3)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.ops", description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny sizes: a CPU smoke run that finishes in seconds")
-    p.add_argument("--ops", type=_csv(OPS), default=list(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    p.add_argument("--dtypes", type=_csv(DTYPES), default=["bf16", "fp16"], help="comma-separated, from bf16,fp16,f32")
+    p.add_argument("--ops", type=report.csv_choices(OPS), default=list(OPS),
+                   help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--dtypes", type=report.csv_choices(DTYPES), default=["bf16", "fp16"],
+                   help="comma-separated, from bf16,fp16,f32")
     p.add_argument("--param-dtype", choices=("same", "f32"), default="same",
                    help="parameter dtype: the activation dtype, or f32 (mixed precision)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per K (median); default 10, 5 with --small")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=pathlib.Path, default=DEFAULT_JSON, help=f"output path (default {DEFAULT_JSON})")
-    args = p.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        p.error("--repeats must be >= 1")
-    return args
+    report.add_run_arguments(p, DEFAULT_JSON, FULL.repeats, SMALL.repeats)
+    return report.parse_run_args(p, argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     size = SMALL if args.small else FULL
     repeats = args.repeats or size.repeats
-    backend = jax.default_backend()
-    print(f"device {timing.describe_device()}; jax {jax.__version__}; cuda kernels built and visible: "
-          f"{jaxsub.cuda_available()}")
-    if backend == "cpu":
-        print("note: running on CPU; CPU timings say nothing about GPU speed")
-
-    bandwidth, copy = timing.copy_bandwidth(size.copy_buffer_bytes, size.copy_k1, size.copy_k2,
-                                            repeats=repeats, seed=args.seed)
-    if not copy.reliable:
-        print("copy bandwidth: slope not positive (noise); using t(K2)/K2, a lower bound on bandwidth")
-    print(f"copy bandwidth (read + write, negation of {size.copy_k2} x {size.copy_buffer_bytes >> 20} MiB): "
-          f"{bandwidth / 1e12:.3f} TB/s", flush=True)
+    backend = report.print_run_header()
+    bandwidth, copy = report.measure_copy_bandwidth(size.copy_buffer_bytes, size.copy_k1, size.copy_k2,
+                                                    repeats=repeats, seed=args.seed)
 
     rows = []
     for name in args.ops:
@@ -355,14 +272,11 @@ def main(argv=None) -> int:
                              repeats, args.seed)
 
     result = {
-        "device": timing.describe_device(), "backend": backend, "jax_version": jax.__version__,
-        "small": args.small, "repeats": repeats, "rate": RATE, "eps": EPS,
+        **report.run_metadata(backend, args.small, repeats), "rate": RATE, "eps": EPS,
         "copy_bandwidth_bytes_per_s": bandwidth, "copy_timing": copy.as_dict(),
         "method": __doc__, "rows": rows,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    report.write_json(args.json, result)
     print()
     print(format_table(rows))
     failed = [f"{r['op']} {r['dtype']}" for r in rows if r["check"].startswith("FAILED")]

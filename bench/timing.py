@@ -19,6 +19,10 @@ Method (DESIGN.md, "Benchmarks"):
 
 Copy bandwidth is measured the same way with negation of K distinct f32 buffers; bytes
 moved = bytes read + bytes written.
+
+`random_sets` and `apply_k` build the K-application functions for any op given as
+`apply(args, key)`: the forward alone, or `jax.vjp` with a random cotangent returning the
+output and every gradient.
 """
 
 from __future__ import annotations
@@ -47,6 +51,20 @@ class SlopeTiming:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSize:
+    """How much timing a benchmark run does: K1 < K2 input sets per op, the copy-bandwidth
+    buffers (K2 of them should reach 1 GiB on a GPU) and the timed calls per K. Each
+    benchmark extends it with its problem sizes."""
+
+    k1: int
+    k2: int
+    copy_buffer_bytes: int
+    copy_k1: int
+    copy_k2: int
+    repeats: int
+
+
 def median_times(calls: Sequence[tuple[Callable, Sequence]], *, repeats: int, warmup: int = 2) -> list[float]:
     """Median wall time in seconds of each `fn(*args)` in `calls`, run to completion on
     the device; the calls are interleaved within each repeat."""
@@ -73,6 +91,57 @@ def slope_time(build: Callable[[int], tuple[Callable, Sequence]], k1: int, k2: i
     if slope > 0:
         return SlopeTiming(slope, k1, k2, t1, t2, reliable=True)
     return SlopeTiming(t2 / k2, k1, k2, t1, t2, reliable=False)
+
+
+def random_sets(specs: Sequence[tuple[tuple[int, ...], object]], cotangent: tuple[tuple[int, ...], object],
+                count: int, seed: int):
+    """`count` distinct input sets (one array per (shape, dtype) in `specs`), dropout keys
+    and cotangents (of shape, dtype `cotangent`), all random normal, drawn in one jitted
+    call (one compilation instead of one per draw)."""
+
+    def draw(key):
+        sets, cotangents = [], []
+        for i in range(count):
+            set_key, cot_key = jax.random.split(jax.random.fold_in(key, i))
+            draws = jax.random.split(set_key, len(specs))
+            sets.append(tuple(jax.random.normal(k, shape, jnp.float32).astype(dtype)
+                              for k, (shape, dtype) in zip(draws, specs)))
+            cot_shape, cot_dtype = cotangent
+            cotangents.append(jax.random.normal(cot_key, cot_shape, jnp.float32).astype(cot_dtype))
+        return sets, jax.random.split(jax.random.fold_in(key, count), count), cotangents
+
+    return jax.jit(draw)(jax.random.key(seed))
+
+
+def apply_k(apply: Callable, pass_: str):
+    """One jitted function applying `apply(args, key)` to every input set it is given:
+    pass_ "fwd" returns the outputs, "fwd+bwd" the outputs and all gradients."""
+
+    def run(sets, keys, cotangents):
+        outs = []
+        for i, args in enumerate(sets):
+            def f(*a, key=keys[i]):
+                return apply(a, key)
+            if pass_ == "fwd":
+                outs.append(f(*args))
+            else:
+                y, vjp = jax.vjp(f, *args)
+                outs.append((y, vjp(cotangents[i])))
+        return outs
+
+    return jax.jit(run)
+
+
+def time_applications(apply: Callable, pass_: str, sets, keys, cotangents, k1: int, k2: int, *,
+                      repeats: int) -> SlopeTiming:
+    """Slope time of one application of `apply(args, key)` (see `apply_k`) over the given
+    input sets; exceptions from tracing, compiling or running propagate to the caller."""
+    fn = apply_k(apply, pass_)
+
+    def build(k):
+        return fn, (sets[:k], keys[:k], cotangents[:k])
+
+    return slope_time(build, k1, k2, repeats=repeats)
 
 
 def copy_bandwidth(buffer_bytes: int, k1: int, k2: int, *, repeats: int, seed: int = 0) -> tuple[float, SlopeTiming]:

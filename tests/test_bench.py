@@ -1,4 +1,5 @@
-"""The op benchmark's --small path end to end on CPU: rows, JSON, positive times."""
+"""The op and attention benchmarks' --small paths end to end on CPU: rows, JSON, positive
+times; and their floors against hand counts."""
 
 from __future__ import annotations
 
@@ -11,50 +12,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import jaxsub.ops.gelu as gelu_module
-import jaxsub.ops.norm as norm_module
-from jaxsub.ops.dropout import apply_reference
 
 # `bench` is not part of the installed package; appended (not prepended) so an installed
 # jaxsub still wins over the source tree when tests run from tests/.
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+from bench import attention as bench_attention  # noqa: E402
 from bench import ops as bench_ops  # noqa: E402
 
 
-def _layer_norm(h, scale, bias, eps):
-    mean = h.mean(-1, keepdims=True)
-    var = jnp.square(h - mean).mean(-1, keepdims=True)
-    return (h - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-
-
-def _standin_layer_norm(x, scale, bias, *, eps):
-    return _layer_norm(x.astype(jnp.float32), scale, bias, eps).astype(x.dtype)
-
-
-def _standin_bdrln(x, bias, residual, scale, ln_bias, *, keep, rate, eps):
-    dropped = apply_reference(x.astype(jnp.float32) + bias.astype(jnp.float32), keep, rate)
-    return _layer_norm(residual.astype(jnp.float32) + dropped, scale, ln_bias, eps).astype(x.dtype)
-
-
-def _standin_bias_gelu_dropout(x, bias, *, keep, rate, approximate):
-    v = x.astype(jnp.float32) + bias.astype(jnp.float32)
-    return apply_reference(jax.nn.gelu(v, approximate=approximate), keep, rate).astype(x.dtype)
-
-
-@pytest.fixture
-def references(monkeypatch):
-    """The op modules' references where they exist; the harness's XLA column needs them,
-    so a worktree whose op modules are still stubs gets pure-JAX stand-ins."""
-    for module, name, standin in (
-        (norm_module, "reference_layer_norm", _standin_layer_norm),
-        (norm_module, "reference_bdrln", _standin_bdrln),
-        (gelu_module, "reference_bias_gelu_dropout", _standin_bias_gelu_dropout),
-    ):
-        if not hasattr(module, name):
-            monkeypatch.setattr(module, name, standin, raising=False)
-
-
-def test_small_run_writes_every_row_with_positive_times(tmp_path, references):
+def test_small_run_writes_every_row_with_positive_times(tmp_path):
     out = tmp_path / "ops.json"
     # One dtype keeps the CPU run short (compilation dominates); both share every code path.
     assert bench_ops.main(["--small", "--dtypes", "bf16", "--repeats", "5", "--json", str(out)]) == 0
@@ -98,6 +64,73 @@ def test_floor_bytes_match_abi_traffic():
         2 * big + 4096 * 4 + 8 + 3 * big + 2 * 4096 * 4 + 8)
 
 
+def test_attention_small_run_writes_every_row_with_positive_times(tmp_path):
+    out = tmp_path / "attention.json"
+    # Partitionable threefry (the default) takes ~3x longer for XLA:CPU to compile, and the
+    # plain-XLA rows' bernoulli dropout dominates this test; the bits differ, the code
+    # paths do not.
+    with jax.threefry_partitionable(False):
+        code = bench_attention.main(["--small", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0, [r["check"] for r in result["rows"]]
+
+    assert result["copy_bandwidth_bytes_per_s"] > 0
+    assert result["cuda_fused_attention_target"] in (True, False)
+    cases = bench_attention.SMALL.cases
+    expected = {(c, p, i) for c in cases for p in bench_attention.PASSES for i in bench_attention.IMPLS}
+    expected |= {("softmax", p, i) for p in bench_attention.PASSES for i in ("softmax_dropout", "xla")}
+    rows = {(r["case"], r["pass"], r["impl"]): r for r in result["rows"]}
+    assert set(rows) == expected and len(result["rows"]) == len(expected)
+
+    gpu = jax.default_backend() == "gpu"
+    for key, row in rows.items():
+        assert row["check"] == "ok", (key, row["check"])
+        if key[2] == "cudnn" and (row["us"] is None or not gpu):
+            # cuDNN cannot run on CPU (nor on every GPU setup): the error is recorded and
+            # the run goes on.
+            assert row["us"] is None and row["status"].startswith("failed: "), key
+            continue
+        assert row["status"] == "ok", (key, row["status"])
+        assert row["us"] > 0 and math.isfinite(row["us"]), key
+        xla_us = rows[(key[0], key[1], "xla")]["us"]
+        assert row["speedup_vs_xla"] == pytest.approx(xla_us / row["us"]), key
+        if key[0] == "softmax":
+            assert row["floor_bytes"] > 0 and row["floor_us"] > 0 and row["floor_us_at_4.17"] > 0, key
+            assert row["over_floor"] == pytest.approx(row["us"] / row["floor_us"]), key
+        else:
+            assert row["tflops"] == pytest.approx(row["flops"] / row["us"] / 1e6), key
+            cudnn_us = rows[(key[0], key[1], "cudnn")]["us"]
+            assert row["vs_cudnn"] == (None if cudnn_us is None else pytest.approx(cudnn_us / row["us"])), key
+    for case in cases:
+        assert rows[(case, "fwd", "fused")]["runs"] == "fused cpu handler" or gpu
+        assert rows[(case, "fwd+bwd", "fused")]["flops"] == pytest.approx(
+            3.5 * rows[(case, "fwd", "fused")]["flops"])
+
+
+def test_attention_floors_match_hand_counts():
+    full = bench_attention.FULL.cases
+    bert, causal = full["bert"], full["causal"]
+    assert bench_attention.attention_flops(bert, "fwd") == 4 * 8 * 16 * 512 * 512 * 64
+    assert bench_attention.attention_flops(causal, "fwd") == 2 * 2 * 16 * 2048 * 2048 * 128
+    assert bench_attention.attention_flops(bert, "fwd+bwd") == 3.5 * 4 * 8 * 16 * 512 * 512 * 64
+    act, lse = 8 * 512 * 16 * 64 * 2, 8 * 16 * 512 * 4
+    assert bench_attention.attention_floor_bytes(bert, "fwd") == 4 * act + lse + 8
+    assert bench_attention.attention_floor_bytes(full["bert-pad"], "fwd+bwd") == (
+        4 * act + lse + 8 * 512 + 8 + 8 * act + lse + 8 * 512 + 8)
+    scores, rows = 8 * 16 * 512 * 512 * 2, 8 * 16 * 512 * 4
+    shape = bench_attention.FULL.softmax_shape
+    assert bench_attention.softmax_floor_bytes(shape, "fwd") == 2 * scores + rows + 8
+    assert bench_attention.softmax_floor_bytes(shape, "fwd+bwd") == 5 * scores + 2 * rows + 16
+    # TARGETS.md: softmax + dropout floor 32.2 µs fwd, 80.5 µs fwd+bwd at 4.17 TB/s
+    # (leaving out the lse and seed terms).
+    assert bench_attention.softmax_floor_bytes(shape, "fwd") / 4.17e12 * 1e6 == pytest.approx(32.2, abs=0.1)
+    assert bench_attention.softmax_floor_bytes(shape, "fwd+bwd") / 4.17e12 * 1e6 == pytest.approx(80.5, abs=0.2)
+
+
+def test_attention_floors_only_prints_without_timing(capsys):
+    assert bench_attention.main(["--floors"]) == 0
+    printed = capsys.readouterr().out
+    assert "bert-pad" in printed and "softmax" in printed and "copy bandwidth" not in printed
 def test_trace_sums_device_kernels_per_call():
     from bench import trace
 

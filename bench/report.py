@@ -1,0 +1,100 @@
+"""Console and JSON conventions shared by the benchmarks: the run header, the copy
+bandwidth line, number formatting, the final table and the JSON file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from collections.abc import Sequence
+
+import jax
+
+import jaxsub
+from bench import timing
+
+
+def fmt(value, spec: str = ".1f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def ratio(a, b):
+    return a / b if a is not None and b is not None and b > 0 else None
+
+
+def reason(e: Exception) -> str:
+    """A one-line description of why something did not run."""
+    if isinstance(e, NotImplementedError):
+        return str(e) or "stub raises NotImplementedError"
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0] if first else ''}".rstrip(": ")
+
+
+def format_table(header: Sequence[str], lines: Sequence[Sequence[str]], text_columns: int) -> str:
+    """Pipe-separated table; the first `text_columns` columns are left-aligned, the
+    (numeric) rest right-aligned."""
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+
+    def join(cells):
+        return " | ".join(c.ljust(w) if i < text_columns else c.rjust(w)
+                          for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([join(header), "-+-".join("-" * w for w in widths), *(join(line) for line in lines)])
+
+
+def csv_choices(choices):
+    """argparse type: a comma-separated, non-empty subset of `choices`."""
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [t for t in items if t not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
+        return items
+    return parse
+
+
+def add_run_arguments(p: argparse.ArgumentParser, default_json: pathlib.Path, repeats: int,
+                      small_repeats: int) -> None:
+    """--repeats, --seed and --json, the same in every benchmark; see `parse_run_args`."""
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"timed calls per K (median); default {repeats}, {small_repeats} with --small")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=pathlib.Path, default=default_json, help=f"output path (default {default_json})")
+
+
+def parse_run_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    args = p.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+def print_run_header() -> str:
+    """Prints what runs where; returns the default backend."""
+    backend = jax.default_backend()
+    print(f"device {timing.describe_device()}; jax {jax.__version__}; cuda kernels built and visible: "
+          f"{jaxsub.cuda_available()}")
+    if backend == "cpu":
+        print("note: running on CPU; CPU timings say nothing about GPU speed")
+    return backend
+
+
+def measure_copy_bandwidth(buffer_bytes: int, k1: int, k2: int, *, repeats: int, seed: int):
+    """`timing.copy_bandwidth`, with the result printed; (bytes/s, SlopeTiming)."""
+    bandwidth, copy = timing.copy_bandwidth(buffer_bytes, k1, k2, repeats=repeats, seed=seed)
+    if not copy.reliable:
+        print("copy bandwidth: slope not positive (noise); using t(K2)/K2, a lower bound on bandwidth")
+    print(f"copy bandwidth (read + write, negation of {k2} x {buffer_bytes >> 20} MiB): "
+          f"{bandwidth / 1e12:.3f} TB/s", flush=True)
+    return bandwidth, copy
+
+
+def run_metadata(backend: str, small: bool, repeats: int) -> dict:
+    return {"device": timing.describe_device(), "backend": backend, "jax_version": jax.__version__,
+            "small": small, "repeats": repeats}
+
+
+def write_json(path: pathlib.Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
