@@ -3,9 +3,10 @@
 from jaxsub.rewrite import patterns
 from jaxsub.rewrite.explain import Report, explain
 from jaxsub.rewrite.interpreter import optimize
-from jaxsub.rewrite.match_attention import match_attention, match_softmax_dropout
+from jaxsub.rewrite.match_attention import match_attention
 from jaxsub.rewrite.match_gelu import match_bias_gelu_dropout
 from jaxsub.rewrite.match_norm import match_layer_norm
+from jaxsub.rewrite.match_softmax import match_softmax_dropout
 
 # Layer norm first: at a shared anchor the normalization is the larger pattern.
 patterns.register("layer_norm", match_layer_norm, priority=10)
