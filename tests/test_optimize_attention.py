@@ -137,9 +137,9 @@ def test_dot_product_attention(kind):
         return jax.nn.dot_product_attention(q, k, v, mask=mask if kind == "mask" else None,
                                             is_causal=kind == "causal", implementation="xla")
 
-    report = _check(f, _qkv(), {"attention": 1})
-    assert ("causal" in str(report)) == (kind == "causal")
-    assert ("boolean mask" in str(report)) == (kind == "mask")
+    detail = _check(f, _qkv(), {"attention": 1}).matches[0].detail
+    assert ("causal" in detail) == (kind == "causal")
+    assert ("boolean mask" in detail) == (kind == "mask")
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,3 +277,13 @@ def test_softmax_over_another_axis_is_a_near_miss():
     assert report.matches == [] and "not the last" in report.near_misses[0].detail
     assert _count(jaxsub.optimize(f), *args) == 0
     assert_close(jaxsub.optimize(f)(*args), f(*args), reduction=S * D)
+
+
+def test_top_left_causal_is_a_generic_mask():
+    """jax's is_causal aligns the diagonal top-left; jaxsub's causal is bottom-right, so with
+    Sq < Sk the constant mask is passed as a mask, not as causal=True."""
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q[:, :3], k, v, is_causal=True, implementation="xla")
+
+    detail = _check(f, _qkv(), {"attention": 1}).matches[0].detail
+    assert "causal" not in detail and "boolean mask bool[3, 8]" in detail

@@ -181,7 +181,8 @@ class _Scores:
         elif node.prim in ("mul", "div"):
             for s, c in (node.ins, node.ins[::-1]):
                 k = g.scalar(c)
-                if k is None or k == 0.0 or (node.prim == "div" and c is not node.ins[1]):
+                if (k is None or k == 0.0 or s.shape != ref.shape
+                        or (node.prim == "div" and c is not node.ins[1])):
                     continue
                 self.steps.append((node, "scale", 1.0 / k if node.prim == "div" else k))
                 if self.walk(s, depth + 1):
