@@ -121,7 +121,8 @@ def _check_layouts(layouts):
 
 
 class Optimized:
-    """`fn` with its layer norm, BDRLN and bias+GELU(+dropout) patterns run as fused ops."""
+    """`fn` with its layer norm, BDRLN, bias+GELU(+dropout), attention and softmax(+dropout)
+    patterns run as fused ops."""
 
     def __init__(self, fn, options: P.Options, layouts):
         self.fn = fn
@@ -149,8 +150,13 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts=None):
 
     The result has fn's signature and pytree structure and composes with jit, grad,
     value_and_grad and vmap. fn is traced once per input structure/shape/dtype; matched
-    patterns (layer norm, bias+dropout+residual+layer norm, bias+GELU+dropout) call the
-    fused ops, everything else runs exactly as before. See `jaxsub.explain`.
+    patterns (layer norm, bias+dropout+residual+layer norm, bias+GELU+dropout, attention,
+    softmax+dropout) call the fused ops, everything else runs exactly as before. See
+    `jaxsub.explain`.
+
+    Attention masked with `where(mask, scores, big_negative)` is rewritten as a boolean
+    mask: equal wherever a query sees at least one key; a fully masked query row gives 0
+    where the original gives the mean of v (explain() says so per match).
 
     With rewrite_dropout=True, user dropout inside a matched pattern is replaced by the
     kernel's in-kernel dropout, keyed by the same JAX key that fed `jax.random.bernoulli`:

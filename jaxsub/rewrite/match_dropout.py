@@ -3,6 +3,7 @@
 Recognized spellings of dropout(h) with keep probability p, mask = bernoulli(key, p, shape):
   select_n(mask, 0, h / p)        jnp.where(mask, h / p, 0) and flax.linen.Dropout
   h * mask / p, h / p * mask      with the mask converted to h's dtype
+  h * (mask / p)                  flax.linen attention's dropout
 Division by p may also be multiplication by 1 / p. The mask must have h's shape
 (flax's `broadcast_dims` masks are left alone).
 
@@ -71,6 +72,20 @@ def _masked(g: G.Graph, ref, shape):
     return None
 
 
+def _mask_over_p(g: G.Graph, ref, shape):
+    """(bernoulli node, p, nodes) when ref = convert(mask) / p (or * 1 / p)."""
+    node = g.op(ref, "div", "mul")
+    if node is None:
+        return None
+    for m in node.ins:
+        conv = g.op(m, "convert_element_type")
+        found = _bernoulli(g, conv.ins[0]) if conv is not None and conv.ins[0].shape == shape else None
+        scaled = _scaled(g, ref, found[1]) if found is not None else None
+        if scaled is not None and scaled[0] is m:
+            return found[0], found[1], [node, conv]
+    return None
+
+
 def parse(g: G.Graph, ref):
     """The Dropout whose output is `ref`, or None."""
     node = g.producer.get(ref)
@@ -101,6 +116,13 @@ def parse(g: G.Graph, ref):
                 continue
             bern, p = found
             return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern)
+        # h * (mask / p)
+        if node.prim == "mul":
+            for h, m in (node.ins, node.ins[::-1]):
+                found = _mask_over_p(g, m, shape)
+                if found is not None and h.shape == shape:
+                    bern, p, mnodes = found
+                    return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern)
         # (h / p) * mask
         masked = _masked(g, ref, shape)
         if masked is not None:

@@ -4,7 +4,7 @@ A matcher is `fn(graph, anchor, options) -> Match | NearMiss | None`. It is anch
 the *last* node of its pattern and walks producers backwards. Anchors are tried from the
 end of the graph to its start, so the largest pattern ending at a node wins (BDRLN before
 its layer norm, bias+GELU+dropout before bias+GELU), and a node already claimed by a
-match is never claimed again. New patterns (attention) register with `register`.
+match is never claimed again. Patterns register with `register`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def plan(g: G.Graph, options: Options) -> Plan:
                 at[node] = found
                 break
     sub = {n: plan(n.body, options) for n in g.nodes if n.body is not None}
-    unsearched = [n for n in g.nodes if n.prim in G.UNSEARCHED]
+    # A matched call (softmax's custom_jvp_call) is replaced whole, not left unsearched.
+    unsearched = [n for n in g.nodes if n.prim in G.UNSEARCHED and n not in claimed]
     return Plan(at, claimed - set(at), misses[::-1], sub, unsearched)
 
 

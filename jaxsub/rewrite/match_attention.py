@@ -1,0 +1,496 @@
+"""Attention and softmax(+dropout) matchers (issue #4, pattern 1).
+
+Attention: softmax(Q·Kᵀ·scale [+ additive mask | where(mask, s, -big)] [causal]) [dropout] · V
+becomes `jaxsub.ops.attention` whenever q, k and v can be viewed as [B, S, H, D] (einsum
+'bqhd,bkhd->bhqk', 'bhqd,bhkd->bhqk', jax.nn.dot_product_attention's grouped form, flax
+linen/nnx attention): the scale may sit on q, k or the logits, and is folded into
+`scale`; masks may come before or after it. `where(mask, s, c)` with c <= -1e4 (-1e9,
+finfo.min, -inf) is taken as a boolean mask: equal to the original on every row with at
+least one visible key, because exp(c - max) underflows to exactly 0 there. On a fully
+masked row the original averages v uniformly (finite c) or gives NaN (-inf), the fused
+op gives 0; such rows carry no information, so the rewrite is made and explain() says so
+("fully-masked rows give 0 instead of the mean of v"). A boolean mask that is a constant
+(built from iota/ones, as jnp.tril and flax's make_causal_mask do) and equals jaxsub's
+bottom-right lower triangle becomes `causal=True`; any other mask is passed as is.
+Dropout on the probabilities (see match_dropout) becomes `dropout_rate` with the key that
+fed bernoulli; a dropout mask broadcast over batch/heads (flax's default
+`broadcast_dropout=True`) is a near-miss, since the kernel drops elements independently.
+
+The softmax itself is recognized by match_softmax.
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsub import ops
+from jaxsub.rewrite import graph as G
+from jaxsub.rewrite import match_dropout
+from jaxsub.rewrite.match_softmax import parse
+from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, private_violation, shapes
+
+ATTN = "attention"
+
+# ---------------------------------------------------------------------------------------
+# Attention: softmax(scale * Q Kᵀ (+ masks)) (dropout) V.
+#
+# Every tensor on the path from the Q·K contraction to the ·V contraction gets a *label*
+# per axis: "b" and "h" for the contraction's batch dims (first and second; absent ones
+# have size 1), "L"/"R" for the free dim of its left/right operand (which one is the
+# query side follows from the softmax axis, the key side), None for unit axes. Transposes
+# permute labels, reshapes may only add or drop unit axes, elementwise steps keep them.
+# q, k, v and the masks are then moved to [B, S, H, D] / [B, H, Sq, Sk] by one transpose
+# and one unit reshape (XLA elides both), and the result is moved back to the ·V
+# contraction's layout.
+
+_LAYOUT = ("transpose", "reshape", "convert_element_type")
+# where(mask, s, c) acts as a boolean mask when c is at most this (exp underflows to 0).
+_BIG_NEGATIVE = -1e4
+_MAX_CONSTANT = 1 << 22
+_CONSTANT_OPS = frozenset({"iota", "broadcast_in_dim", "reshape", "transpose", "convert_element_type",
+                           "ge", "gt", "le", "lt", "eq", "ne", "and", "or", "not", "select_n",
+                           "add", "sub", "mul", "squeeze", "expand_dims"})
+
+
+def _nonunit(shape):
+    return tuple(d for d in shape if d != 1)
+
+
+def _unit_reshape(node):
+    return node.prim != "reshape" or _nonunit(node.ins[0].shape) == _nonunit(node.outs[0].shape)
+
+
+def _forward(node, labels):
+    """The labels of a layout node's output, given its input's."""
+    if node.prim == "transpose":
+        return tuple(labels[p] for p in node.params["permutation"])
+    if node.prim == "reshape":
+        it = iter(l for l, d in zip(labels, node.ins[0].shape) if d != 1)
+        return tuple(next(it) if d != 1 else None for d in node.outs[0].shape)
+    return labels
+
+
+def _backward(node, labels):
+    """The labels of a layout node's input, given its output's; None if not a layout."""
+    src, out = node.ins[0], node.outs[0]
+    if node.prim == "transpose":
+        res = [None] * len(labels)
+        for i, p in enumerate(node.params["permutation"]):
+            res[p] = labels[i]
+        return tuple(res)
+    if node.prim == "reshape" and _unit_reshape(node):
+        it = iter(l for l, d in zip(labels, out.shape) if d != 1)
+        return tuple(next(it) if d != 1 else None for d in src.shape)
+    if node.prim == "broadcast_in_dim":
+        dims = node.params["broadcast_dimensions"]
+        return tuple(labels[o] if src.shape[i] == out.shape[o] else None for i, o in enumerate(dims))
+    return None
+
+
+def _relayout(x, labels, target, sizes):
+    """x (axes labelled `labels`, unlabelled ones of size 1) as the axes `target`; a target
+    label x lacks becomes a unit axis."""
+    order = [labels.index(t) for t in target if t in labels]
+    order += [i for i in range(len(labels)) if i not in order]
+    xp = np if isinstance(x, np.ndarray) else jnp  # constants stay numpy while tracing
+    x = xp.transpose(x, order) if order != list(range(len(order))) else x
+    return x.reshape(tuple(sizes[t] if t in labels else 1 for t in target))
+
+
+def _constant(g: G.Graph, ref, memo):
+    """The value of `ref` when it is computed from constants alone (iota, literals)."""
+    if ref.value is not None:
+        return np.asarray(ref.value)
+    if ref in memo:
+        return memo[ref]
+    node = g.producer.get(ref)
+    val = None
+    if (node is not None and node.prim in _CONSTANT_OPS and len(node.outs) == 1
+            and np.prod(ref.shape, dtype=np.int64) <= _MAX_CONSTANT):
+        ins = [_constant(g, r, memo) for r in node.ins]
+        if all(v is not None for v in ins):
+            with jax.ensure_compile_time_eval():
+                val = np.asarray(G.bind(node.eqn, ins)[0])
+    memo[ref] = val
+    return val
+
+
+@dataclasses.dataclass
+class _Mask:
+    ref: G.Ref           # mask source, read at run time
+    labels: tuple
+    boolean: bool
+    negate: bool = False     # select_n(m, s, -big): attend where m is False
+    fill: float = 0.0        # the big negative of a boolean mask, after later scales
+    factor: float = 1.0      # later scales an additive mask is multiplied by
+
+
+def _all_true(g, ref):
+    val = _constant(g, ref, {})
+    return val is not None and val.dtype == np.bool_ and bool(val.all())
+
+
+def _mask_source(g, ref, labels):
+    """Walk a mask operand back through layout/broadcast nodes, and `and`s with a constant
+    all-True (dot_product_attention's), to its smallest source."""
+    for _ in range(8):
+        node = g.op(ref, "transpose", "reshape", "broadcast_in_dim", "and")
+        if node is not None and node.prim == "and":
+            rest = [r for r in node.ins if not _all_true(g, r)]
+            if len(rest) != 1 or len(rest[0].shape) != len(ref.shape):
+                break
+            ref, labels = rest[0], tuple(l if a == b else None
+                                         for l, a, b in zip(labels, rest[0].shape, ref.shape))
+            continue
+        back = _backward(node, labels) if node is not None else None
+        if back is None:
+            break
+        ref, labels = node.ins[0], back
+    return ref, labels
+
+
+class _Scores:
+    """Parse of the path from the Q·K dot_general to the softmax input, walked backwards."""
+
+    def __init__(self, g):
+        self.g = g
+        self.steps = []      # (node, kind, payload), from the softmax input back
+        self.qk = None
+
+    def walk(self, ref, depth=0):
+        g = self.g
+        node = g.producer.get(ref)
+        if node is None or depth > 16 or node.outs[0].shape != ref.shape:
+            return False
+        if node.prim == "dot_general":
+            self.qk = node
+            return True
+        n = len(self.steps)
+        if node.prim in _LAYOUT and _unit_reshape(node):
+            if node.prim == "convert_element_type" and node.outs[0].dtype not in ACTIVATION_DTYPES:
+                return False
+            self.steps.append((node, "layout", None))
+            if self.walk(node.ins[0], depth + 1):
+                return True
+        elif node.prim in ("mul", "div"):
+            for s, c in (node.ins, node.ins[::-1]):
+                k = g.scalar(c)
+                if (k is None or k == 0.0 or s.shape != ref.shape
+                        or (node.prim == "div" and c is not node.ins[1])):
+                    continue
+                self.steps.append((node, "scale", 1.0 / k if node.prim == "div" else k))
+                if self.walk(s, depth + 1):
+                    return True
+                del self.steps[n:]
+        elif node.prim == "add":
+            for s, m in (node.ins, node.ins[::-1]):
+                if s.shape == ref.shape and jnp.issubdtype(m.dtype, jnp.floating):
+                    self.steps.append((node, "add", m))
+                    if self.walk(s, depth + 1):
+                        return True
+                    del self.steps[n:]
+        elif node.prim == "select_n" and len(node.ins) == 3 and node.ins[0].dtype == jnp.bool_:
+            pred, no, yes = node.ins
+            for s, c, negate in ((yes, no, False), (no, yes, True)):
+                fill = g.scalar(c)
+                if fill is not None and fill <= _BIG_NEGATIVE and s.shape == ref.shape:
+                    self.steps.append((node, "select", (pred, fill, negate)))
+                    if self.walk(s, depth + 1):
+                        return True
+                    del self.steps[n:]
+        del self.steps[n:]
+        return False
+
+
+def _operand_labels(shape, batch, contract, free_label):
+    """Labels of a dot_general operand, or None when its free dims hold more than one
+    non-unit dim."""
+    labels = [None] * len(shape)
+    for d, l in zip(batch, "bh"):
+        labels[d] = l
+    labels[contract[0]] = "d"
+    free = [d for d in range(len(shape)) if d not in batch and d != contract[0]]
+    big = [d for d in free if shape[d] != 1]
+    if len(big) > 1:
+        return None, free
+    for d in big:
+        labels[d] = free_label
+    return tuple(labels), free
+
+
+def _unscaled(g, ref):
+    """(x, factor, node) when ref = x * c or x / c for a scalar c; else (ref, 1.0, None)."""
+    node = g.op(ref, "mul", "div")
+    if node is not None and node.ins[0].dtype == ref.dtype:
+        for x, c in (node.ins, node.ins[::-1]):
+            k = g.scalar(c)
+            if k and x.shape == ref.shape and (node.prim == "mul" or c is node.ins[1]):
+                return x, (1.0 / k if node.prim == "div" else k), node
+    return ref, 1.0, None
+
+
+def _strip_layout(g, ref, into):
+    for _ in range(8):
+        node = g.op(ref, *_LAYOUT)
+        if node is None or not _unit_reshape(node) or node.outs[0].dtype not in ACTIVATION_DTYPES:
+            break
+        into.append(node)
+        ref = node.ins[0]
+    return ref
+
+
+def _broadcast_dropout(g, ref):
+    """The bernoulli node of a dropout on a softmax that match_dropout does not take (a mask
+    broadcast over batch/heads, flax's default `broadcast_dropout=True`)."""
+    node = g.op(ref, "mul", "select_n")
+    if node is None:
+        return None
+    if not any(parse(g, _strip_layout(g, r, [])) for r in node.ins if r.shape == ref.shape):
+        return None
+    todo = list(node.ins)
+    for _ in range(6):
+        if not todo:
+            break
+        r = todo.pop()
+        n = g.producer.get(r)
+        if n is not None and n.call_name == "_bernoulli":
+            return n
+        if n is not None and n.prim in ("convert_element_type", "div", "mul"):
+            todo.extend(n.ins)
+    return None
+
+
+def _is(label, want, sizes):
+    return label == want or (label is None and sizes.get(want, 1) == 1)
+
+
+class _Attn:
+    """One attention candidate ending at the ·V dot_general `anchor`, P = operand `pi`."""
+
+    def __init__(self, g, anchor, pi):
+        self.g, self.anchor, self.pi = g, anchor, pi
+        self.nodes, self.roles, self.masks = [anchor], {}, []
+        self.drop = self.sm = None
+        self.near_miss = None
+
+    def take(self, nodes, role):
+        for n in nodes:
+            if n not in self.roles:
+                self.roles[n] = role
+                self.nodes.append(n)
+
+    def parse(self):
+        g, anchor = self.g, self.anchor
+        post = []
+        ref = _strip_layout(g, anchor.ins[self.pi], post)
+        drop = match_dropout.parse(g, ref)
+        if drop is not None and drop.h.shape == ref.shape:
+            self.drop = drop
+            ref = _strip_layout(g, drop.h, post)
+        elif drop is None:
+            bern = _broadcast_dropout(g, ref)
+            if bern is not None:
+                self.near_miss = (f"dropout mask {shapes(bern.outs[0])} is broadcast over the probabilities "
+                                  f"{shapes(ref)}; the fused op drops every element independently",
+                                  ("drop", id(bern)))
+                return False
+        sm = parse(g, ref)
+        if sm is None:
+            return False
+        self.sm, self.post = sm, post[::-1]
+        scores = _Scores(g)
+        if not scores.walk(sm.x):
+            return False
+        self.steps = scores.steps[::-1]
+        return self.qk_labels(scores.qk) and self.chain() and self.pv()
+
+    def qk_labels(self, qk):
+        (lc, rc), (lb, rb) = qk.params["dimension_numbers"]
+        lhs, rhs = qk.ins
+        if len(lc) != 1 or len(lb) > 2 or lhs.dtype != rhs.dtype or lhs.dtype not in ACTIVATION_DTYPES:
+            return False
+        ll, lfree = _operand_labels(lhs.shape, lb, lc, "L")
+        rl, rfree = _operand_labels(rhs.shape, rb, rc, "R")
+        if ll is None or rl is None:
+            return False
+        self.sizes = {l: lhs.shape[d] for d, l in zip(lb, "bh")}
+        self.sizes.update(d=lhs.shape[lc[0]], L=math.prod(lhs.shape[d] for d in lfree),
+                          R=math.prod(rhs.shape[d] for d in rfree))
+        self.operands = [[lhs, ll], [rhs, rl]]
+        self.qk, self.labels = qk, (*"bh"[:len(lb)], *(ll[d] for d in lfree), *(rl[d] for d in rfree))
+        return True
+
+    def chain(self):
+        g, labels, factor = self.g, self.labels, 1.0
+        for node, kind, payload in self.steps:
+            if kind == "layout":
+                labels = _forward(node, labels)
+            elif kind == "scale":
+                factor *= payload
+                for m in self.masks:
+                    m.factor *= payload
+                    m.fill *= payload
+            else:
+                m = payload[0] if kind == "select" else payload
+                chain_shape = node.outs[0].shape
+                if len(m.shape) != len(chain_shape) or any(a not in (1, c) for a, c in zip(m.shape, chain_shape)):
+                    return False
+                ml = tuple(l if a == c else None for l, a, c in zip(labels, m.shape, chain_shape))
+                src, sl = _mask_source(g, m, ml)
+                if kind == "select":
+                    self.masks.append(_Mask(src, sl, True, negate=payload[2], fill=payload[1]))
+                else:
+                    self.masks.append(_Mask(src, sl, False))
+        query = {"L": "R", "R": "L"}.get(labels[self.sm.axis])
+        if query is None or any(m.boolean and not m.fill <= _BIG_NEGATIVE for m in self.masks):
+            return False
+        rename = {query: "q", labels[self.sm.axis]: "k"}
+
+        def ren(ls):
+            return tuple(rename.get(l, l) for l in ls)
+
+        self.sizes["q"], self.sizes["k"] = self.sizes.pop(query), self.sizes.pop(labels[self.sm.axis])
+        for m in self.masks:
+            m.labels = ren(m.labels)
+        for op in self.operands:
+            op[1] = ren(op[1])
+        if query == "R":
+            self.operands.reverse()
+        self.prob_labels = ren(labels)
+        for node in self.post:
+            self.prob_labels = _forward(node, self.prob_labels)
+        q, k = self.operands
+        self.q, qf, qn = _unscaled(g, q[0])
+        self.k, kf, kn = _unscaled(g, k[0])
+        self.q_labels, self.k_labels = q[1], k[1]
+        self.scale = factor * qf * kf
+        self.take([n for n in (qn, kn) if n is not None and g.uses[n.outs[0]] == 1], "scaled q/k")
+        return self.q.dtype == self.k.dtype
+
+    def pv(self):
+        anchor, sizes = self.anchor, self.sizes
+        (c0, c1), (b0, b1) = anchor.params["dimension_numbers"]
+        pc, vc, pb, vb = (c0, c1, b0, b1) if self.pi == 0 else (c1, c0, b1, b0)
+        p, v = anchor.ins[self.pi], anchor.ins[1 - self.pi]
+        pl = self.prob_labels
+        if len(pc) != 1 or not _is(pl[pc[0]], "k", sizes) or v.dtype != self.q.dtype:
+            return False
+        pfree = [d for d in range(len(p.shape)) if d not in pb and d not in pc]
+        if not all(pl[d] in ("b", "h", None) for d in pb) or not all(pl[d] in ("q", None) for d in pfree):
+            return False
+        vl = [None] * len(v.shape)
+        for dp, dv in zip(pb, vb):
+            vl[dv] = pl[dp]
+        vl[vc[0]] = "k"
+        vfree = [d for d in range(len(v.shape)) if d not in vb and d != vc[0]]
+        big = [d for d in vfree if v.shape[d] != 1]
+        if len(big) > 1 or math.prod(v.shape[d] for d in vfree) != sizes["d"]:
+            return False
+        for d in big:
+            vl[d] = "e"
+        sizes["e"] = sizes["d"]
+        self.v, self.v_labels = v, tuple(vl)
+        free = [pl[d] for d in pfree], [vl[d] for d in vfree]
+        self.out_labels = (*(pl[d] for d in pb), *free[self.pi], *free[1 - self.pi])
+        want = tuple(sizes.get(l, 1) if l else 1 for l in self.out_labels)
+        bshk = tuple(sizes.get(l, 1) for l in "bkhd")
+        return (want == anchor.outs[0].shape and math.prod(self.k.shape) == math.prod(bshk)
+                and math.prod(self.q.shape) == math.prod(sizes.get(l, 1) for l in "bqhd"))
+
+    def causal(self):
+        """Take a constant bottom-right lower-triangular boolean mask as `causal=True`."""
+        sq, sk = self.sizes["q"], self.sizes["k"]
+        tril = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+        memo = {}
+        for m in self.masks:
+            if not m.boolean:
+                continue
+            val = _constant(self.g, m.ref, memo)
+            if val is None:
+                continue
+            vis = _relayout(val, m.labels, "bhqk", self.sizes)
+            vis = ~vis if m.negate else vis
+            if vis.shape[-2:] == (sq, sk) and np.array_equal(np.broadcast_to(tril, vis.shape), vis):
+                self.masks.remove(m)
+                self.causal_fill = m.fill
+                return True
+        return False
+
+
+def _mask_builder(masks, sizes):
+    """read -> the one mask `attention` takes: booleans and-ed; additive masks summed, with
+    any boolean mask folded in as -inf."""
+    if not masks:
+        return lambda read: None
+
+    def value(read):
+        vis, add = None, None
+        for m in masks:
+            val = _relayout(read(m.ref), m.labels, "bhqk", sizes)
+            if m.boolean:
+                val = jnp.logical_not(val) if m.negate else val
+                vis = val if vis is None else vis & val
+            else:
+                val = val.astype(jnp.float32) * m.factor
+                add = val if add is None else add + val
+        return vis if add is None else add if vis is None else jnp.where(vis, add, -jnp.inf)
+
+    return value
+
+
+def match_attention(g, anchor, options):
+    """softmax(scale * Q Kᵀ (+ masks)) (dropout) · V ending at the dot_general `anchor`."""
+    if anchor.prim != "dot_general":
+        return None
+    for pi in (0, 1):
+        att = _Attn(g, anchor, pi)
+        if att.parse():
+            break
+        if att.near_miss is not None:
+            return NearMiss(ATTN, anchor, att.near_miss[0], key=att.near_miss[1])
+    else:
+        return None
+    drop = att.drop
+    if drop is not None and not options.rewrite_dropout:
+        return NearMiss(ATTN, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(drop.bernoulli)))
+    causal = att.causal()
+    att.take([*att.post, *(drop.nodes if drop else []), *att.sm.nodes], "attention probabilities")
+    att.take([n for n, _, _ in att.steps] + [att.qk], "attention scores")
+    why = private_violation(g, att.nodes, anchor, att.roles)
+    if why is not None:
+        return NearMiss(ATTN, anchor, why, key=("attention", id(att.qk)))
+    sizes, masks, scale = att.sizes, list(att.masks), att.scale
+    rate = drop.rate if drop is not None else 0.0
+    mask = _mask_builder(masks, sizes)
+    out_dtype = anchor.outs[0].dtype
+
+    def build(read):
+        q = _relayout(read(att.q), att.q_labels, "bqhd", sizes)
+        k = _relayout(read(att.k), att.k_labels, "bkhd", sizes)
+        v = _relayout(read(att.v), att.v_labels, "bkhe", sizes)
+        out = ops.attention(q, k, v, mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
+                            key=read(drop.key) if drop is not None else None)
+        return [_relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
+
+    return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), build, _describe(att, causal, rate))
+
+
+def _describe(att, causal, rate):
+    parts = [f"q {shapes(att.q)}, k {shapes(att.k)}, v {shapes(att.v)}", f"scale={att.scale:.6g}"]
+    if causal:
+        parts.append("causal")
+    for m in att.masks:
+        parts.append(("boolean" if m.boolean else "additive") + f" mask {shapes(m.ref)}")
+    parts.append(f"dropout rate={rate:g}" if rate else "no dropout")
+    fills = [m.fill for m in att.masks if m.boolean] + ([att.causal_fill] if causal else [])
+    if any(np.isfinite(f) for f in fills):
+        parts.append("fully-masked rows give 0 instead of the mean of v")
+    elif fills:
+        parts.append("fully-masked rows give 0 instead of NaN")
+    return ", ".join(parts)

@@ -1,0 +1,170 @@
+"""Softmax recognition, and the softmax(+dropout) matcher.
+
+A softmax over axis a of x is recognized from its parts, whatever library wrote it:
+  p = e / keepdims(reduce_sum(e, a)),  e = exp(x - shift) or exp(x),
+where `shift` is any value constant along a built from a reduce_max of x (or of a
+transpose/reshape/convert of x) through max/broadcast/transpose/reshape/stop_gradient.
+Softmax is shift-invariant, so the shift only has to be constant along a; which row
+statistic it is changes rounding, never the value. This covers jax.nn.softmax without
+the `jax_softmax_custom_jvp` flag, written-out max/exp/sum/div, and the transposed chain
+of jax.nn.dot_product_attention. With the flag, jax.nn.softmax is a `custom_jvp_call`;
+the whole call is matched when its body is such a softmax of its first operand (its
+derivative rule is then replaced by the fused op's, which computes the same derivative).
+
+`match_softmax_dropout` rewrites softmax (+ dropout on its output, see match_dropout)
+over the last axis to `jaxsub.ops.softmax_dropout`. Masks and scales before the softmax
+stay as they are, so the values are the original's (a row of -inf gives zeros instead of
+NaN). Softmax over another axis is a near-miss: the kernel normalizes the last axis and
+moving the axis costs a transpose of the scores in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxsub import ops
+from jaxsub.rewrite import graph as G
+from jaxsub.rewrite import match_dropout
+from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, private_violation, shapes
+
+SOFTMAX = "softmax_dropout"
+_SHIFT_OPS = ("broadcast_in_dim", "reshape", "transpose", "stop_gradient", "max", "convert_element_type")
+_VIEW_OPS = ("transpose", "reshape", "convert_element_type")
+
+
+@dataclasses.dataclass
+class Softmax:
+    x: G.Ref        # the scores
+    axis: int       # normalized axis of x
+    nodes: list     # the softmax's nodes, its output node first
+    out: G.Ref
+
+
+def _keepdims(g: G.Graph, ref, shape, axis):
+    """(row, node) when `ref` is `row` (shape without `axis`) with `axis` put back as 1."""
+    node = g.op(ref, "broadcast_in_dim", "reshape")
+    if node is None:
+        return None
+    row = node.ins[0]
+    want = shape[:axis] + shape[axis + 1:]
+    if row.shape != want or ref.shape[:axis] + ref.shape[axis + 1:] != want or ref.shape[axis] != 1:
+        return None
+    if node.prim == "broadcast_in_dim":
+        dims = tuple(node.params["broadcast_dimensions"])
+        if dims != tuple(i for i in range(len(shape)) if i != axis):
+            return None
+    return row, node
+
+
+def _views_of(g: G.Graph, x):
+    """x and the values x is a transpose/reshape/convert of."""
+    out = [x]
+    node = g.op(x, *_VIEW_OPS)
+    while node is not None and len(out) < 8:
+        out.append(node.ins[0])
+        node = g.op(node.ins[0], *_VIEW_OPS)
+    return out
+
+
+def _shift(g: G.Graph, ref, x, axis):
+    """The nodes computing `ref`, a row maximum of x constant along `axis`; None otherwise."""
+    if len(ref.shape) != len(x.shape) or ref.shape[axis] != 1:
+        return None
+    nodes, sources = [], _views_of(g, x)
+    while True:
+        node = g.producer.get(ref)
+        if node is None or len(nodes) > 12:
+            return None
+        nodes.append(node)
+        if node.prim == "reduce_max":
+            return nodes if any(node.ins[0] is s for s in sources) else None
+        if node.prim not in _SHIFT_OPS:
+            return None
+        if node.prim == "max":
+            # max(initial, row max): jax.nn.softmax's `initial=-inf`, a scalar.
+            rest = [r for r in node.ins if r.shape != ()]
+            if len(rest) != 1:
+                return None
+            ref = rest[0]
+        else:
+            ref = node.ins[0]
+
+
+def _softmax_call(node):
+    """The Softmax of a `custom_jvp_call` whose body is a softmax of its first operand."""
+    jaxpr, consts = G._body(node.params)
+    if node.params.get("num_consts", 0) or len(node.outs) != 1 or jaxpr is None:
+        return None
+    body = G.build(jaxpr, consts)
+    found = parse(body, body.outvars[0])
+    if found is None or found.x is not body.invars[0]:
+        return None
+    # Anything else in the body may only prepare scalars (the `initial` of the max).
+    claimed = set(found.nodes)
+    if any(n not in claimed and any(r.shape != () for r in n.outs) for n in body.nodes):
+        return None
+    if any(r.shape != () for r in node.ins[1:]):
+        return None
+    return Softmax(node.ins[0], found.axis, [node], node.outs[0])
+
+
+def parse(g: G.Graph, ref):
+    """The Softmax whose output is `ref`, or None."""
+    node = g.producer.get(ref)
+    if node is None:
+        return None
+    if node.prim == "custom_jvp_call":
+        return _softmax_call(node)
+    if node.prim != "div" or node.ins[0].shape != ref.shape:
+        return None
+    e, denom = node.ins
+    exp = g.op(e, "exp")
+    bcast = g.producer.get(denom)
+    red = g.op(bcast.ins[0], "reduce_sum") if bcast is not None and bcast.ins else None
+    if exp is None or red is None or red.ins[0] is not e or len(red.params["axes"]) != 1:
+        return None
+    axis = int(red.params["axes"][0])
+    kept = _keepdims(g, denom, e.shape, axis)
+    if kept is None or kept[0] is not red.outs[0]:
+        return None
+    nodes = [node, kept[1], red, exp]
+    x = exp.ins[0]
+    sub = g.op(x, "sub")
+    if sub is not None and sub.ins[0].shape == x.shape:
+        shift = _shift(g, sub.ins[1], sub.ins[0], axis)
+        if shift is not None:
+            nodes += [sub, *shift]
+            x = sub.ins[0]
+    return Softmax(x, axis, nodes, ref)
+
+
+def match_softmax_dropout(g, anchor, options):
+    """dropout(softmax(x)) or softmax(x) over x's last axis at `anchor`."""
+    if len(anchor.outs) != 1:
+        return None
+    drop = match_dropout.parse(g, anchor.outs[0])
+    sm = parse(g, drop.h if drop is not None else anchor.outs[0])
+    if sm is None:
+        return None
+    x, rank = sm.x, len(sm.x.shape)
+    if rank < 2 or x.dtype not in ACTIVATION_DTYPES or sm.out.dtype != x.dtype:
+        return None
+    if drop is not None and not options.rewrite_dropout:
+        return NearMiss(SOFTMAX, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(drop.bernoulli)))
+    if sm.axis != rank - 1:
+        return NearMiss(SOFTMAX, anchor, f"softmax over axis {sm.axis} of {shapes(x)}, not the last: "
+                        "the kernel normalizes the last axis", key=("softmax", id(sm.nodes[0])))
+    nodes = sm.nodes + (drop.nodes if drop is not None else [])
+    if anchor not in nodes:
+        return None
+    why = private_violation(g, nodes, anchor)
+    if why is not None:
+        return NearMiss(SOFTMAX, anchor, why, key=("softmax", id(sm.nodes[0])))
+    rate = drop.rate if drop is not None else 0.0
+
+    def build(read):
+        key = read(drop.key) if drop is not None else None
+        return [ops.softmax_dropout(read(x), rate=rate, key=key)]
+
+    desc = f"scores {shapes(x)}" + (f", dropout rate={rate:g}" if drop else ", no dropout")
+    return Match(SOFTMAX, anchor, nodes, dict(x=x, key=drop.key if drop else None), build, desc)

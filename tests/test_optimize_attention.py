@@ -1,0 +1,289 @@
+"""jaxsub.optimize on attention: softmax(Q Kᵀ scale + mask) (dropout) V -> jaxsub.ops.attention.
+
+Each source (hand-written jnp in both layouts, jax.nn.dot_product_attention, flax linen
+and nnx attention) is optimized and compared with the original: outputs and gradients
+within the jaxsub.testing tolerance, the number of `jaxsub_softmax_dropout_fwd` targets
+(the unfused attention path) in the lowered HLO, and explain()'s report. With dropout,
+the result is compared with jaxsub.ops.attention for the key the user's code used.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsub
+from jaxsub import ops
+from jaxsub.testing import assert_close
+from test_optimize import _assert_same as assert_same
+
+B, S, H, D = 2, 8, 4, 16
+E = H * D
+RATE = 0.25
+TARGET = "jaxsub_softmax_dropout_fwd"
+
+
+def _normal(i, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(i).standard_normal(shape, np.float32).astype(dtype))
+
+
+def _qkv(layout="bshd"):
+    shape = (B, S, H, D) if layout == "bshd" else (B, H, S, D)
+    return tuple(_normal(i, shape) for i in range(3))
+
+
+def _padding(seed=7):
+    """[B, S] key padding with at least one visible key per row."""
+    m = np.random.default_rng(seed).random((B, S)) > 0.4
+    m[:, 0] = True
+    return jnp.asarray(m)
+
+
+def _count(f, *args):
+    return jax.jit(f).lower(*args).as_text().count(f"@{TARGET}(")
+
+
+def _check(f, args, totals, argnums=(0, 1, 2)):
+    """optimize(f) == f in value and gradients; one fused softmax per match; explain."""
+    assert_same(f, args, argnums=argnums)
+    opt = jaxsub.optimize(f)
+    assert _count(opt, *args) == sum(totals.values())
+    report = jaxsub.explain(f, *args)
+    assert dict(report.totals) == totals, str(report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+# Hand-written jnp.
+
+
+def attn_bshd(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def attn_bhsd_written_out(q, k, v, mask):
+    """Scale on q, where(mask, s, -1e9), softmax written as max/exp/sum/div."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q * (1.0 / np.sqrt(D)), k)
+    s = jnp.where(mask[:, None, None, :], s, -1e9)
+    e = jnp.exp(s - s.max(-1, keepdims=True))
+    return jnp.einsum("bhqk,bhkd->bhqd", e / e.sum(-1, keepdims=True), v)
+
+
+def attn_tril_additive(q, k, v, bias):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
+    s = jnp.where(jnp.tril(jnp.ones((S, S))), s * 0.3, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+
+def test_hand_written_bshd():
+    report = _check(attn_bshd, _qkv(), {"attention": 1})
+    assert "scale=0.25" in str(report) and "no dropout" in str(report)
+
+
+def test_hand_written_bhsd_with_where_mask():
+    report = _check(attn_bhsd_written_out, (*_qkv("bhsd"), _padding()), {"attention": 1})
+    assert "boolean mask" in str(report)
+    assert "fully-masked rows give 0 instead of the mean of v" in str(report)
+
+
+def test_tril_is_causal_and_scale_after_additive_mask():
+    bias = _normal(5, (1, H, S, S))
+    report = _check(attn_tril_additive, (*_qkv(), bias), {"attention": 1})
+    text = str(report)
+    assert "causal" in text and "additive mask" in text and "scale=0.3" in text
+
+
+class _SoftmaxCustomJvp:
+    """jax_softmax_custom_jvp on: jax.nn.softmax becomes a custom_jvp_call."""
+
+    def __enter__(self):
+        self.old = jax.config.jax_softmax_custom_jvp
+        jax.config.update("jax_softmax_custom_jvp", True)
+
+    def __exit__(self, *exc):
+        jax.config.update("jax_softmax_custom_jvp", self.old)
+
+
+def test_softmax_custom_jvp_flag():
+    with _SoftmaxCustomJvp():
+        assert "custom_jvp_call" in str(jax.make_jaxpr(attn_bshd)(*_qkv()))
+        report = _check(attn_bshd, _qkv(), {"attention": 1})
+    assert not report.unsearched
+
+
+def test_fully_masked_rows_differ_only_there():
+    """The documented difference: rows without a visible key give 0, the original the mean of v."""
+    q, k, v = _qkv("bhsd")
+    mask = _padding().at[0].set(False)
+    out = jaxsub.optimize(attn_bhsd_written_out)(q, k, v, mask)
+    ref = attn_bhsd_written_out(q, k, v, mask)
+    np.testing.assert_array_equal(out[0], 0.0)
+    assert_close(ref[0], jnp.broadcast_to(v[0].mean(1, keepdims=True), ref[0].shape), reduction=S)
+    assert_close(out[1], ref[1], reduction=S * D)
+
+
+# ---------------------------------------------------------------------------------------
+# jax.nn.dot_product_attention.
+
+
+@pytest.mark.parametrize("kind", ["plain", "mask", "causal"])
+def test_dot_product_attention(kind):
+    mask = _padding()[:, None, None, :]
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask if kind == "mask" else None,
+                                            is_causal=kind == "causal", implementation="xla")
+
+    detail = _check(f, _qkv(), {"attention": 1}).matches[0].detail
+    assert ("causal" in detail) == (kind == "causal")
+    assert ("boolean mask" in detail) == (kind == "mask")
+
+
+# ---------------------------------------------------------------------------------------
+# flax.
+
+
+def _linen(**kw):
+    m = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, **kw)
+    x = _normal(0, (B, S, E))
+    return m, m.init(jax.random.key(0), x), x
+
+
+def test_flax_linen_with_mask():
+    m, params, x = _linen()
+    mask = nn.make_attention_mask(jnp.ones((B, S), bool), _padding())  # no fully masked query
+
+    def f(params, x):
+        return m.apply(params, x, mask=mask)
+
+    _check(f, (params, x), {"attention": 1}, argnums=(0, 1))
+
+
+def test_flax_linen_causal_mask():
+    m, params, x = _linen()
+
+    def f(params, x):
+        return m.apply(params, x, mask=nn.make_causal_mask(jnp.ones((B, S))))
+
+    assert "causal" in str(_check(f, (params, x), {"attention": 1}, argnums=(0, 1)))
+
+
+def test_flax_nnx():
+    layer = nnx.MultiHeadAttention(num_heads=H, in_features=E, decode=False, rngs=nnx.Rngs(0))
+    _check(lambda x: layer(x), (_normal(0, (B, S, E)),), {"attention": 1}, argnums=(0,))
+
+
+# ---------------------------------------------------------------------------------------
+# Dropout on the probabilities.
+
+
+def attn_dropout(q, k, v, key):
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D))
+    p = jnp.where(jax.random.bernoulli(key, 1.0 - RATE, p.shape), p / (1.0 - RATE), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def test_dropout_uses_the_users_key():
+    q, k, v = _qkv()
+    key = jax.random.key(3)
+    opt = jaxsub.optimize(attn_dropout)
+    out = jax.jit(opt)(q, k, v, key)
+    assert _count(opt, q, k, v, key) == 1
+    assert "dropout rate=0.25" in str(jaxsub.explain(attn_dropout, q, k, v, key))
+    assert_close(out, ops.attention(q, k, v, dropout_rate=RATE, key=key), reduction=S * D)
+    np.testing.assert_array_equal(out, jax.jit(opt)(q, k, v, key))
+    assert np.mean(np.asarray(out != jax.jit(opt)(q, k, v, jax.random.key(4)))) > 0.5
+    kept = np.asarray(ops.dropout_mask(key, (B, H, S, S), RATE))
+    sigma = np.sqrt(kept.size * RATE * (1 - RATE))
+    assert abs((~kept).sum() - kept.size * RATE) < 5 * sigma
+
+
+def test_rewrite_dropout_false_leaves_attention_alone():
+    q, k, v = _qkv()
+    key = jax.random.key(3)
+    opt = jaxsub.optimize(attn_dropout, rewrite_dropout=False)
+    assert_close(jax.jit(opt)(q, k, v, key), jax.jit(attn_dropout)(q, k, v, key), reduction=S * D)
+    report = jaxsub.explain(opt, q, k, v, key)
+    assert [m.detail for m in report.near_misses] == ["dropout not rewritten (rewrite_dropout=False)"]
+    # The softmax before the user's dropout is still fused, without the dropout.
+    assert report.totals == {"softmax_dropout": 1} and "no dropout" in str(report)
+
+
+def _linen_dropout(broadcast):
+    m, params, x = _linen(dropout_rate=RATE, deterministic=False, broadcast_dropout=broadcast)
+
+    def f(params, x, key):
+        return m.apply(params, x, rngs={"dropout": key})
+
+    return f, (params, x, jax.random.key(1))
+
+
+def test_flax_linen_dropout():
+    f, args = _linen_dropout(broadcast=False)
+    opt = jaxsub.optimize(f)
+    assert _count(opt, *args) == 1
+    assert jaxsub.explain(f, *args).totals == {"attention": 1}
+    out = jax.jit(opt)(*args)
+    np.testing.assert_array_equal(out, jax.jit(opt)(*args))
+    assert np.isfinite(np.asarray(out)).all()
+    other = jax.jit(opt)(*args[:2], jax.random.key(2))
+    assert np.mean(np.asarray(out != other)) > 0.5
+
+
+def test_flax_linen_broadcast_dropout_is_a_near_miss():
+    f, args = _linen_dropout(broadcast=True)
+    report = jaxsub.explain(f, *args)
+    assert any("broadcast over the probabilities" in m.detail for m in report.near_misses), str(report)
+    assert report.totals == {"softmax_dropout": 1}
+    assert_close(jaxsub.optimize(f)(*args), f(*args), reduction=S * D)
+
+
+# ---------------------------------------------------------------------------------------
+# Partial matches and near-misses.
+
+
+def test_softmax_only_when_scores_are_not_a_contraction():
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.tanh(s)), v)
+
+    _check(f, _qkv(), {"softmax_dropout": 1})
+
+
+def test_probabilities_returned_is_a_near_miss():
+    def f(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k))
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), p
+
+    args = _qkv()
+    report = jaxsub.explain(f, *args)
+    assert any("attention probabilities" in m.detail and "returned as an output" in m.detail
+               for m in report.near_misses), str(report)
+    assert report.totals == {"softmax_dropout": 1}
+    for o, r in zip(jaxsub.optimize(f)(*args), f(*args)):
+        assert_close(o, r, reduction=S * D)
+
+
+def test_softmax_over_another_axis_is_a_near_miss():
+    def f(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-2)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    args = _qkv()
+    report = jaxsub.explain(f, *args)
+    assert report.matches == [] and "not the last" in report.near_misses[0].detail
+    assert _count(jaxsub.optimize(f), *args) == 0
+    assert_close(jaxsub.optimize(f)(*args), f(*args), reduction=S * D)
+
+
+def test_top_left_causal_is_a_generic_mask():
+    """jax's is_causal aligns the diagonal top-left; jaxsub's causal is bottom-right, so with
+    Sq < Sk the constant mask is passed as a mask, not as causal=True."""
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q[:, :3], k, v, is_causal=True, implementation="xla")
+
+    detail = _check(f, _qkv(), {"attention": 1}).matches[0].detail
+    assert "causal" not in detail and "boolean mask bool[3, 8]" in detail
