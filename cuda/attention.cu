@@ -1,0 +1,599 @@
+// Fused attention with in-kernel dropout, forward and backward (FlashAttention-2 structure
+// on mma.sync m16n8k16 tensor-core instructions), CUDA. Contract: ABI.md ("Attention
+// family"). Status: compiled, not yet run on a GPU, so not registered (see targets.h). The [B, H, Sq, Sk] scores never reach memory: the forward keeps a running
+// max and sum per query row and saves only the log-sum-exp; the backward recomputes the
+// probabilities from it and regenerates the dropout mask at the same logical index as
+// the softmax op, so the fused and unfused paths drop the same elements.
+//
+// Block: 4 warps. Forward: 64 query rows per block (16 per warp), key tiles of 64 in
+// shared memory. Backward: 64 keys per block (16 per warp), query tiles of 64 in shared
+// memory; dK, dV accumulate in registers, dQ in an f32 workspace through atomics.
+#include <cmath>
+
+#include "common.h"
+#include "philox.h"
+
+namespace jaxsub {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTile = 64;  // rows per block and per shared-memory tile
+constexpr int kPad = 8;    // 16 bytes of padding per shared-memory row: conflict-free pair reads
+constexpr int kMaskNone = 0, kMaskBool = 1, kMaskAdditive = 2;
+
+struct AttnArgs {
+  const void* q;         // [B, Sq, H, D] T
+  const void* k;         // [B, Sk, H, D] T
+  const void* v;         // [B, Sk, H, D] T
+  const void* out;       // [B, Sq, H, D] T (backward: forward output)
+  const void* dout;      // [B, Sq, H, D] T (backward)
+  const void* mask;      // [Bm, Hm, Sqm, Skm] pred or f32
+  const uint32_t* seed;  // [2]
+  void* o;               // forward: out [B, Sq, H, D]; backward: dq [B, Sq, H, D]
+  void* dk;              // [B, Sk, H, D] T (backward)
+  void* dv;              // [B, Sk, H, D] T (backward)
+  float* lse;            // [B, H, Sq]
+  float* delta;          // [B, H, Sq] workspace (backward): rowsum(dout * out)
+  float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
+  int64_t b, h, sq, sk;
+  int64_t bm, hm, sqm, skm;
+  int mask_kind;
+  float scale;
+  bool causal;
+  uint32_t threshold;
+  float keep_scale;
+};
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core and packing helpers.
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two 16-bit elements that are not adjacent in memory, packed low first.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_elems(const T& lo, const T& hi) {
+  const uint16_t a = *reinterpret_cast<const uint16_t*>(&lo), b = *reinterpret_cast<const uint16_t*>(&hi);
+  return static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+}
+
+// c += a * b for a 16x16 (row) by 16x8 (col) tile, f32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Copies rows [row0, row0 + kTile) of one head of a [B, S, H, D] tensor into shared memory
+// ([kTile][D + kPad]); rows past `rows` are zero.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, int64_t rows, int64_t row_stride) {
+  constexpr int kChunks = D * sizeof(T) / 16;  // 16-byte pieces per row
+  for (int c = threadIdx.x; c < kTile * kChunks; c += kThreads) {
+    const int r = c / kChunks, part = c % kChunks;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (row0 + r < rows) val = *reinterpret_cast<const uint4*>(src + (row0 + r) * row_stride + part * (16 / sizeof(T)));
+    *reinterpret_cast<uint4*>(dst + r * (D + kPad) + part * (16 / sizeof(T))) = val;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Scores: scale, mask, causal, bounds. -inf marks an entry that takes no probability.
+
+struct RowCtx {
+  int64_t bb, hh;
+  int64_t mask_head;  // offset of (bb, hh) in the mask, before the query and key terms
+};
+
+__device__ __forceinline__ RowCtx row_ctx(const AttnArgs& a, int64_t bb, int64_t hh) {
+  RowCtx r;
+  r.bb = bb, r.hh = hh;
+  r.mask_head = ((a.bm == 1 ? 0 : bb) * a.hm + (a.hm == 1 ? 0 : hh)) * a.sqm;
+  return r;
+}
+
+__device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j) {
+  if (i >= a.sq || j >= a.sk) return -INFINITY;
+  if (a.causal && j > i + a.sk - a.sq) return -INFINITY;
+  float x = s * a.scale;
+  if (a.mask_kind != kMaskNone) {
+    const int64_t m = (rc.mask_head + (a.sqm == 1 ? 0 : i)) * a.skm + (a.skm == 1 ? 0 : j);
+    if (a.mask_kind == kMaskBool) {
+      if (!static_cast<const bool*>(a.mask)[m]) return -INFINITY;
+    } else {
+      x += static_cast<const float*>(a.mask)[m];
+    }
+  }
+  return x;
+}
+
+// Keep decisions for elements (i, j) and (i, j + 1) of the logical [B, H, Sq, Sk] tensor
+// (bit 0 and bit 1).
+__device__ __forceinline__ uint32_t keep_pair(const AttnArgs& a, const uint32_t (&seed)[2], const RowCtx& rc,
+                                              int64_t i, int64_t j) {
+  if (a.threshold == 0) return 3u;
+  const uint64_t idx = static_cast<uint64_t>(((rc.bb * a.h + rc.hh) * a.sq + i) * a.sk + j);
+  const U32x4 w0 = dropout_words(seed, idx >> 3);
+  const uint32_t k0 = lane16(w0, static_cast<int>(idx & 7)) >= a.threshold;
+  const uint64_t idx1 = idx + 1;
+  const U32x4 w1 = (idx1 >> 3) == (idx >> 3) ? w0 : dropout_words(seed, idx1 >> 3);
+  const uint32_t k1 = lane16(w1, static_cast<int>(idx1 & 7)) >= a.threshold;
+  return k0 | (k1 << 1);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward. grid (ceil(Sq / 64), B * H), block 128.
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
+  __shared__ __align__(16) T ks[kTile * (D + kPad)];
+  __shared__ __align__(16) T vs[kTile * (D + kPad)];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
+  const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile + warp * 16;  // warp's first query row
+  const int64_t row_stride = a.h * D;
+  const T* qg = static_cast<const T*>(a.q) + (bb * a.sq * a.h + hh) * D;
+  const T* kg = static_cast<const T*>(a.k) + (bb * a.sk * a.h + hh) * D;
+  const T* vg = static_cast<const T*>(a.v) + (bb * a.sk * a.h + hh) * D;
+  const RowCtx rc = row_ctx(a, bb, hh);
+  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+
+  // Q fragments for the warp's 16 rows: rows quad and quad + 8, columns tq*2 (+8).
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t i = q0 + quad + (r & 1) * 8;
+      const int col = kc * 16 + tq * 2 + (r >> 1) * 8;
+      qf[kc][r] = i < a.sq ? ld32(qg + i * row_stride + col) : 0u;
+    }
+
+  float o[D / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  // Keys beyond the block's last visible one are never needed.
+  int64_t key_end = a.sk;
+  if (a.causal) {
+    const int64_t last = static_cast<int64_t>(blockIdx.x) * kTile + kTile + a.sk - a.sq;
+    key_end = last < a.sk ? last : a.sk;
+  }
+  for (int64_t kb = 0; kb < key_end; kb += kTile) {
+    __syncthreads();
+    load_tile<T, D>(ks, kg, kb, a.sk, row_stride);
+    load_tile<T, D>(vs, vg, kb, a.sk, row_stride);
+    __syncthreads();
+
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        const T* kr = ks + (n * 8 + quad) * (D + kPad) + kc * 16 + tq * 2;
+        mma<T>(s[n], qf[kc], ld32(kr), ld32(kr + 8));
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = q0 + quad + (e >> 1) * 8, j = kb + n * 8 + tq * 2 + (e & 1);
+        s[n][e] = score(a, rc, s[n][e], i, j);
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m[r], quad_max(mx[r]));
+      alpha[r] = m_new == -INFINITY ? 1.f : __expf(m[r] - m_new);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[dn][e] *= alpha[e >> 1];
+    uint32_t pf[4][4];  // dropped, scaled probabilities as A fragments (16 keys each)
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[e] = s[n][e] == -INFINITY ? 0.f : __expf(s[n][e] - m[e >> 1]);
+        l[e >> 1] += p[e];
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = q0 + quad + r * 8, j = kb + n * 8 + tq * 2;
+        const uint32_t keep = i < a.sq && j < a.sk ? keep_pair(a, seed, rc, i, j) : 0u;
+        p[2 * r] = (keep & 1u) ? p[2 * r] * a.keep_scale : 0.f;
+        p[2 * r + 1] = (keep & 2u) ? p[2 * r + 1] * a.keep_scale : 0.f;
+      }
+      pf[n / 2][(n & 1) * 2 + 0] = pack2<T>(p[0], p[1]);
+      pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]);
+    }
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const T* vr = vs + (kc * 16 + tq * 2) * (D + kPad) + dn * 8 + quad;
+        const uint32_t b0 = pack_elems(vr[0], vr[D + kPad]);
+        const uint32_t b1 = pack_elems(vr[8 * (D + kPad)], vr[9 * (D + kPad)]);
+        mma<T>(o[dn], pf[kc], b0, b1);
+      }
+  }
+
+  T* og = static_cast<T*>(a.o) + (bb * a.sq * a.h + hh) * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float total = quad_sum(l[r]);
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const int64_t i = q0 + quad + r * 8;
+    if (i >= a.sq) continue;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<uint32_t*>(og + i * row_stride + dn * 8 + tq * 2) =
+          pack2<T>(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
+    if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? m[r] + __logf(total) : -INFINITY;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward.
+
+// delta[b, h, i] = sum_d dout * out; grid (ceil(B*Sq*H / 4)), block 128: one warp per row.
+template <typename T, int D>
+__global__ void attention_delta_kernel(AttnArgs a) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // (b, i, h) row-major
+  const int lane = threadIdx.x % 32;
+  if (row >= a.b * a.sq * a.h) return;
+  const T* dog = static_cast<const T*>(a.dout) + row * D;
+  const T* og = static_cast<const T*>(a.out) + row * D;
+  float acc = 0.f;
+  for (int d = lane; d < D; d += 32) acc += to_float(dog[d]) * to_float(og[d]);
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    const int64_t hh = row % a.h, i = (row / a.h) % a.sq, bb = row / (a.h * a.sq);
+    a.delta[(bb * a.h + hh) * a.sq + i] = acc;
+  }
+}
+
+// grid (ceil(Sk / 64), B * H), block 128; each warp owns 16 keys.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
+  __shared__ __align__(16) T qs[kTile * (D + kPad)];
+  __shared__ __align__(16) T dos[kTile * (D + kPad)];
+  __shared__ __align__(16) T dss[kWarps][16 * (kTile + kPad)];  // each warp's dS^T, [16 keys][64 queries]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
+  const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTile + warp * 16;  // warp's first key
+  const int64_t row_stride = a.h * D;
+  const T* qg = static_cast<const T*>(a.q) + (bb * a.sq * a.h + hh) * D;
+  const T* dog = static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D;
+  const T* kg = static_cast<const T*>(a.k) + (bb * a.sk * a.h + hh) * D;
+  const T* vg = static_cast<const T*>(a.v) + (bb * a.sk * a.h + hh) * D;
+  float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
+  const RowCtx rc = row_ctx(a, bb, hh);
+  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+
+  // K and V fragments (A operands) for the warp's 16 keys.
+  uint32_t kf[D / 16][4], vf[D / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t j = k0 + quad + (r & 1) * 8;
+      const int col = kc * 16 + tq * 2 + (r >> 1) * 8;
+      kf[kc][r] = j < a.sk ? ld32(kg + j * row_stride + col) : 0u;
+      vf[kc][r] = j < a.sk ? ld32(vg + j * row_stride + col) : 0u;
+    }
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+
+  // Queries before the block's first visible one are never needed.
+  int64_t q_begin = 0;
+  if (a.causal) {
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * kTile - (a.sk - a.sq);
+    q_begin = first > 0 ? first / kTile * kTile : 0;
+  }
+  for (int64_t qb = q_begin; qb < a.sq; qb += kTile) {
+    __syncthreads();
+    load_tile<T, D>(qs, qg, qb, a.sq, row_stride);
+    load_tile<T, D>(dos, dog, qb, a.sq, row_stride);
+    __syncthreads();
+
+    // S^T and dPd^T for the warp's 16 keys x 64 queries: rows = keys, columns = queries.
+    float st[8][4], dpt[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        const T* qr = qs + (n * 8 + quad) * (D + kPad) + kc * 16 + tq * 2;
+        mma<T>(st[n], kf[kc], ld32(qr), ld32(qr + 8));
+        const T* dr = dos + (n * 8 + quad) * (D + kPad) + kc * 16 + tq * 2;
+        mma<T>(dpt[n], vf[kc], ld32(dr), ld32(dr + 8));
+      }
+    }
+    uint32_t pdf[4][4], dsf[4][4];  // dropped P^T and dS^T as A fragments (16 queries each)
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      float pd[4], ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t j = k0 + quad + (e >> 1) * 8, i = qb + n * 8 + tq * 2 + (e & 1);
+        const float x = score(a, rc, st[n][e], i, j);
+        const float lse = i < a.sq ? a.lse[bh * a.sq + i] : -INFINITY;
+        const float p = (x == -INFINITY || lse == -INFINITY) ? 0.f : __expf(x - lse);
+        const float delta = i < a.sq ? a.delta[bh * a.sq + i] : 0.f;
+        bool keep = true;
+        if (a.threshold != 0 && i < a.sq && j < a.sk) {
+          const uint64_t idx = static_cast<uint64_t>(((bb * a.h + hh) * a.sq + i) * a.sk + j);
+          keep = lane16(dropout_words(seed, idx >> 3), static_cast<int>(idx & 7)) >= a.threshold;
+        }
+        const float m = keep ? a.keep_scale : 0.f;
+        pd[e] = p * m;
+        ds[e] = p * (dpt[n][e] * m - delta);
+      }
+      pdf[n / 2][(n & 1) * 2 + 0] = pack2<T>(pd[0], pd[1]);
+      pdf[n / 2][(n & 1) * 2 + 1] = pack2<T>(pd[2], pd[3]);
+      dsf[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
+      dsf[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
+      // dS^T to shared memory for dQ = dS K, which needs it transposed.
+      T* w = dss[warp] + quad * (kTile + kPad) + n * 8 + tq * 2;
+      *reinterpret_cast<uint32_t*>(w) = dsf[n / 2][(n & 1) * 2 + 0];
+      *reinterpret_cast<uint32_t*>(w + 8 * (kTile + kPad)) = dsf[n / 2][(n & 1) * 2 + 1];
+    }
+    // dV += Pd^T dO and dK += dS^T Q over the tile's 64 queries.
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const T* dr = dos + (kc * 16 + tq * 2) * (D + kPad) + dn * 8 + quad;
+        mma<T>(dv[dn], pdf[kc], pack_elems(dr[0], dr[D + kPad]),
+               pack_elems(dr[8 * (D + kPad)], dr[9 * (D + kPad)]));
+        const T* qr = qs + (kc * 16 + tq * 2) * (D + kPad) + dn * 8 + quad;
+        mma<T>(dk[dn], dsf[kc], pack_elems(qr[0], qr[D + kPad]),
+               pack_elems(qr[8 * (D + kPad)], qr[9 * (D + kPad)]));
+      }
+    __syncwarp();
+    // dQ[64 queries, D] += dS[queries, 16 keys] K[16 keys, D]: four 16-query row blocks.
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb) {
+      uint32_t af[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int qi = mb * 16 + quad + (r & 1) * 8, kj = tq * 2 + (r >> 1) * 8;
+        const T* src = dss[warp] + kj * (kTile + kPad) + qi;
+        af[r] = pack_elems(src[0], src[kTile + kPad]);
+      }
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        // B = K[16 keys, 8 dims]: the k index is the key, held by kf as (key, dim) pairs.
+        const int64_t j0 = k0 + tq * 2;
+        const T* kr = kg + j0 * row_stride + dn * 8 + quad;
+        const T zero = from_float_dev<T>(0.f);
+        const T e0 = j0 < a.sk ? kr[0] : zero, e1 = j0 + 1 < a.sk ? kr[row_stride] : zero;
+        const T e8 = j0 + 8 < a.sk ? kr[8 * row_stride] : zero, e9 = j0 + 9 < a.sk ? kr[9 * row_stride] : zero;
+        mma<T>(c, af, pack_elems(e0, e1), pack_elems(e8, e9));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t i = qb + mb * 16 + quad + (e >> 1) * 8;
+          if (i < a.sq) atomicAdd(dqg + i * row_stride + dn * 8 + tq * 2 + (e & 1), c[e] * a.scale);
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+  T* dkg = static_cast<T*>(a.dk) + (bb * a.sk * a.h + hh) * D;
+  T* dvg = static_cast<T*>(a.dv) + (bb * a.sk * a.h + hh) * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = k0 + quad + r * 8;
+    if (j >= a.sk) continue;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(dkg + j * row_stride + dn * 8 + tq * 2) =
+          pack2<T>(dk[dn][2 * r] * a.scale, dk[dn][2 * r + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(dvg + j * row_stride + dn * 8 + tq * 2) =
+          pack2<T>(dv[dn][2 * r], dv[dn][2 * r + 1]);
+    }
+  }
+}
+
+// dq = dq_acc, rounded to T. One thread per element pair.
+template <typename T>
+__global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dq[i] = from_float_dev<T>(acc[i]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Launchers and FFI handlers.
+
+ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                       const ffi::AnyBuffer& mask, int32_t mask_kind, AttnArgs& a, int& d) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) return invalid(op, "q, k, v must be [B, S, H, D]");
+  a.b = qd[0], a.sq = qd[1], a.h = qd[2], d = static_cast<int>(qd[3]);
+  a.sk = kd[1];
+  if (kd[0] != a.b || kd[2] != a.h || kd[3] != d || vd[0] != a.b || vd[1] != a.sk || vd[2] != a.h || vd[3] != d)
+    return invalid(op, "q, k, v shapes do not match");
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
+    return invalid(op, "q, k, v dtypes differ");
+  if (md.size() != 4) return invalid(op, "mask must be 4-D");
+  a.bm = md[0], a.hm = md[1], a.sqm = md[2], a.skm = md[3];
+  if (mask_kind < kMaskNone || mask_kind > kMaskAdditive) return invalid(op, "mask_kind must be 0, 1 or 2");
+  if (mask_kind != kMaskNone) {
+    const int64_t full[4] = {a.b, a.h, a.sq, a.sk}, have[4] = {a.bm, a.hm, a.sqm, a.skm};
+    for (int i = 0; i < 4; ++i)
+      if (have[i] != 1 && have[i] != full[i]) return invalid(op, "mask dims must be 1 or full");
+  }
+  a.mask_kind = mask_kind;
+  if (d != 32 && d != 64 && d != 128) return invalid(op, "head dim must be 32, 64 or 128 on CUDA");
+  return ffi::Error::Success();
+}
+
+// Calls f(TypeTag<T>, IntC<D>) for the 16-bit dtypes and head dims the kernels support.
+template <typename F>
+ffi::Error dispatch_attention(const char* op, ffi::DataType t, int d, F&& f) {
+  auto by_dim = [&](auto tag) -> ffi::Error {
+    switch (d) {
+      case 32: return f(tag, std::integral_constant<int, 32>{});
+      case 64: return f(tag, std::integral_constant<int, 64>{});
+      case 128: return f(tag, std::integral_constant<int, 128>{});
+    }
+    return invalid(op, "head dim must be 32, 64 or 128 on CUDA");
+  };
+  if (t == ffi::DataType::BF16) return by_dim(TypeTag<__nv_bfloat16>{});
+  if (t == ffi::DataType::F16) return by_dim(TypeTag<__half>{});
+  return invalid(op, "the fused CUDA kernels take bfloat16 or float16");
+}
+
+ffi::Error check(const char* op) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(e));
+}
+
+// q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; mask: [Bm, Hm, Sqm, Skm]; seed: [2]
+//   -> out: [B, Sq, H, D]; lse: [B, H, Sq].
+ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
+                        float keep_scale, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                        ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+  const char* op = "attention_fwd";
+  AttnArgs a{};
+  int d = 0;
+  if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
+  a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.mask = mask.untyped_data();
+  a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
+  a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
+  if (a.b * a.h * a.sq == 0) return ffi::Error::Success();
+  return dispatch_attention(op, q.element_type(), d, [&](auto tt, auto dd) {
+    using T = typename decltype(tt)::type;
+    constexpr int D = decltype(dd)::value;
+    const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
+    attention_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(a);
+    return check(op);
+  });
+}
+
+// dout, q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; out: [B, Sq, H, D]; lse: [B, H, Sq]; mask; seed
+//   -> dq: [B, Sq, H, D]; dk, dv: [B, Sk, H, D]; delta: [B, H, Sq] f32; dq_acc: [B, Sq, H, D] f32.
+ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
+                        float keep_scale, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
+  const char* op = "attention_bwd";
+  AttnArgs a{};
+  int d = 0;
+  if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
+  a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.out = out.untyped_data();
+  a.dout = dout.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
+  a.o = dq->untyped_data(), a.dk = dk->untyped_data(), a.dv = dv->untyped_data();
+  a.lse = data<float>(lse), a.delta = data<float>(delta), a.dq_acc = data<float>(dq_acc);
+  a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
+  if (a.b * a.h == 0 || a.sq * a.sk == 0) {
+    // No score at all: every gradient is zero (empty outputs need no writes).
+    if (dq->element_count()) cudaMemsetAsync(dq->untyped_data(), 0, dq->size_bytes(), stream);
+    if (dk->element_count()) cudaMemsetAsync(dk->untyped_data(), 0, dk->size_bytes(), stream);
+    if (dv->element_count()) cudaMemsetAsync(dv->untyped_data(), 0, dv->size_bytes(), stream);
+    return check(op);
+  }
+  return dispatch_attention(op, q.element_type(), d, [&](auto tt, auto dd) {
+    using T = typename decltype(tt)::type;
+    constexpr int D = decltype(dd)::value;
+    const int64_t rows = a.b * a.sq * a.h;
+    cudaMemsetAsync(a.dq_acc, 0, sizeof(float) * rows * D, stream);
+    attention_delta_kernel<T, D><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(a);
+    const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
+    attention_bwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(a);
+    const int64_t n = rows * D;
+    attention_dq_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(
+        a.dq_acc, static_cast<T*>(a.o), n);
+    return check(op);
+  });
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_fwd, jaxsub::AttentionFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
