@@ -1,0 +1,19 @@
+"""Flax (linen) modules built on jaxsub's fused ops."""
+
+from jaxsub.flax.encoder import (
+    Encoder,
+    EncoderLayer,
+    ReferenceEncoderLayer,
+    from_flax_params,
+    reference_layer,
+    to_flax_params,
+)
+
+__all__ = [
+    "EncoderLayer",
+    "Encoder",
+    "ReferenceEncoderLayer",
+    "reference_layer",
+    "to_flax_params",
+    "from_flax_params",
+]

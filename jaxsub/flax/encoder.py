@@ -1,0 +1,364 @@
+"""Transformer encoder layer and stack (flax.linen) on jaxsub's fused ops.
+
+`EncoderLayer` is one BERT-style (post-LN) or GPT-style (pre-LN) encoder layer whose
+memory-bound parts run as jaxsub's fused kernels; `ReferenceEncoderLayer` is the same
+layer in plain Flax (`nn.MultiHeadDotProductAttention`, `nn.Dense`, `nn.LayerNorm`,
+`nn.Dropout`), and `to_flax_params` / `from_flax_params` convert parameters between
+the two, so a checkpoint of either runs in the other. `Encoder` stacks layers, with
+`nn.scan` (parameters stacked on a leading layer axis) and optional `nn.remat`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxsub import ops
+
+Initializer = Callable[..., Any]
+
+_DEFAULT_EPS = 1e-5
+
+
+class _Affine(nn.Module):
+    """Holds a kernel and a bias and returns them, so that the layer's parameter tree
+    nests like Dense's ({"kernel", "bias"}) while the matmul and the bias add stay apart:
+    the bias goes into a fused op, not the matmul."""
+
+    fan_in: int
+    kernel_shape: tuple[int, ...]
+    bias_shape: tuple[int, ...]
+    kernel_init: Initializer
+    bias_init: Initializer
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self):
+        size = 1
+        for n in self.kernel_shape:
+            size *= n
+
+        # Initialize as the 2-D [fan_in, fan_out] matrix a Dense layer would see, so that
+        # fan-in based initializers scale by the true fan-in, not by one of the split axes.
+        def init(key, shape, dtype):
+            return self.kernel_init(key, (self.fan_in, size // self.fan_in), dtype).reshape(shape)
+
+        def bias_init(key, shape, dtype):
+            return self.bias_init(key, (size // self.fan_in,), dtype).reshape(shape)
+
+        kernel = self.param("kernel", init, self.kernel_shape, self.param_dtype)
+        bias = self.param("bias", bias_init, self.bias_shape, self.param_dtype)
+        return kernel, bias
+
+
+class _Norm(nn.Module):
+    """Layer-norm scale and bias ({"scale", "bias"}, as nn.LayerNorm names them)."""
+
+    features: int
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self):
+        scale = self.param("scale", nn.initializers.ones, (self.features,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+        return scale, bias
+
+
+def _key_padding_to_4d(mask):
+    """A [B, Sk] key-padding mask as [B, 1, 1, Sk]; other masks unchanged."""
+    mask = jnp.asarray(mask)
+    return mask[:, None, None, :] if mask.ndim == 2 else mask
+
+
+class EncoderLayer(nn.Module):
+    """One transformer encoder layer on jaxsub's fused ops.
+
+    Attributes:
+      num_heads: attention heads; the hidden size (last axis of the input) must divide.
+      mlp_dim: width of the feed-forward block.
+      dropout_rate: dropout after the attention output projection, after the GELU and
+        after the feed-forward output projection.
+      attention_dropout_rate: dropout on the attention probabilities.
+      pre_layer_norm: False (default) is BERT's post-LN layer,
+        ``y = LN(h + drop(FFN(h)))`` with ``h = LN(x + drop(Attn(x)))``; True is the
+        GPT-style pre-LN layer, ``y = h + drop(FFN(LN(h)))`` with
+        ``h = x + drop(Attn(LN(x)))`` (no final norm: `Encoder` adds one).
+      causal: causal self-attention (query i sees keys j <= i).
+      epsilon: layer-norm epsilon; 1e-5, the default of jaxsub's ops (BERT uses 1e-12).
+      approximate_gelu: tanh approximation of GELU (False: the exact erf form, as BERT).
+      dtype: compute dtype of activations and matmuls; parameters are cast to it.
+      param_dtype: dtype of the parameters.
+      kernel_init, bias_init: initializers, applied as for `nn.Dense` (the fused QKV
+        kernel is initialized as a [hidden, 3 * hidden] matrix).
+
+    Parameter tree (E = hidden size, H = num_heads, D = E // H, F = mlp_dim)::
+
+      qkv:            kernel [E, 3, H, D]   bias [3, H, D]   (index 0, 1, 2 = q, k, v)
+      out:            kernel [H, D, E]      bias [E]
+      attention_norm: scale  [E]            bias [E]
+      mlp_in:         kernel [E, F]         bias [F]
+      mlp_out:        kernel [F, E]         bias [E]
+      mlp_norm:       scale  [E]            bias [E]
+
+    How the ops are used: Q, K and V come from one matmul (the algebraic fusion of the
+    three projections), without bias; the QKV bias is added before `ops.attention`.
+    Post-LN: the output projection's bias, the dropout, the residual and the layer norm
+    are one `ops.bias_dropout_residual_layer_norm`, likewise for the feed-forward output.
+    Pre-LN: the norm before each block is `ops.layer_norm`, and the residual
+    ``x + dropout(y + bias)`` is elementwise JAX (no fused op has that epilogue), with the
+    mask from `ops.dropout_mask`. Both: the feed-forward input bias, GELU and dropout are
+    one `ops.bias_gelu_dropout`.
+
+    `__call__(x, mask=None, deterministic=True)`: x [B, S, E]; mask as in
+    `ops.attention` (boolean key padding [B, S], or boolean / additive broadcastable to
+    [B, H, S, S]). With deterministic=False, dropout keys come from the 'dropout' rng.
+    A query that sees no key gets a zero attention output (plain Flax averages V).
+    """
+
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    pre_layer_norm: bool = False
+    causal: bool = False
+    epsilon: float = _DEFAULT_EPS
+    approximate_gelu: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+
+    def _affine(self, name, fan_in, kernel_shape, bias_shape):
+        kernel, bias = _Affine(fan_in, kernel_shape, bias_shape, self.kernel_init, self.bias_init,
+                               self.param_dtype, name=name)()
+        return kernel.astype(self.dtype), bias.astype(self.dtype)
+
+    def _norm(self, name, features):
+        scale, bias = _Norm(features, self.param_dtype, name=name)()
+        return scale.astype(self.dtype), bias.astype(self.dtype)
+
+    def _key(self, rate, deterministic):
+        """A fresh dropout key, or None when this dropout is off (no rng is consumed)."""
+        return None if deterministic or rate == 0.0 else self.make_rng("dropout")
+
+    def _residual(self, x, y, bias, deterministic):
+        """x + dropout(y + bias), the pre-LN residual."""
+        y = y + bias
+        key = self._key(self.dropout_rate, deterministic)
+        if key is not None:
+            keep = ops.dropout_mask(key, y.shape, self.dropout_rate)
+            y = jnp.where(keep, y / jnp.asarray(1.0 - self.dropout_rate, y.dtype), jnp.zeros((), y.dtype))
+        return x + y
+
+    @nn.compact
+    def __call__(self, x, mask=None, deterministic=True):
+        x = jnp.asarray(x, self.dtype)
+        if x.ndim != 3:
+            raise ValueError(f"jaxsub.flax.EncoderLayer: `x` must be [B, S, E], got shape {x.shape}")
+        e = x.shape[-1]
+        if e % self.num_heads:
+            raise ValueError(f"jaxsub.flax.EncoderLayer: hidden size {e} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        h, d = self.num_heads, e // self.num_heads
+        qkv_kernel, qkv_bias = self._affine("qkv", e, (e, 3, h, d), (3, h, d))
+        out_kernel, out_bias = self._affine("out", e, (h, d, e), (e,))
+        attn_scale, attn_bias = self._norm("attention_norm", e)
+        in_kernel, in_bias = self._affine("mlp_in", e, (e, self.mlp_dim), (self.mlp_dim,))
+        ffn_kernel, ffn_bias = self._affine("mlp_out", self.mlp_dim, (self.mlp_dim, e), (e,))
+        mlp_scale, mlp_bias = self._norm("mlp_norm", e)
+        eps = self.epsilon
+        det = bool(deterministic)
+
+        a = ops.layer_norm(x, attn_scale, attn_bias, eps=eps) if self.pre_layer_norm else x
+        qkv = jnp.einsum("bse,ethd->bsthd", a, qkv_kernel) + qkv_bias
+        attn_rate = 0.0 if det else self.attention_dropout_rate
+        attn = ops.attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask=mask, causal=self.causal,
+                             dropout_rate=attn_rate, key=self._key(attn_rate, det))
+        proj = jnp.einsum("bshd,hde->bse", attn, out_kernel)
+        if self.pre_layer_norm:
+            x = self._residual(x, proj, out_bias, det)
+            a = ops.layer_norm(x, mlp_scale, mlp_bias, eps=eps)
+        else:
+            x = ops.bias_dropout_residual_layer_norm(
+                proj, out_bias, x, attn_scale, attn_bias, rate=self.dropout_rate,
+                key=self._key(self.dropout_rate, det), eps=eps, deterministic=det)
+            a = x
+
+        g = ops.bias_gelu_dropout(jnp.einsum("bse,ef->bsf", a, in_kernel), in_bias, rate=self.dropout_rate,
+                                  key=self._key(self.dropout_rate, det), approximate=self.approximate_gelu,
+                                  deterministic=det)
+        y = jnp.einsum("bsf,fe->bse", g, ffn_kernel)
+        if self.pre_layer_norm:
+            return self._residual(x, y, ffn_bias, det)
+        return ops.bias_dropout_residual_layer_norm(
+            y, ffn_bias, x, mlp_scale, mlp_bias, rate=self.dropout_rate,
+            key=self._key(self.dropout_rate, det), eps=eps, deterministic=det)
+
+
+class ReferenceEncoderLayer(nn.Module):
+    """`EncoderLayer` in plain Flax: the same computation with the same fields, built from
+    nn.MultiHeadDotProductAttention, nn.Dense, nn.LayerNorm and nn.Dropout. It is the
+    oracle of the tests and the layer `to_flax_params` converts to.
+
+    Parameter tree::
+
+      attention:      query / key / value: kernel [E, H, D] bias [H, D];
+                      out: kernel [H, D, E] bias [E]
+      attention_norm: scale [E] bias [E]
+      mlp_in:         kernel [E, F] bias [F]
+      mlp_out:        kernel [F, E] bias [E]
+      mlp_norm:       scale [E] bias [E]
+    """
+
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    pre_layer_norm: bool = False
+    causal: bool = False
+    epsilon: float = _DEFAULT_EPS
+    approximate_gelu: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+
+    @nn.compact
+    def __call__(self, x, mask=None, deterministic=True):
+        x = jnp.asarray(x, self.dtype)
+        e = x.shape[-1]
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                     bias_init=self.bias_init)
+        # The exact two-pass variance, as jaxsub's layer norm computes it.
+        norm = dict(epsilon=self.epsilon, dtype=self.dtype, param_dtype=self.param_dtype,
+                    use_fast_variance=False)
+        masks = [] if mask is None else [_key_padding_to_4d(mask)]
+        if self.causal:
+            masks.append(nn.make_causal_mask(x[..., 0]))
+        attn_mask = nn.combine_masks(*masks) if masks else None
+
+        attention = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads, qkv_features=e, out_features=e, broadcast_dropout=False,
+            dropout_rate=self.attention_dropout_rate, deterministic=deterministic, name="attention", **dense)
+        attention_norm = nn.LayerNorm(name="attention_norm", **norm)
+        mlp_in = nn.Dense(self.mlp_dim, name="mlp_in", **dense)
+        mlp_out = nn.Dense(e, name="mlp_out", **dense)
+        mlp_norm = nn.LayerNorm(name="mlp_norm", **norm)
+
+        def drop(y):
+            return nn.Dropout(self.dropout_rate, deterministic=deterministic)(y)
+
+        def mlp(y):
+            return mlp_out(drop(nn.gelu(mlp_in(y), approximate=self.approximate_gelu)))
+
+        if self.pre_layer_norm:
+            a = attention_norm(x)
+            x = x + drop(attention(a, a, mask=attn_mask))
+            return x + drop(mlp(mlp_norm(x)))
+        x = attention_norm(x + drop(attention(x, x, mask=attn_mask)))
+        return mlp_norm(x + drop(mlp(x)))
+
+
+def _fields(module: nn.Module) -> dict:
+    """The configuration fields of an EncoderLayer-like module (not parent or name)."""
+    names = {f.name for f in dataclasses.fields(EncoderLayer)} - {"parent", "name"}
+    return {n: getattr(module, n) for n in names}
+
+
+def reference_layer(layer: EncoderLayer) -> ReferenceEncoderLayer:
+    """The plain-Flax layer equivalent to `layer` (same configuration)."""
+    return ReferenceEncoderLayer(**_fields(layer))
+
+
+_SHARED = ("attention_norm", "mlp_in", "mlp_out", "mlp_norm")
+_QKV = ("query", "key", "value")
+
+
+def to_flax_params(params):
+    """EncoderLayer parameters -> ReferenceEncoderLayer parameters (the same layer).
+
+    Takes the 'params' collection of one layer (or a {'params': ...} variables dict,
+    returned in the same form)."""
+    if set(params) == {"params"}:
+        return {"params": to_flax_params(params["params"])}
+    qkv = params["qkv"]
+    attention = {name: {"kernel": qkv["kernel"][:, i], "bias": qkv["bias"][i]} for i, name in enumerate(_QKV)}
+    attention["out"] = dict(params["out"])
+    return {"attention": attention, **{n: dict(params[n]) for n in _SHARED}}
+
+
+def from_flax_params(params):
+    """ReferenceEncoderLayer parameters -> EncoderLayer parameters; inverse of
+    `to_flax_params`."""
+    if set(params) == {"params"}:
+        return {"params": from_flax_params(params["params"])}
+    attention = params["attention"]
+    qkv = {
+        "kernel": jnp.stack([attention[n]["kernel"] for n in _QKV], axis=1),
+        "bias": jnp.stack([attention[n]["bias"] for n in _QKV], axis=0),
+    }
+    return {"qkv": qkv, "out": dict(attention["out"]), **{n: dict(params[n]) for n in _SHARED}}
+
+
+class _Block(nn.Module):
+    """One layer with the (carry, x) -> (carry, out) signature nn.scan expects; the
+    deterministic flag is a field so that nn.scan and nn.remat see only arrays."""
+
+    layer: dict
+    deterministic: bool
+
+    @nn.compact
+    def __call__(self, x, mask):
+        return EncoderLayer(**self.layer, name="layer")(x, mask, self.deterministic), None
+
+
+class Encoder(nn.Module):
+    """A stack of `num_layers` EncoderLayers (fields as EncoderLayer's).
+
+    Attributes:
+      scan_layers: run the layers with nn.scan: one compiled layer body, parameters
+        stacked on a leading axis of size num_layers, under params["layers"]["layer"].
+        Without scan, layer i's parameters are params[f"layers_{i}"]["layer"].
+      remat: rematerialize each layer's activations in the backward pass (nn.remat).
+
+    With pre_layer_norm, a final layer norm ("final_norm": scale, bias) follows the
+    stack, as in GPT-style models whose layers leave their output unnormalized.
+    """
+
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    pre_layer_norm: bool = False
+    causal: bool = False
+    epsilon: float = _DEFAULT_EPS
+    approximate_gelu: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+    scan_layers: bool = True
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x, mask=None, deterministic=True):
+        layer = _fields(self)
+        deterministic = bool(deterministic)
+        block = nn.remat(_Block, prevent_cse=not self.scan_layers) if self.remat else _Block
+        x = jnp.asarray(x, self.dtype)
+        if self.scan_layers:
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                            in_axes=nn.broadcast, length=self.num_layers)
+            x, _ = stack(layer, deterministic, name="layers")(x, mask)
+        else:
+            for i in range(self.num_layers):
+                x, _ = block(layer, deterministic, name=f"layers_{i}")(x, mask)
+        if self.pre_layer_norm:
+            scale, bias = _Norm(x.shape[-1], self.param_dtype, name="final_norm")()
+            x = ops.layer_norm(x, scale.astype(self.dtype), bias.astype(self.dtype), eps=self.epsilon)
+        return x

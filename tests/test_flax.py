@@ -1,0 +1,184 @@
+"""jaxsub.flax: EncoderLayer against the plain-Flax ReferenceEncoderLayer with converted
+parameters, masks, dropout, and the Encoder stack (scan, remat)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsub
+from jaxsub.flax import Encoder, EncoderLayer, from_flax_params, reference_layer, to_flax_params
+from jaxsub.testing import assert_close
+
+B, S, E, H, F = 2, 12, 32, 4, 48
+
+
+def _perturb(params, seed):
+    """Parameters with every leaf moved off its initial value (zero biases and unit
+    scales would hide a bias or scale routed to the wrong place). Drawn with NumPy:
+    jax.random would compile a draw per leaf shape, seconds of test time."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: a + jnp.asarray(0.2 * rng.standard_normal(a.shape), a.dtype), params)
+
+
+def _setup(seed=0, dtype=jnp.float32, **kw):
+    layer = EncoderLayer(num_heads=H, mlp_dim=F, dtype=dtype, **kw)
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal((B, S, E)) + 0.5, jnp.float32)
+    params = _perturb(jax.jit(layer.init)(jax.random.key(seed + 1), x)["params"], seed + 2)
+    return layer, x, params
+
+
+def _key_padding():
+    """Batch 0 attends to all keys, batch 1 to the first 7 only."""
+    return jnp.arange(S)[None, :] < jnp.array([[S], [7]])
+
+
+@pytest.mark.parametrize("pre_layer_norm,masking", [
+    (False, "none"), (False, "key_padding"), (False, "causal"), (True, "none"), (True, "both")])
+def test_matches_plain_flax(pre_layer_norm, masking):
+    causal = masking in ("causal", "both")
+    layer, x, params = _setup(pre_layer_norm=pre_layer_norm, causal=causal)
+    ref = reference_layer(layer)
+    mask = _key_padding() if masking in ("key_padding", "both") else None
+
+    def loss(module, p, x):
+        y = module.apply({"params": p}, x, mask)
+        return jnp.sum(y * jnp.cos(y)), y
+
+    (_, y), (gp, gx) = jax.jit(jax.value_and_grad(lambda p, x: loss(layer, p, x), (0, 1), has_aux=True))(params, x)
+    flax_params = to_flax_params(params)
+    (_, y_ref), (gp_ref, gx_ref) = jax.jit(
+        jax.value_and_grad(lambda p, x: loss(ref, p, x), (0, 1), has_aux=True))(flax_params, x)
+
+    # The layer chains reductions over E, S and F; its error grows with all of them.
+    assert_close(y, y_ref, reduction=E * F, what="output")
+    assert_close(gx, gx_ref, reduction=S * E * F, grad=True, what="dx")
+    got = to_flax_params(gp)
+    for path, want in jax.tree_util.tree_leaves_with_path(gp_ref):
+        have = got
+        for k in path:
+            have = have[k.key]
+        assert_close(have, want, reduction=B * S * E * F, grad=True, what=jax.tree_util.keystr(path))
+
+
+def test_param_conversion_round_trips():
+    layer, x, params = _setup()
+    back = from_flax_params(to_flax_params({"params": params}))["params"]
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ref_params = jax.eval_shape(reference_layer(layer).init, jax.random.key(3), x)["params"]
+    assert jax.tree.map(jnp.shape, to_flax_params(params)) == jax.tree.map(jnp.shape, ref_params)
+
+
+def test_key_padding_hides_padded_tokens():
+    layer, x, params = _setup(seed=5)
+    mask = _key_padding()
+    y = layer.apply({"params": params}, x, mask)
+    x2 = x.at[1, 7:].set(100.0)
+    y2 = layer.apply({"params": params}, x2, mask)
+    np.testing.assert_allclose(np.asarray(y2[:, :7]), np.asarray(y[:, :7]), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(y2[1, 7:]), np.asarray(y[1, 7:]))
+
+
+def test_causal_ignores_future_tokens():
+    layer, x, params = _setup(seed=7, causal=True, pre_layer_norm=True)
+    y = layer.apply({"params": params}, x)
+    y2 = layer.apply({"params": params}, x.at[:, 5:].add(3.0))
+    np.testing.assert_allclose(np.asarray(y2[:, :5]), np.asarray(y[:, :5]), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(y2[:, 5:]), np.asarray(y[:, 5:]))
+
+
+@pytest.mark.parametrize("pre_layer_norm", [False, True], ids=["post_ln", "pre_ln"])
+def test_dropout_uses_the_rng(pre_layer_norm):
+    layer, x, params = _setup(seed=9, pre_layer_norm=pre_layer_norm)
+
+    @jax.jit
+    def run(key):
+        return layer.apply({"params": params}, x, None, False, rngs={"dropout": key})
+
+    a, a2, b = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(a2))
+    assert not np.allclose(np.asarray(a), np.asarray(b))
+    off = layer.apply({"params": params}, x)
+    assert not np.allclose(np.asarray(a), np.asarray(off))
+    grads = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x, None, False,
+                                                   rngs={"dropout": jax.random.key(1)}) ** 2))(params)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_bf16_smoke():
+    layer, x, params = _setup(seed=11, dtype=jnp.bfloat16)
+    y = jax.jit(lambda p, x: layer.apply({"params": p}, x, _key_padding()))(params, x)
+    assert y.dtype == jnp.bfloat16
+    y32 = jax.jit(EncoderLayer(num_heads=H, mlp_dim=F).apply)({"params": params}, x, _key_padding())
+    # bf16 rounds every matmul input, so allow a few bf16 ulps per reduction step.
+    assert_close(y, y32, dtype=jnp.bfloat16, reduction=E * F, what="bf16 output")
+    g = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x).astype(jnp.float32)))(params)
+    assert all(np.isfinite(np.asarray(l, np.float32)).all() for l in jax.tree.leaves(g))
+
+
+LAYERS = 2
+
+
+def _encoder(**kw):
+    return Encoder(num_layers=LAYERS, num_heads=H, mlp_dim=F, **kw)
+
+
+def _stacked_to_layers(params, n):
+    """Scanned Encoder parameters -> the unscanned Encoder's (layers_i)."""
+    out = {f"layers_{i}": jax.tree.map(lambda a: a[i], params["layers"]) for i in range(n)}
+    out.update({k: v for k, v in params.items() if k != "layers"})
+    return out
+
+
+@pytest.mark.parametrize("pre_layer_norm,configs", [
+    (False, [(False, False), (True, False), (True, True)]),
+    (True, [(False, True), (True, False)]),
+], ids=["post_ln", "pre_ln"])
+def test_encoder_scan_remat_match_unrolled(pre_layer_norm, configs):
+    """Scanned and unrolled stacks, with and without remat, give the same loss and
+    gradients for the same per-layer parameters (the first config is the reference)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, S, E)), jnp.float32)
+    mask = _key_padding()
+    scanned = _encoder(pre_layer_norm=pre_layer_norm)
+    params = _perturb(jax.jit(scanned.init)(jax.random.key(1), x)["params"], 2)
+    assert params["layers"]["layer"]["qkv"]["kernel"].shape == (LAYERS, E, 3, H, E // H)
+    assert ("final_norm" in params) == pre_layer_norm
+    unrolled_params = _stacked_to_layers(params, LAYERS)
+
+    def loss(module, p):
+        return jnp.sum(jnp.sin(module.apply({"params": p}, x, mask)))
+
+    results = []
+    for scan, remat in configs:
+        module = _encoder(pre_layer_norm=pre_layer_norm, scan_layers=scan, remat=remat)
+        value, grads = jax.jit(jax.value_and_grad(lambda p: loss(module, p)))(params if scan else unrolled_params)
+        assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+        # The first layer's gradients flow back through every later layer.
+        results.append((value, jax.tree.map(lambda a: a[0], grads["layers"]) if scan else grads["layers_0"]))
+    ref_value, ref_grads = results[0]
+    for (scan, remat), (value, grads) in zip(configs[1:], results[1:]):
+        assert_close(value, ref_value, reduction=B * S * E * F, what=f"loss scan={scan} remat={remat}")
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+            assert_close(a, b, reduction=B * S * E * F, grad=True, what=f"grads scan={scan} remat={remat}")
+
+
+def test_encoder_dropout_uses_the_rng():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, S, E)), jnp.float32)
+    module = _encoder(remat=True)
+    params = module.init(jax.random.key(1), x)["params"]
+
+    def run(key):
+        return module.apply({"params": params}, x, None, False, rngs={"dropout": key})
+
+    a, a2, b = run(jax.random.key(3)), run(jax.random.key(3)), run(jax.random.key(4))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(a2))
+    assert not np.allclose(np.asarray(a), np.asarray(b))
+    assert np.isfinite(np.asarray(a)).all()
+
+
+def test_lazy_export_and_bad_hidden_size():
+    assert jaxsub.flax.EncoderLayer is EncoderLayer
+    with pytest.raises(ValueError, match="num_heads"):
+        EncoderLayer(num_heads=5, mlp_dim=F).init(jax.random.key(0), jnp.ones((1, 3, E)))
