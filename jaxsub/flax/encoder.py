@@ -14,7 +14,6 @@ import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from jaxsub import ops
