@@ -73,7 +73,24 @@ def _key_padding_to_4d(mask):
     return mask[:, None, None, :] if mask.ndim == 2 else mask
 
 
-class EncoderLayer(nn.Module):
+class _LayerFields(nn.Module):
+    """The fields EncoderLayer and its plain-Flax twin share, declared once."""
+
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    pre_layer_norm: bool = False
+    causal: bool = False
+    epsilon: float = _DEFAULT_EPS
+    approximate_gelu: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+
+
+class EncoderLayer(_LayerFields):
     """One transformer encoder layer on jaxsub's fused ops.
 
     Attributes:
@@ -118,18 +135,6 @@ class EncoderLayer(nn.Module):
     A query that sees no key gets a zero attention output (plain Flax averages V).
     """
 
-    num_heads: int
-    mlp_dim: int
-    dropout_rate: float = 0.1
-    attention_dropout_rate: float = 0.1
-    pre_layer_norm: bool = False
-    causal: bool = False
-    epsilon: float = _DEFAULT_EPS
-    approximate_gelu: bool = False
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = nn.initializers.lecun_normal()
-    bias_init: Initializer = nn.initializers.zeros
 
     def _affine(self, name, fan_in, kernel_shape, bias_shape):
         kernel, bias = _Affine(fan_in, kernel_shape, bias_shape, self.kernel_init, self.bias_init,
@@ -198,7 +203,7 @@ class EncoderLayer(nn.Module):
             key=self._key(self.dropout_rate, det), eps=eps, deterministic=det)
 
 
-class ReferenceEncoderLayer(nn.Module):
+class ReferenceEncoderLayer(_LayerFields):
     """`EncoderLayer` in plain Flax: the same computation with the same fields, built from
     nn.MultiHeadDotProductAttention, nn.Dense, nn.LayerNorm and nn.Dropout. It is the
     oracle of the tests and the layer `to_flax_params` converts to.
@@ -213,18 +218,6 @@ class ReferenceEncoderLayer(nn.Module):
       mlp_norm:       scale [E] bias [E]
     """
 
-    num_heads: int
-    mlp_dim: int
-    dropout_rate: float = 0.1
-    attention_dropout_rate: float = 0.1
-    pre_layer_norm: bool = False
-    causal: bool = False
-    epsilon: float = _DEFAULT_EPS
-    approximate_gelu: bool = False
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = nn.initializers.lecun_normal()
-    bias_init: Initializer = nn.initializers.zeros
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True):
