@@ -20,7 +20,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTile = 64;  // rows per block and per shared-memory tile
 constexpr int kPad = 8;    // 16 bytes of padding per shared-memory row: conflict-free pair reads
-constexpr int kMaskNone = 0, kMaskBool = 1, kMaskAdditive = 2;
 
 struct AttnArgs {
   const void* q;         // [B, Sq, H, D] T
@@ -450,7 +449,7 @@ __global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict
 
 ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                        const ffi::AnyBuffer& mask, int32_t mask_kind, AttnArgs& a, int& d) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) return invalid(op, "q, k, v must be [B, S, H, D]");
   a.b = qd[0], a.sq = qd[1], a.h = qd[2], d = static_cast<int>(qd[3]);
   a.sk = kd[1];
@@ -458,14 +457,10 @@ ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBu
     return invalid(op, "q, k, v shapes do not match");
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
     return invalid(op, "q, k, v dtypes differ");
-  if (md.size() != 4) return invalid(op, "mask must be 4-D");
-  a.bm = md[0], a.hm = md[1], a.sqm = md[2], a.skm = md[3];
-  if (mask_kind < kMaskNone || mask_kind > kMaskAdditive) return invalid(op, "mask_kind must be 0, 1 or 2");
-  if (mask_kind != kMaskNone) {
-    const int64_t full[4] = {a.b, a.h, a.sq, a.sk}, have[4] = {a.bm, a.hm, a.sqm, a.skm};
-    for (int i = 0; i < 4; ++i)
-      if (have[i] != 1 && have[i] != full[i]) return invalid(op, "mask dims must be 1 or full");
-  }
+  const int64_t full[4] = {a.b, a.h, a.sq, a.sk};
+  int64_t dims[4];
+  if (auto e = check_mask(op, mask, mask_kind, full, dims); e.failure()) return e;
+  a.bm = dims[0], a.hm = dims[1], a.sqm = dims[2], a.skm = dims[3];
   a.mask_kind = mask_kind;
   if (d != 32 && d != 64 && d != 128) return invalid(op, "head dim must be 32, 64 or 128 on CUDA");
   return ffi::Error::Success();
@@ -487,12 +482,6 @@ ffi::Error dispatch_attention(const char* op, ffi::DataType t, int d, F&& f) {
   return invalid(op, "the fused CUDA kernels take bfloat16 or float16");
 }
 
-ffi::Error check(const char* op) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(e));
-}
-
 // q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; mask: [Bm, Hm, Sqm, Skm]; seed: [2]
 //   -> out: [B, Sq, H, D]; lse: [B, H, Sq].
 ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
@@ -511,7 +500,7 @@ ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t m
     constexpr int D = decltype(dd)::value;
     const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     attention_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(a);
-    return check(op);
+    return launch_status(op);
   });
 }
 
@@ -536,7 +525,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
     if (dq->element_count()) cudaMemsetAsync(dq->untyped_data(), 0, dq->size_bytes(), stream);
     if (dk->element_count()) cudaMemsetAsync(dk->untyped_data(), 0, dk->size_bytes(), stream);
     if (dv->element_count()) cudaMemsetAsync(dv->untyped_data(), 0, dv->size_bytes(), stream);
-    return check(op);
+    return launch_status(op);
   }
   return dispatch_attention(op, q.element_type(), d, [&](auto tt, auto dd) {
     using T = typename decltype(tt)::type;
@@ -549,7 +538,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
     const int64_t n = rows * D;
     attention_dq_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(
         a.dq_acc, static_cast<T*>(a.o), n);
-    return check(op);
+    return launch_status(op);
   });
 }
 

@@ -43,6 +43,25 @@ inline Rows as_rows(const ffi::AnyBuffer& b) {
   return r;
 }
 
+// Attention-family masks (ABI.md): a 4-D buffer [Bm, Hm, Sqm, Skm], each dim 1 or the
+// full size, read as pred (kind 1) or f32 additive (kind 2); kind 0 = no mask.
+constexpr int32_t kMaskNone = 0, kMaskBool = 1, kMaskAdditive = 2;
+
+// Checks the mask against the logical [B, H, Sq, Sk] dims `full` and stores its dims.
+inline ffi::Error check_mask(const char* op, const ffi::AnyBuffer& mask, int32_t kind, const int64_t (&full)[4],
+                             int64_t (&dims)[4]) {
+  auto m = mask.dimensions();
+  if (m.size() != 4) return invalid(op, "mask must be 4-D");
+  for (int i = 0; i < 4; ++i) dims[i] = m[i];
+  if (kind < kMaskNone || kind > kMaskAdditive) return invalid(op, "mask_kind must be 0, 1 or 2");
+  if (kind == kMaskNone) return ffi::Error::Success();
+  for (int i = 0; i < 4; ++i)
+    if (dims[i] != 1 && dims[i] != full[i]) return invalid(op, "mask dims must be 1 or full");
+  const auto want = kind == kMaskBool ? ffi::DataType::PRED : ffi::DataType::F32;
+  if (mask.element_type() != want) return invalid(op, "mask dtype does not match mask_kind");
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------
 // Host 16-bit floats for the CPU handlers (the FFI passes them as uint16_t bit patterns).
 

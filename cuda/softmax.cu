@@ -12,8 +12,6 @@
 namespace jaxsub {
 namespace {
 
-constexpr int kMaskNone = 0, kMaskBool = 1, kMaskAdditive = 2;
-
 struct SoftmaxArgs {
   const void* dy;        // [B, H, Sq, Sk] T (backward)
   const void* scores;    // [B, H, Sq, Sk] T
@@ -132,17 +130,10 @@ ffi::Error check_shapes(const char* op, const ffi::AnyBuffer& scores, const ffi:
   auto d = scores.dimensions();
   if (d.size() != 4) return invalid(op, "scores must be [B, H, Sq, Sk]");
   a.b = d[0], a.h = d[1], a.sq = d[2], a.sk = d[3];
-  auto m = mask.dimensions();
-  if (m.size() != 4) return invalid(op, "mask must be 4-D");
-  a.bm = m[0], a.hm = m[1], a.sqm = m[2], a.skm = m[3];
-  if (mask_kind < kMaskNone || mask_kind > kMaskAdditive) return invalid(op, "mask_kind must be 0, 1 or 2");
-  const int64_t full[4] = {a.b, a.h, a.sq, a.sk}, have[4] = {a.bm, a.hm, a.sqm, a.skm};
-  if (mask_kind != kMaskNone) {
-    for (int i = 0; i < 4; ++i)
-      if (have[i] != 1 && have[i] != full[i]) return invalid(op, "mask dims must be 1 or full");
-    const auto want = mask_kind == kMaskBool ? ffi::DataType::PRED : ffi::DataType::F32;
-    if (mask.element_type() != want) return invalid(op, "mask dtype does not match mask_kind");
-  }
+  const int64_t full[4] = {a.b, a.h, a.sq, a.sk};
+  int64_t dims[4];
+  if (auto e = check_mask(op, mask, mask_kind, full, dims); e.failure()) return e;
+  a.bm = dims[0], a.hm = dims[1], a.sqm = dims[2], a.skm = dims[3];
   a.mask_kind = mask_kind;
   return ffi::Error::Success();
 }
