@@ -337,19 +337,21 @@ def check_softmax(apply: Callable, scores, cotangent, key, scale: float) -> str:
 
 
 def time_row(apply: Callable, pass_: str, data, size: Size, repeats: int):
-    """(µs, SlopeTiming) or (None, 'failed: ...')."""
+    """(µs, SlopeTiming, kernels µs, {kernel: µs}) or (None, 'failed: ...', None, {})."""
     sets, keys, cotangents = data
     try:
         t = timing.time_applications(apply, pass_, sets, keys, cotangents, size.k1, size.k2, repeats=repeats)
+        kernel_us, kernels = timing.kernel_time_applications(apply, pass_, sets, keys, cotangents, size.k1)
     except Exception as e:  # noqa: BLE001 - recorded in the row; the run goes on
-        return None, f"failed: {report.reason(e)}"
-    return t.per_call_s * 1e6, t
+        return None, f"failed: {report.reason(e)}", None, {}
+    return t.per_call_s * 1e6, t, kernel_us, kernels
 
 
 def _row(case: str, shape, pass_: str, impl: str, label: str, rate: float, runs: str, check: str,
          timed, optional: bool = False) -> dict:
-    us, detail = timed
+    us, detail, kernel_us, kernels = timed
     return {
+        "kernel_us": kernel_us, "kernels": kernels,
         "case": case, "shape": list(shape), "pass": pass_, "impl": impl, "label": label, "rate": rate,
         "optional": optional,
         "runs": runs, "check": check, "us": us, "status": "ok" if us is not None else detail,
@@ -362,6 +364,7 @@ def _row(case: str, shape, pass_: str, impl: str, label: str, rate: float, runs:
 
 def _print_row(row: dict) -> None:
     print(f"    {row['pass']:8s} {row['impl']:12s} {report.fmt(row['us']):>10s} us"
+          f" (kernels {report.fmt(row['kernel_us'])})"
           + ("" if row["status"] == "ok" else f"  {row['status']}")
           + ("" if row["reliable"] or row["us"] is None else "  (slope not positive: t(K2)/K2)"), flush=True)
 
@@ -422,6 +425,7 @@ def bench_softmax(size: Size, bandwidth: float, repeats: int, seed: int) -> list
             row["floor_us_at_4.17"] = floor_bytes / H200_COPY_BYTES_PER_S * 1e6
             row["over_floor"] = report.ratio(row["us"], row["floor_us"])
             row["over_floor_at_4.17"] = report.ratio(row["us"], row["floor_us_at_4.17"])
+            row["kernels_over_floor_at_4.17"] = report.ratio(row["kernel_us"], row["floor_us_at_4.17"])
             rows.append(row)
             _print_row(row)
         xla_us = rows[-1]["us"]
@@ -431,10 +435,10 @@ def bench_softmax(size: Size, bandwidth: float, repeats: int, seed: int) -> list
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("case", "pass", "impl", "runs", "dropout", "µs", "TFLOP/s", "vs XLA", "vs cuDNN",
+    header = ("case", "pass", "impl", "runs", "dropout", "µs", "kernels µs", "TFLOP/s", "vs XLA", "vs cuDNN",
               "floor µs", "floor µs @4.17", "×floor", "×floor @4.17")
     f = report.fmt
-    lines = [[r["case"], r["pass"], r["impl"], r["runs"], f(r["rate"]), f(r["us"]), f(r["tflops"]),
+    lines = [[r["case"], r["pass"], r["impl"], r["runs"], f(r["rate"]), f(r["us"]), f(r["kernel_us"]), f(r["tflops"]),
               f(r["speedup_vs_xla"], ".2f"), f(r["vs_cudnn"], ".2f"), f(r["floor_us"]),
               f(r["floor_us_at_4.17"]), f(r["over_floor"], ".2f"), f(r["over_floor_at_4.17"], ".2f")]
              for r in rows]

@@ -206,12 +206,14 @@ def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: 
     print(f"  {op.name} {dtype_name} [{size.rows}, {cols}] check: {check}", flush=True)
     rows = []
     for pass_ in PASSES:
-        results = {}
+        results, kernels = {}, {}
         for impl, apply in (("jaxsub", lambda a, key: op.fused(a, key, False)), ("xla", op.xla)):
             if impl == "jaxsub" and check.startswith("not implemented"):
                 results[impl] = (None, check)
             else:
                 results[impl] = time_impl(apply, pass_, sets, keys, cotangents, size, repeats)
+            kernels[impl] = (timing.kernel_time_applications(apply, pass_, sets, keys, cotangents, size.k1)
+                             if results[impl][0] is not None else (None, {}))
         floor_bytes = op.floor_bytes(pass_, size.rows, cols, dtype, param_dtype)
         floor_us = floor_bytes / bandwidth * 1e6
         row = {
@@ -224,10 +226,15 @@ def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: 
             row[f"{impl}_status"] = "ok" if us is not None else detail
             row[f"{impl}_timing"] = detail.as_dict() if us is not None else None
             row[f"{impl}_over_floor"] = report.ratio(us, floor_us)
+            row[f"{impl}_kernel_us"], row[f"{impl}_kernels"] = kernels[impl]
+            row[f"{impl}_kernel_over_floor"] = report.ratio(kernels[impl][0], floor_us)
         row["speedup"] = report.ratio(row["xla_us"], row["jaxsub_us"])
         rows.append(row)
-        print(f"    {pass_:8s} jaxsub {report.fmt(row['jaxsub_us'])} us  xla {report.fmt(row['xla_us'])} us  "
-              f"floor {floor_us:.1f} us", flush=True)
+        print(f"    {pass_:8s} jaxsub {report.fmt(row['jaxsub_us'])} us (kernels {report.fmt(row['jaxsub_kernel_us'])})"
+              f"  xla {report.fmt(row['xla_us'])} us (kernels {report.fmt(row['xla_kernel_us'])})"
+              f"  floor {floor_us:.1f} us", flush=True)
+        for name, us in list(row["jaxsub_kernels"].items())[:4]:
+            print(f"      {us:8.2f} us  {name[:100]}", flush=True)
         if row["xla_us"] is None:
             print(f"    xla {row['xla_status']}", flush=True)
         noisy = [impl for impl, (us, t) in results.items() if us is not None and not t.reliable]
@@ -237,10 +244,13 @@ def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: 
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("op", "dtype", "pass", "jaxsub µs", "XLA µs", "speedup", "floor µs", "jaxsub/floor", "XLA/floor")
+    header = ("op", "dtype", "pass", "jaxsub µs", "XLA µs", "speedup", "floor µs", "jaxsub/floor", "XLA/floor",
+              "jaxsub kernels µs", "XLA kernels µs", "jaxsub kernels/floor")
     f = report.fmt
     lines = [[r["op"], r["dtype"], r["pass"], f(r["jaxsub_us"]), f(r["xla_us"]), f(r["speedup"], ".2f"),
-              f(r["floor_us"]), f(r["jaxsub_over_floor"], ".2f"), f(r["xla_over_floor"], ".2f")] for r in rows]
+              f(r["floor_us"]), f(r["jaxsub_over_floor"], ".2f"), f(r["xla_over_floor"], ".2f"),
+              f(r["jaxsub_kernel_us"]), f(r["xla_kernel_us"]), f(r["jaxsub_kernel_over_floor"], ".2f")]
+             for r in rows]
     return report.format_table(header, lines, text_columns=3)
 
 

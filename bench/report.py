@@ -86,6 +86,9 @@ def measure_copy_bandwidth(buffer_bytes: int, k1: int, k2: int, *, repeats: int,
         print("copy bandwidth: slope not positive (noise); using t(K2)/K2, a lower bound on bandwidth")
     print(f"copy bandwidth (read + write, negation of {k2} x {buffer_bytes >> 20} MiB): "
           f"{bandwidth / 1e12:.3f} TB/s", flush=True)
+    kernels = timing.copy_bandwidth_kernels(buffer_bytes, k2, seed=seed)
+    if kernels:
+        print(f"copy bandwidth from the kernels' device time (profiler trace): {kernels / 1e12:.3f} TB/s", flush=True)
     return bandwidth, copy
 
 

@@ -144,6 +144,15 @@ def time_applications(apply: Callable, pass_: str, sets, keys, cotangents, k1: i
     return slope_time(build, k1, k2, repeats=repeats)
 
 
+def kernel_time_applications(apply: Callable, pass_: str, sets, keys, cotangents, k: int):
+    """Profiler-trace kernel time of one application over k input sets (bench/trace.py):
+    (µs, {kernel: µs}), or (None, {}) without device events. Unlike the slope, this is
+    the kernels alone: launch gaps between them are not counted."""
+    from bench import trace
+
+    return trace.per_application(apply_k(apply, pass_), (sets[:k], keys[:k], cotangents[:k]), k)
+
+
 def copy_bandwidth(buffer_bytes: int, k1: int, k2: int, *, repeats: int, seed: int = 0) -> tuple[float, SlopeTiming]:
     """Device copy bandwidth in bytes/s (read + write) from negating K distinct f32
     buffers of `buffer_bytes` each; K2 * buffer_bytes should be >= 1 GiB on a GPU."""
@@ -157,6 +166,18 @@ def copy_bandwidth(buffer_bytes: int, k1: int, k2: int, *, repeats: int, seed: i
 
     timing = slope_time(build, k1, k2, repeats=repeats)
     return 2 * 4 * n / timing.per_call_s, timing
+
+
+def copy_bandwidth_kernels(buffer_bytes: int, k: int, *, seed: int = 0) -> float | None:
+    """Copy bandwidth from the negation kernels' own device time in a profiler trace
+    (bench/trace.py); None without device events."""
+    from bench import trace
+
+    n = buffer_bytes // 4
+    keys = jax.random.split(jax.random.key(seed), k)
+    buffers = [jax.random.normal(keys[i], (n,), jnp.float32) for i in range(k)]
+    us, _ = trace.per_application(jax.jit(lambda bufs: [-b for b in bufs]), (buffers,), k)
+    return None if not us else 2 * 4 * n / (us * 1e-6)
 
 
 def describe_device() -> str:

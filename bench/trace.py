@@ -48,3 +48,14 @@ def kernel_times(fn, args, *, repeats: int = 10) -> dict[str, float]:
             trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     return kernel_times_from_events(events, repeats)
+
+
+def per_application(fn, args, applications: int, *, repeats: int = 3) -> tuple[float | None, dict[str, float]]:
+    """Kernel device time of one application when `fn(*args)` applies an op
+    `applications` times: (µs summed over every kernel, {kernel: µs}); (None, {}) where
+    the trace has no device events (CPU)."""
+    times = kernel_times(fn, args, repeats=repeats)
+    if not times:
+        return None, {}
+    per_app = {name: us / applications for name, us in times.items()}
+    return sum(per_app.values()), per_app

@@ -8,10 +8,11 @@ namespace py = pybind11;
 
 #define JAXSUB_DECLARE_CPU(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsubCpu_##name);
 JAXSUB_TARGETS(JAXSUB_DECLARE_CPU)
-JAXSUB_CPU_ONLY_TARGETS(JAXSUB_DECLARE_CPU)
+JAXSUB_STAGED_TARGETS(JAXSUB_DECLARE_CPU)
 #ifdef JAXSUB_WITH_CUDA
 #define JAXSUB_DECLARE_CUDA(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsubCuda_##name);
 JAXSUB_TARGETS(JAXSUB_DECLARE_CUDA)
+JAXSUB_STAGED_TARGETS(JAXSUB_DECLARE_CUDA)
 #endif
 
 namespace {
@@ -25,7 +26,7 @@ py::dict cpu_targets() {
   py::dict d;
 #define JAXSUB_ADD_CPU(name) d["jaxsub_" #name] = capsule(JaxsubCpu_##name);
   JAXSUB_TARGETS(JAXSUB_ADD_CPU)
-  JAXSUB_CPU_ONLY_TARGETS(JAXSUB_ADD_CPU)
+  JAXSUB_STAGED_TARGETS(JAXSUB_ADD_CPU)
   return d;
 }
 
@@ -38,12 +39,22 @@ py::dict cuda_targets() {
   return d;
 }
 
+py::dict cuda_staged_targets() {
+  py::dict d;
+#ifdef JAXSUB_WITH_CUDA
+  JAXSUB_STAGED_TARGETS(JAXSUB_ADD_CUDA)
+#endif
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "jaxsub native handlers (XLA FFI)";
   m.def("cpu_targets", &cpu_targets, "FFI handlers for the cpu platform");
   m.def("cuda_targets", &cuda_targets, "FFI handlers for the CUDA platform (empty if not built)");
+  m.def("cuda_staged_targets", &cuda_staged_targets,
+        "CUDA handlers not yet registered by default (targets.h: JAXSUB_STAGED_TARGETS)");
 #ifdef JAXSUB_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

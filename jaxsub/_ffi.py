@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,18 +28,28 @@ except ImportError as e:  # pragma: no cover - only without a build
 
 
 @functools.cache
+def _cuda_targets() -> dict:
+    """The CUDA handlers to register: the default table, plus the staged ones
+    (cuda/targets.h) when JAXSUB_STAGED_CUDA=1 (for testing them on a GPU)."""
+    targets = dict(_C.cuda_targets())
+    if os.environ.get("JAXSUB_STAGED_CUDA") == "1":
+        targets.update(_C.cuda_staged_targets())
+    return targets
+
+
+@functools.cache
 def register() -> None:
     """Registers all targets (idempotent; registration happens once per process)."""
     for name, capsule in _C.cpu_targets().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    for name, capsule in _C.cuda_targets().items():
+    for name, capsule in _cuda_targets().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
 @functools.cache
 def has_cuda_target(name: str) -> bool:
-    """Whether `name` has a CUDA handler in this build."""
-    return name in _C.cuda_targets()
+    """Whether `name` has a CUDA handler registered in this process."""
+    return name in _cuda_targets()
 
 
 def cuda_built() -> bool:

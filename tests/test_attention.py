@@ -355,36 +355,53 @@ def test_fused_on_gpu_with_kernel_and_supported_shape_is_fused(monkeypatch, fall
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 class TestCuda:
+    """CUDA against the CPU handlers on the same inputs, key and mask: outputs and every
+    gradient within tolerance, dropped probabilities identical (the CPU handler draws the
+    same Philox mask). "fused" must run the CUDA fused kernel, not a fallback."""
+
     @staticmethod
-    def _cuda_vs_cpu(b, s, h, d, *, causal, rate, implementation):
-        q, k, v, dout = qkv(121, b, s, s, h, d, BF16)
-        key = jax.random.key(122)
-        run = jax.jit(lambda q, k, v, dout, key: run_vjp(q, k, v, dout, None, key, causal=causal, rate=rate,
-                                                        implementation=implementation))
-        cpu = jax.device_put((q, k, v, dout, key), jax.devices("cpu")[0])
-        gpu = jax.device_put((q, k, v, dout, key), jax.devices()[0])
-        want, got = run(*cpu), run(*gpu)
+    def _cuda_vs_cpu(b, sq, sk, h, d, *, causal, rate, implementation, dtype=BF16, mask_kind=None, seed=121):
+        q, k, v, dout = qkv(seed, b, sq, sk, h, d, dtype)
+        mask = make_mask(mask_kind, seed + 1, b, h, sq, sk)
+        key = jax.random.key(seed + 2)
+        run = jax.jit(lambda q, k, v, dout, mask, key: run_vjp(q, k, v, dout, mask, key, causal=causal, rate=rate,
+                                                              implementation=implementation))
+        args = (q, k, v, dout, mask, key)
+        if implementation == "fused":
+            hlo = run.lower(*args).as_text()
+            assert "jaxsub_attention_fwd" in hlo and "jaxsub_attention_bwd" in hlo, "fused kernel did not run"
+        want = run(*jax.device_put(args, jax.devices("cpu")[0]))
+        got = run(*jax.device_put(args, jax.devices()[0]))
         assert all(g.devices() == {jax.devices()[0]} for g in got)
-        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-            assert_close(g, w, BF16, reduction=s, grad=name != "out", what=name)
+        # out and dq reduce over keys, dk and dv over queries.
+        for name, g, w, n in zip(("out", "dq", "dk", "dv"), got, want, (sk, sk, sq, sq)):
+            assert_close(g, w, dtype, reduction=n, grad=name != "out", what=f"{implementation} {name}")
 
-    def test_unfused_cuda_matches_cpu_bert_large_dropout(self):
-        self._cuda_vs_cpu(8, 512, 16, 64, causal=False, rate=0.1, implementation="unfused")
+    @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+    def test_bert_large_dropout_matches_cpu(self, implementation):
+        self._cuda_vs_cpu(8, 512, 512, 16, 64, causal=False, rate=0.1, implementation=implementation,
+                          mask_kind="padding")
 
-    def test_unfused_cuda_matches_cpu_long_causal(self):
-        self._cuda_vs_cpu(1, 2048, 4, 128, causal=True, rate=0.0, implementation="unfused")
+    @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+    def test_long_causal_d128_matches_cpu(self, implementation):
+        self._cuda_vs_cpu(1, 2048, 2048, 4, 128, causal=True, rate=0.1, implementation=implementation)
+
+    @pytest.mark.parametrize("d", [32, 64, 128])
+    @pytest.mark.parametrize("sq,sk,mask_kind,causal", [
+        (1, 7, None, False), (7, 130, "padding", True), (130, 128, "additive", False),
+        (128, 1, "bool4d", False), (130, 130, "additive", True), (65, 200, None, True),
+        (200, 65, None, True)])  # Sq > Sk, causal: the first 135 queries see no key
+    def test_fused_odd_sizes_match_cpu(self, sq, sk, mask_kind, causal, d):
+        self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused",
+                          dtype=F16 if d == 32 else BF16, mask_kind=mask_kind, seed=sq * 1000 + sk + d)
 
     @pytest.mark.parametrize("d", [64, 128])
     def test_fused_matches_unfused_on_gpu(self, d):
-        # Until the CUDA fused kernels exist this checks the fallback to the unfused path.
         b, s, h = 4, 512, 8
         q, k, v, dout = qkv(131, b, s, s, h, d, BF16)
         mask = make_mask("padding", 132, b, h, s, s)
         key = jax.random.key(133)
         fused = run_vjp_jit(q, k, v, dout, mask, key, causal=True, rate=0.1, implementation="fused")
         unfused = run_vjp_jit(q, k, v, dout, mask, key, causal=True, rate=0.1, implementation="unfused")
-        if not _ffi.has_cuda_target("jaxsub_attention_fwd"):
-            hlo = jax.jit(lambda q, k, v: op(q, k, v, implementation="fused")).lower(q, k, v).as_text()
-            assert "jaxsub_attention" not in hlo
         for name, f, u in zip(("out", "dq", "dk", "dv"), fused, unfused):
             assert_close(f, u, BF16, reduction=s, grad=name != "out", what=name)

@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
 # One device call: build with CUDA, run the GPU tests, compute-sanitizer on the kernels,
-# and the op benchmark. Prints a short summary last. Usage: tools/gpu_check.sh [steps...]
-# steps: build test sanitize bench (default: all).
+# and the benchmarks. Prints a short summary last.
+# Usage: tools/gpu_check.sh [steps...]; steps: build test sanitize bench attn (default:
+# build test sanitize bench). Environment:
+#   PREBUILT=1        skip `build`: use the extension already in jaxsub/ (built elsewhere for
+#                     this Python and carried) with PYTHONPATH=$PWD
+#   GPU_TESTS="..."   test files for `test` (default: every file, -m gpu)
+#   BENCH_ARGS="..."  extra arguments for bench.ops; ATTN_ARGS="..." for bench.attention
+#   JAXSUB_STAGED_CUDA=1  register the staged CUDA targets (cuda/targets.h) too
 set -uo pipefail
 steps="${*:-build test sanitize bench}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 summary=()
 has() { [[ " $steps " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-if has build; then
+if [[ "${PREBUILT:-0}" == 1 ]]; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif has build; then
   t0=$(date +%s)
   JAXSUB_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps -e . \
     >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
   summary+=("build: ok ($(( $(date +%s) - t0 )) s)")
-  python3 -c "import jaxsub; assert jaxsub.cuda_available(), 'CUDA targets not available'; print('cuda_available True')" || exit 1
 fi
+python3 -c "import jaxsub; assert jaxsub.cuda_available(), 'CUDA targets not available'; print('cuda_available True')" || exit 1
 if has test; then
-  (cd tests && python3 -m pytest -q -m gpu -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -15)
+  (cd tests && python3 -m pytest -q -m gpu -rf ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25)
   summary+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")")
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 compute-sanitizer --tool $tool \
       python3 tools/sanitize_ops.py >"$OUT/sanitize_$tool.log" 2>&1
-    summary+=("sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_ops' "$OUT/sanitize_$tool.log" | tr '\n' ' ')")
+    summary+=("sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_ops|FAILED' "$OUT/sanitize_$tool.log" | head -5 | tr '\n' ' ')")
   done
 fi
 if has bench; then
-  python3 -m bench.ops --json "$OUT/ops.json" 2>&1 | tee "$OUT/bench_ops.log" | tail -30
+  python3 -m bench.ops --json "$OUT/ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log" | tail -12
+fi
+if has attn; then
+  python3 -m bench.attention --json "$OUT/attention.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -30
 fi
 printf '%s\n' "${summary[@]}"

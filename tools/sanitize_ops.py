@@ -1,5 +1,6 @@
 """Runs every CUDA kernel of the op families once, fwd and bwd, at odd and vector-aligned
-sizes, with dropout, and compares with the CPU handlers. Meant to run under
+sizes, with dropout, and compares with the CPU handlers (the row ops, softmax_dropout, and
+fused attention when its CUDA target is registered: JAXSUB_STAGED_CUDA=1 while staged). Meant to run under
 `compute-sanitizer` (memcheck, racecheck): small sizes, one pass. Exits non-zero on a
 mismatch."""
 
@@ -34,24 +35,54 @@ def ops(x, key, p32):
     return f, (x, scale, bias, res, b2)
 
 
+def attention_ops(shape, d, dtype, key):
+    """softmax_dropout on [B, H, Sq, Sk] scores and fused attention on [B, Sq, H, D]."""
+    b, h, sq, sk = shape
+    ks = jax.random.split(jax.random.key(sq * sk + d), 4)
+    scores = jax.random.normal(ks[0], shape).astype(dtype)
+    q = jax.random.normal(ks[1], (b, sq, h, d)).astype(dtype)
+    k = jax.random.normal(ks[2], (b, sk, h, d)).astype(dtype)
+    v = jax.random.normal(ks[3], (b, sk, h, d)).astype(dtype)
+    pad = jnp.arange(sk)[None, :] < jnp.array([[sk], [max(sk // 2, 1)]])[:b]
+
+    def f(scores, q, k, v):
+        y = jaxsub.ops.softmax_dropout(scores, scale=0.3, mask=pad[:, None, None, :], causal=True, rate=0.1, key=key)
+        total = (y.astype(jnp.float32) ** 2).sum()
+        if jnp.dtype(dtype) != jnp.float32 and d in (32, 64, 128):
+            o = jaxsub.ops.attention(q, k, v, mask=pad, causal=True, dropout_rate=0.1, key=key,
+                                     implementation="fused")
+            total = total + (o.astype(jnp.float32) ** 2).sum()
+        return total
+
+    return f, (scores, q, k, v)
+
+
+def compare(f, args, dtype, reduction, what):
+    g = jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(args)))))
+    try:
+        out_gpu = jax.block_until_ready(g(*args))
+        out_cpu = g(*jax.device_put(args, CPU))
+        for a, b in zip(jax.tree.leaves(out_gpu), jax.tree.leaves(out_cpu)):
+            assert_close(np.asarray(a), np.asarray(b), dtype, reduction=reduction, grad=True, what=what)
+        return 0
+    except (AssertionError, jax.errors.JaxRuntimeError) as e:
+        print("FAILED", what + ":", str(e).splitlines()[0][:400])
+        return 1
+
+
 def main():
     failures = 0
     key = jax.random.key(3)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for shape, d in (((2, 3, 5, 7), 32), ((2, 2, 70, 130), 64), ((1, 2, 129, 64), 128)):
+            f, args = attention_ops(shape, d, dtype, key)
+            failures += compare(f, args, dtype, max(shape[-2:]), f"attention {jnp.dtype(dtype).name} {shape} d={d}")
     for dtype in (jnp.bfloat16, jnp.float32):
         for rows, n in ((3, 1), (5, 130), (9, 1024), (3, 4096), (2, 6000)):
             for p32 in (True, False):
                 x = jax.random.normal(jax.random.key(rows * n), (rows, n)).astype(dtype)
                 f, args = ops(x, key, p32)
-                g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))
-                try:
-                    out_gpu = jax.block_until_ready(g(*args))
-                    out_cpu = g(*jax.device_put(args, CPU))
-                    for a, b in zip(jax.tree.leaves(out_gpu), jax.tree.leaves(out_cpu)):
-                        assert_close(np.asarray(a), np.asarray(b), dtype, reduction=max(rows, n), grad=True,
-                                     what=f"{jnp.dtype(dtype).name} [{rows},{n}] p32={p32}")
-                except (AssertionError, jax.errors.JaxRuntimeError) as e:
-                    failures += 1
-                    print("FAILED", jnp.dtype(dtype).name, (rows, n), f"p32={p32}:", str(e).splitlines()[0][:400])
+                failures += compare(f, args, dtype, max(rows, n), f"{jnp.dtype(dtype).name} [{rows},{n}] p32={p32}")
     print("sanitize_ops:", "FAILED" if failures else "ok")
     return 1 if failures else 0
 
