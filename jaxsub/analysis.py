@@ -1,49 +1,42 @@
 """`jaxsub.analyze`: the paper's dataflow analysis (flops, bytes moved, operator class).
 
-Ivanov et al. classify a transformer's operators as tensor contractions, statistical
-normalizations and element-wise operators, and count for each the flops it performs and
-the bytes it must move: each input read once and each output written once. This module
-does that for any JAX function, from its jaxpr, one row per equation; a fused jaxsub
-kernel (an `ffi_call` of a `jaxsub_*` target) is one row, named by its target.
+Ivanov et al. class a transformer's operators as tensor contractions, statistical
+normalizations and element-wise operators, and count the flops each performs and the
+bytes it must move: each input read once, each output written once. This module does so
+for any JAX function, one row per jaxpr equation; a fused kernel (an `ffi_call` of a
+`jaxsub_*` target) is one row, named by its target.
 
-Counting rules (what an experienced reader would check first):
-
-- Bytes are aval sizes: inputs read once per equation (an operand used twice is read
-  once), outputs written once. Literal scalars and `iota` are free (immediates). Views
-  (reshape, squeeze, expand_dims, broadcast_in_dim, stop_gradient, copy, a convert to the
-  same dtype, key wrap/unwrap) are "structural": 0 flops, 0 bytes, and their consumers
-  read the viewed source instead, so `x + bias` reads the [N] bias, not its broadcast
-  (XLA fuses broadcasts into consumers).
-- A jaxsub target moves the bytes of its operands and results as cuda/ABI.md lists
-  them; its `workspace` results (GPU scratch) are not counted, as in bench/ops.py.
+- Bytes are aval sizes; an operand used twice is read once. Literal scalars and `iota`
+  are free. Views (reshape, squeeze, expand_dims, broadcast_in_dim, stop_gradient, copy,
+  a convert to the same dtype, key wrap/unwrap) are "structural", 0 flops and 0 bytes,
+  and their readers read the viewed source: `x + bias` reads the [N] bias, not its
+  broadcast (XLA fuses broadcasts into consumers). A jaxsub target moves its operands
+  and results (cuda/ABI.md) except its GPU-scratch `workspace` results, as bench/ops.py.
 - Flops: dot_general 2·batch·M·N·K, convolution 2·outputs·(kernel elements per output
-  feature); reductions (reduce_*, argmax/argmin, cumulative ops) the input's elements;
-  element-wise ops the output's elements, a transcendental (exp, tanh, erf, rsqrt) or a
-  comparison counting 1; data-layout ops (transpose, slice, concatenate, pad, gather, ...)
-  0 flops but their bytes, in the element-wise class. Fused memory-bound targets count
-  the unfused math of ABI.md per element (approximate; their bytes are exact); fused
-  attention counts its dense matmuls: 4·B·H·Sq·Sk·D forward, 10· backward (scores
-  recomputed).
-- Classes: dot_general and convolution, and the jaxsub attention targets (fused,
-  classified as the contraction they contain, their bytes kept), are tensor
-  contractions. Reductions, the jaxsub norm and softmax targets, and the element-wise
-  pieces of a normalization are statistical normalizations; a piece is an element-wise
-  equation that uses a statistic (a reduction's output, or a value computed from one and
-  no larger: mean, rstd, a softmax's max and sum) or that carries such a piece's output
-  into a reduction (x−mean → square → sum; s−max → exp → sum). So softmax and layer norm
-  written in jnp count as normalizations forward and backward, while bias, dropout,
-  residual and activations stay element-wise. Everything else that computes is
-  element-wise.
-- Dead equations (results never used, e.g. a discarded softmax or forward values
-  differentiation does not need) are skipped, as XLA drops them. Calls (jit,
-  custom_jvp/custom_vjp, remat) are descended into; a scan's body is multiplied by its
-  trip count; a cond counts its largest branch (by bytes) and a while loop counts its
-  body once, each with a note saying so.
+  feature); reductions (reduce_*, argmax/argmin, cumulative) the input's elements;
+  element-wise ops the output's elements, a transcendental or comparison counting 1;
+  data-layout ops (transpose, slice, concatenate, pad, gather, ...) 0, but their bytes
+  count, in the element-wise class. Fused memory-bound targets count ABI.md's unfused
+  math per element (approximate; their bytes are exact); fused attention its dense
+  matmuls, 4·B·H·Sq·Sk·D forward and 10· backward (scores recomputed).
+- Classes: dot_general, convolution and the jaxsub attention targets (the contraction
+  they contain; their bytes kept) are tensor contractions. Reductions, the jaxsub norm
+  and softmax targets and the element-wise pieces of a normalization are statistical
+  normalizations: a piece uses a statistic (a reduction's output, or a value computed
+  from one and no larger: mean, rstd, a softmax's max and sum) or carries a piece into a
+  reduction (x−mean → square → sum; s−max → exp → sum). So jnp softmax and layer norm
+  count as normalizations forward and backward, while bias, dropout, residual and
+  activations stay element-wise, as does everything else that computes.
+- Dead equations (e.g. a discarded softmax, forward values the backward does not need)
+  are skipped, as XLA drops them. Calls (jit, custom_jvp/vjp, remat) are descended into;
+  a scan body counts its trip count times; a cond counts its largest branch (by bytes)
+  and a while loop its body once, each with a note saying so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -75,16 +68,11 @@ _CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr
 # jaxsub target -> (class, flops per element of its first operand), from ABI.md's math.
 _FUSED = {
     "jaxsub_dropout_mask": (ELEMENTWISE, 1),
-    "jaxsub_layer_norm_fwd": (NORMALIZATION, 7),
-    "jaxsub_layer_norm_bwd": (NORMALIZATION, 14),
-    "jaxsub_bdrln_fwd": (NORMALIZATION, 10),
-    "jaxsub_bdrln_bwd": (NORMALIZATION, 19),
-    "jaxsub_bias_gelu_dropout_fwd": (ELEMENTWISE, 7),
-    "jaxsub_bias_gelu_dropout_bwd": (ELEMENTWISE, 12),
-    "jaxsub_softmax_dropout_fwd": (NORMALIZATION, 7),
-    "jaxsub_softmax_dropout_bwd": (NORMALIZATION, 9),
-    "jaxsub_attention_fwd": (CONTRACTION, None),
-    "jaxsub_attention_bwd": (CONTRACTION, None),
+    "jaxsub_layer_norm_fwd": (NORMALIZATION, 7), "jaxsub_layer_norm_bwd": (NORMALIZATION, 14),
+    "jaxsub_bdrln_fwd": (NORMALIZATION, 10), "jaxsub_bdrln_bwd": (NORMALIZATION, 19),
+    "jaxsub_bias_gelu_dropout_fwd": (ELEMENTWISE, 7), "jaxsub_bias_gelu_dropout_bwd": (ELEMENTWISE, 12),
+    "jaxsub_softmax_dropout_fwd": (NORMALIZATION, 7), "jaxsub_softmax_dropout_bwd": (NORMALIZATION, 9),
+    "jaxsub_attention_fwd": (CONTRACTION, None), "jaxsub_attention_bwd": (CONTRACTION, None),
 }
 _WORKSPACES = {"jaxsub_layer_norm_bwd": 1, "jaxsub_bdrln_bwd": 1, "jaxsub_bias_gelu_dropout_bwd": 1,
                "jaxsub_attention_bwd": 2}
@@ -206,18 +194,13 @@ def _row(g, node, norm, count, scope) -> OpStat:
     if node.prim == "ffi_call":
         op, cls, outs, flops, moved = _fused_row(node)
     else:
-        op, cls, outs = node.prim, _kind(node), node.outs
-        if cls == STRUCTURAL:
-            flops = moved = 0
-        else:
-            if cls == ELEMENTWISE and node in norm:
-                cls = NORMALIZATION
+        op, cls, outs, flops, moved = node.prim, _kind(node), node.outs, 0, 0
+        if cls != STRUCTURAL:
+            cls = NORMALIZATION if node in norm else cls
             if cls == CONTRACTION:
                 flops = _contraction_flops(node)
-            elif node.prim in _REDUCTIONS:
-                flops = _size(node.ins[0])
-            else:
-                flops = 0 if node.prim in _LAYOUT else sum(_size(r) for r in outs)
+            elif node.prim not in _LAYOUT:
+                flops = _size(node.ins[0]) if node.prim in _REDUCTIONS else sum(_size(r) for r in outs)
             reads = {id(s): s for s in (_source(g, r) for r in node.ins) if s is not None}
             moved = sum(_nbytes(s.aval) for s in reads.values()) + sum(_nbytes(r.aval) for r in outs)
     shape = ", ".join(r.aval.str_short(short_dtypes=True) for r in outs)
@@ -285,10 +268,6 @@ def _walk(g, outs, count, scope, notes, site=None) -> list[OpStat]:
 # The result.
 
 
-def _mb(n) -> str:
-    return f"{n / 1e6:,.3f} MB"
-
-
 @dataclasses.dataclass
 class Analysis:
     """Rows of one function's analysis; `print` it for a table, `to_dict`/`to_json` to keep
@@ -313,13 +292,12 @@ class Analysis:
 
     def by_class(self) -> dict:
         """{class: {"ops", "flops", "bytes", "bytes_pct"}} for every class in CLASSES."""
-        total = self.bytes or 1
         out = {}
         for cls in CLASSES:
             rows = [r for r in self.ops if r.cls == cls]
             moved = sum(r.bytes for r in rows)
             out[cls] = {"ops": len(rows), "flops": sum(r.flops for r in rows), "bytes": moved,
-                        "bytes_pct": 100.0 * moved / total}
+                        "bytes_pct": 100.0 * moved / (self.bytes or 1)}
         return out
 
     @property
@@ -346,42 +324,40 @@ class Analysis:
     def table(self, structural: bool = False) -> str:
         """One line per operator; zero-cost structural rows only when `structural`."""
         rows = [r for r in self.ops if structural or r.cls != STRUCTURAL]
-        cells = [("op", "class", "shape", "×", "flops", "bytes", "source")]
-        for r in rows:
-            op = f"{r.scope} > {r.op}" if r.scope else r.op
-            src = r.source.rsplit("/", 1)[-1]
-            cells.append((op, r.cls, r.shape, str(r.count), f"{r.flops:,}", f"{r.bytes:,}", src))
+        cells = [("op", "class", "shape", "×", "flops", "bytes")] + [
+            (f"{r.scope} > {r.op}" if r.scope else r.op, r.cls, r.shape, str(r.count), f"{r.flops:,}",
+             f"{r.bytes:,}") for r in rows]
         widths = [max(len(c[i]) for c in cells) for i in range(6)]
-        right = (False, False, False, True, True, True)
-        lines = ["  ".join((c.rjust(w) if rj else c.ljust(w)) for c, w, rj in zip(row, widths, right))
-                 + "  " + row[6] for row in cells]
-        hidden = len(self.ops) - len(rows)
-        if hidden:
-            lines.append(f"({hidden} zero-cost structural equations not shown)")
+        sources = ["source"] + [r.source.rsplit("/", 1)[-1] for r in rows]
+        lines = ["  ".join([*(c.ljust(w) for c, w in zip(row[:3], widths)),
+                            *(c.rjust(w) for c, w in zip(row[3:], widths[3:])), src])
+                 for row, src in zip(cells, sources)]
+        if len(rows) < len(self.ops):
+            lines.append(f"({len(self.ops) - len(rows)} zero-cost structural equations not shown)")
         return "\n".join(lines)
 
-    def totals(self) -> str:
-        lines = [f"{'class':<27}{'ops':>5}{'flops':>18}{'bytes':>18}{'bytes %':>9}"]
-        for cls, t in self.by_class().items():
-            lines.append(f"{cls:<27}{t['ops']:>5}{t['flops']:>18,}{t['bytes']:>18,}{t['bytes_pct']:>8.1f}%")
-        lines.append(f"{'total':<27}{len(self.ops):>5}{self.flops:>18,}{self.bytes:>18,}{100.0:>8.1f}%")
-        return "\n".join(lines)
+    def class_table(self) -> str:
+        """Flops and bytes per operator class, and the total."""
+        rows = [(c, t["ops"], t["flops"], t["bytes"], t["bytes_pct"]) for c, t in self.by_class().items()]
+        rows.append(("total", len(self.ops), self.flops, self.bytes, 100.0))
+        return "\n".join([f"{'class':<27}{'ops':>5}{'flops':>18}{'bytes':>18}{'bytes %':>9}"] + [
+            f"{c:<27}{n:>5}{f:>18,}{b:>18,}{pct:>8.1f}%" for c, n, f, b, pct in rows])
 
     def __str__(self):
-        parts = ["jaxsub.analyze", self.table(), "", self.totals()]
+        parts = ["jaxsub.analyze", self.table(), "", self.class_table()]
         parts += [f"note: {n}" for n in self.notes]
         if self.timing is not None:
             t = self.timing
-            parts.append(f"device time {t['time_s'] * 1e3:.3f} ms; bytes at {t['bandwidth_Bps'] / 1e9:.0f} GB/s "
-                         f"take {t['floor_s'] * 1e3:.3f} ms: memory efficiency "
+            parts.append(f"device time {t['time_s'] * 1e3:.3f} ms; its bytes take {t['floor_s'] * 1e3:.3f} ms "
+                         f"at {t['bandwidth_Bps'] / 1e9:.0f} GB/s: memory efficiency "
                          f"{100 * t['memory_efficiency']:.1f}% (not split by class)")
         if self.optimized is not None:
             opt = self.optimized
-            parts += ["", "after jaxsub.optimize:", opt.totals(),
+            parts += ["", "after jaxsub.optimize:", opt.class_table(),
                       "fused kernels: " + (", ".join(sorted(opt.targets)) or "none")]
             parts += [f"note: {n}" for n in opt.notes]
-            parts.append(f"data movement: {_mb(self.bytes)} -> {_mb(opt.bytes)}, "
-                         f"{self.bytes_reduction_pct:.2f}% fewer bytes")
+            parts.append(f"data movement: {self.bytes:,} -> {opt.bytes:,} bytes, "
+                         f"{self.bytes_reduction_pct:.2f}% fewer")
         return "\n".join(parts)
 
 
@@ -401,7 +377,8 @@ def _flat(fn, args, kwargs):
     return flat, arrays
 
 
-def _median_s(fn, args, repeats) -> float:
+def _median_s(fn, args, repeats: int = 20) -> float:
+    """Median wall time of fn(*args) run to completion, after a warm-up call."""
     jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(repeats):
@@ -411,19 +388,23 @@ def _median_s(fn, args, repeats) -> float:
     return statistics.median(samples)
 
 
-def _measure(fn, args, kwargs, moved: int, repeats: int = 20):
-    """Median device time of jit(fn) and its memory efficiency, on a GPU; None elsewhere."""
+@functools.cache
+def _copy_bandwidth() -> float:
+    """Bytes read + written per second negating 256 MiB (far beyond L2), on this device."""
+    buf = jax.numpy.zeros((64 << 20,), jax.numpy.float32)
+    return 2 * buf.nbytes / _median_s(jax.jit(lambda x: -x), (buf,))
+
+
+def _measure(fn, args, kwargs, moved: int):
+    """Device time of jit(fn) and its memory efficiency, on a GPU; None elsewhere."""
     if jax.default_backend() != "gpu":
         warnings.warn("jaxsub.analyze(time=True) measures on a GPU only; no GPU backend here, "
                       "so the analysis is returned without timing", stacklevel=3)
         return None
     flat, arrays = _flat(fn, args, kwargs)
-    seconds = _median_s(jax.jit(flat), arrays, repeats)
-    buf = jax.numpy.zeros((64 << 20,), jax.numpy.float32)  # 256 MiB, far beyond L2
-    bandwidth = 2 * buf.nbytes / _median_s(jax.jit(lambda x: -x), (buf,), repeats)
-    floor = moved / bandwidth
-    return {"time_s": seconds, "bandwidth_Bps": bandwidth, "floor_s": floor,
-            "memory_efficiency": floor / seconds}
+    seconds, bandwidth = _median_s(jax.jit(flat), arrays), _copy_bandwidth()
+    return {"time_s": seconds, "bandwidth_Bps": bandwidth, "floor_s": moved / bandwidth,
+            "memory_efficiency": moved / bandwidth / seconds}
 
 
 def _analyze_one(fn, args, kwargs, time) -> Analysis:

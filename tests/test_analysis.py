@@ -189,7 +189,7 @@ def test_table_and_json(encoder):
     assert any(line.startswith("statistical normalization") and "2,768" in line for line in lines)
     assert "5 zero-cost structural equations not shown" in text
     assert "jaxsub_layer_norm_fwd" in text
-    assert f"{r.bytes_reduction_pct:.2f}% fewer bytes" in text
+    assert f"{r.bytes_reduction_pct:.2f}% fewer" in text
     d = json.loads(r.to_json())
     assert d == r.to_dict() and d["bytes"] == 10000 and d["optimized"]["bytes"] == r.optimized.bytes
     assert analysis.Analysis.from_dict(d).to_dict() == d
