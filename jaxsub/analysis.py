@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import statistics
 import time as _time
 import warnings
@@ -88,7 +89,7 @@ class OpStat:
     bytes: int
     count: int = 1
     scope: str = ""      # enclosing scans/calls, e.g. "scan×12 > remat"
-    source: str = ""     # file:line:col (function) of the code that emitted it
+    source: str = ""     # file:line:col (function) [name scope] of the code that emitted it
 
 
 # ---------------------------------------------------------------------------------------
@@ -233,6 +234,8 @@ def _walk(g, outs, count, scope, notes, site=None) -> list[OpStat]:
             continue
         p, prim, here = node.params, node.prim, G.source_line(node)
         here = site if here == "<unknown>" and site else here
+        names = str(node.eqn.source_info.name_stack)  # flax module path, jax.named_scope
+        here = f"{here} [{names}]" if names else here
 
         def needed(body):
             return [b for b, r in zip(body.outvars, node.outs) if r in refs]
@@ -328,7 +331,8 @@ class Analysis:
             (f"{r.scope} > {r.op}" if r.scope else r.op, r.cls, r.shape, str(r.count), f"{r.flops:,}",
              f"{r.bytes:,}") for r in rows]
         widths = [max(len(c[i]) for c in cells) for i in range(6)]
-        sources = ["source"] + [r.source.rsplit("/", 1)[-1] for r in rows]
+        sources = ["source"] + [os.path.basename(f) + sep + at for f, sep, at in
+                                (r.source.partition(":") for r in rows)]
         lines = ["  ".join([*(c.ljust(w) for c, w in zip(row[:3], widths)),
                             *(c.rjust(w) for c, w in zip(row[3:], widths[3:])), src])
                  for row, src in zip(cells, sources)]

@@ -143,6 +143,10 @@ def test_bert_layer_moves_fewer_bytes_after_optimize(encoder):
     # Fusion leaves the matmuls alone: the same contraction flops and bytes.
     assert r.by_class()[CON] == {**opt.by_class()[CON], "bytes_pct": r.by_class()[CON]["bytes_pct"]}
     assert r.by_class()[NORM]["bytes"] > opt.by_class()[NORM]["bytes"]
+    # Flax's softmax (its exp) and LayerNorm are normalizations; rows name their module.
+    assert {row.cls for row in r.ops if row.op == "exp"} == {NORM}
+    assert any(row.cls == NORM and row.source.endswith("[ReferenceEncoderLayer/attention_norm]")
+               for row in r.ops)
 
 
 def test_training_step_counts_backward_kernels(encoder):
