@@ -46,6 +46,7 @@ import warnings
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import interpreter
@@ -261,6 +262,9 @@ def _walk(g, outs, count, scope, notes, site=None) -> list[OpStat]:
                 body = G.build(p[key].jaxpr, p[key].consts)
                 rows += _walk(body, body.outvars, count, f"{inner}while.{key[:-6]}", notes, here)
         else:
+            if any(isinstance(x, (jcore.Jaxpr, jcore.ClosedJaxpr))
+                   for v in p.values() for x in (v if isinstance(v, tuple) else (v,))):
+                notes.append(f"{prim} at {here}: body not descended, counted as one operator")
             row = _row(g, node, norm, count, scope)
             row.source = here
             rows.append(row)

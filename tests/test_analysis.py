@@ -108,6 +108,19 @@ def test_cond_counts_largest_branch_and_while_body_once():
     assert any("while" in n and "once" in n for n in r.notes)
 
 
+def test_convolution_and_an_opaque_primitive():
+    x, k = _normal(10, (2, 3, 8, 8)), _normal(11, (4, 3, 3, 3))
+    r = jaxsub.analyze(lambda x, k: jax.lax.conv(x, k, (1, 1), "VALID"), x, k, compare_optimized=False)
+    # out [2, 4, 6, 6], each 3·3·3 multiply-adds; reads 1536 + 432 B, writes 1152 B.
+    assert _rows(r, "conv_general_dilated") == [(CON, 2 * 2 * 4 * 6 * 6 * 27, 3120)]
+
+    def solve(b):
+        return jax.lax.custom_linear_solve(lambda v: 2.0 * v, b, lambda mv, b: b / 2.0)
+
+    r = jaxsub.analyze(solve, x[0, 0, 0], compare_optimized=False)
+    assert any("custom_linear_solve" in n and "not descended" in n for n in r.notes)
+
+
 def test_dead_equations_are_not_counted():
     def f(x):
         jax.nn.softmax(x)
