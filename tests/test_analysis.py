@@ -189,6 +189,26 @@ def test_fused_target_bytes_match_the_op_benchmark_floor():
     assert {row.cls for row in fused.values()} == {NORM}
 
 
+def test_fused_attention_is_a_contraction_with_its_bytes():
+    b, s, h, d = 2, 8, 2, 4
+    q, k, v = (_normal(i, (b, s, h, d)) for i in (12, 13, 14))
+
+    def loss(q, k, v):
+        return jnp.sum(ops.attention(q, k, v, implementation="fused"))
+
+    r = jaxsub.analyze(loss, q, k, v, compare_optimized=False, grad=True, argnums=(0, 1, 2))
+    fused = {row.op: row for row in r.ops if row.op in r.targets}
+    qkv, lse = 3 * q.nbytes, b * h * s * 4
+    # fwd reads q, k, v, the [1,1,1,1] dummy mask (1 B) and the u32[2] seed; writes out and lse.
+    assert fused["jaxsub_attention_fwd"] == analysis.OpStat(
+        "jaxsub_attention_fwd", CON, fused["jaxsub_attention_fwd"].shape, 4 * b * h * s * s * d,
+        qkv + 1 + 8 + q.nbytes + lse, source=fused["jaxsub_attention_fwd"].source)
+    # bwd reads dout, q, k, v, out, lse, mask, seed; writes dq, dk, dv (workspaces excluded).
+    assert (fused["jaxsub_attention_bwd"].cls, fused["jaxsub_attention_bwd"].flops,
+            fused["jaxsub_attention_bwd"].bytes) == (CON, 10 * b * h * s * s * d,
+                                                     2 * q.nbytes + qkv + lse + 1 + 8 + qkv)
+
+
 def test_optimized_function_is_compared_with_its_original():
     fast = jaxsub.optimize(block)
     r = jaxsub.analyze(fast, *BLOCK_ARGS)
