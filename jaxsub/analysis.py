@@ -233,26 +233,26 @@ def _walk(g, outs, count, scope, notes, site=None) -> list[OpStat]:
     for node in g.nodes:
         if node not in live:
             continue
-        p, prim, here = node.params, node.prim, G.source_line(node)
-        here = site if here == "<unknown>" and site else here
+        p, prim, line = node.params, node.prim, G.source_line(node)
+        line = site if line == "<unknown>" and site else line
         names = str(node.eqn.source_info.name_stack)  # flax module path, jax.named_scope
-        here = f"{here} [{names}]" if names else here
+        here = f"{line} [{names}]" if names else line
 
         def needed(body):
             return [b for b, r in zip(body.outvars, node.outs) if r in refs]
 
         if prim == G.SCAN:
             rows += _walk(node.body, node.body.outvars, count * p["length"],
-                          f"{inner}scan×{p['length']}", notes, here)
+                          f"{inner}scan×{p['length']}", notes, line)
         elif prim in G.REMAT or prim in _CALLS or node.call_name is not None:
             body = node.body or G.build(*G._body(p))
             rows += _walk(body, needed(body), count, inner + "remat" if prim in G.REMAT else scope,
-                          notes, here)
+                          notes, line)
         elif prim == "cond":
             found = []
             for i, closed in enumerate(p["branches"]):
                 body = G.build(closed.jaxpr, closed.consts)
-                found.append(_walk(body, needed(body), count, f"{inner}cond[{i}]", notes, here))
+                found.append(_walk(body, needed(body), count, f"{inner}cond[{i}]", notes, line))
             best = max(range(len(found)), key=lambda i: sum(r.bytes for r in found[i]))
             notes.append(f"cond at {here}: counted branch {best}, the largest of {len(found)} by bytes")
             rows += found[best]
@@ -260,7 +260,7 @@ def _walk(g, outs, count, scope, notes, site=None) -> list[OpStat]:
             notes.append(f"while at {here}: body counted once (trip count unknown at trace time)")
             for key in ("cond_jaxpr", "body_jaxpr"):
                 body = G.build(p[key].jaxpr, p[key].consts)
-                rows += _walk(body, body.outvars, count, f"{inner}while.{key[:-6]}", notes, here)
+                rows += _walk(body, body.outvars, count, f"{inner}while.{key[:-6]}", notes, line)
         else:
             if any(isinstance(x, (jcore.Jaxpr, jcore.ClosedJaxpr))
                    for v in p.values() for x in (v if isinstance(v, tuple) else (v,))):
