@@ -30,7 +30,8 @@ for any JAX function, one row per jaxpr equation; a fused kernel (an `ffi_call` 
 - Dead equations (e.g. a discarded softmax, forward values the backward does not need)
   are skipped, as XLA drops them. Calls (jit, custom_jvp/vjp, remat) are descended into;
   a scan body counts its trip count times; a cond counts its largest branch (by bytes)
-  and a while loop its body once, each with a note saying so.
+  and a while loop its body once; other primitives with bodies (custom_linear_solve,
+  shard_map) count as one operator. Each such choice adds a note.
 """
 
 from __future__ import annotations
