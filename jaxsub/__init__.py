@@ -3,8 +3,9 @@
 from jaxsub import ops
 from jaxsub._ffi import cuda_available
 from jaxsub.rewrite import explain, optimize
+from jaxsub.analysis import analyze
 
-__all__ = ["ops", "cuda_available", "optimize", "explain", "flax"]
+__all__ = ["ops", "cuda_available", "optimize", "explain", "analyze", "flax"]
 __version__ = "0.1.0"
 
 

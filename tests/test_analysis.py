@@ -1,0 +1,248 @@
+"""jaxsub.analyze: flops, bytes and operator classes, checked against hand counts."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsub
+from bench.ops import OPS
+from jaxsub import analysis, ops
+from jaxsub.flax import ReferenceEncoderLayer
+
+CON, NORM, EW = analysis.CONTRACTION, analysis.NORMALIZATION, analysis.ELEMENTWISE
+
+
+def _normal(i, shape):
+    return jnp.asarray(np.random.default_rng(i).standard_normal(shape, np.float32))
+
+
+def block(x, w, b, scale, ln_bias):
+    """matmul + bias, tanh GELU, layer norm: x [4, 8], w [8, 16], vectors [16]."""
+    h = x @ w + b
+    g = 0.5 * h * (1.0 + jnp.tanh(0.7978845608 * (h + 0.044715 * h ** 3)))
+    mean = jnp.mean(g, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(g - mean), axis=-1, keepdims=True)
+    return (g - mean) * jax.lax.rsqrt(var + 1e-5) * scale + ln_bias
+
+
+BLOCK_ARGS = (_normal(0, (4, 8)), _normal(1, (8, 16)), _normal(2, (16,)), _normal(3, (16,)), _normal(4, (16,)))
+
+
+def _rows(report, op):
+    return [(r.cls, r.flops, r.bytes) for r in report.ops if r.op == op]
+
+
+def test_block_counts_by_hand():
+    r = jaxsub.analyze(block, *BLOCK_ARGS, compare_optimized=False)
+    # f32, so 4 bytes an element. [4, 16] = 64 elements = 256 B; a row statistic [4] = 16 B.
+    # matmul: 2·4·16·8 flops; reads x 128 B + w 512 B, writes 256 B.
+    assert _rows(r, "dot_general") == [(CON, 1024, 896)]
+    # h + b reads the [16] bias (64 B), not its broadcast: 256 + 64 + 256.
+    assert _rows(r, "add")[0] == (EW, 64, 576)
+    # GELU: 8 element-wise ops of 64 flops; x·0.5 style ops 512 B, two-operand ones 768 B.
+    assert _rows(r, "tanh") == [(EW, 64, 512)]
+    # mean and variance: reduce [4, 16] -> [4] is 64 flops, 256 + 16 B.
+    assert _rows(r, "reduce_sum") == [(NORM, 64, 272)] * 2
+    assert _rows(r, "rsqrt") == [(NORM, 4, 32)]
+    # x - mean (twice, as written), square feeding the variance sum, · rstd: normalization;
+    # · scale and + bias after it: element-wise.
+    assert _rows(r, "square") == [(NORM, 64, 512)]
+    assert _rows(r, "sub") == [(NORM, 64, 528)] * 2
+    assert [c for c, _, _ in _rows(r, "mul")] == [EW] * 4 + [NORM, EW]
+    totals = r.by_class()
+    assert (totals[CON]["flops"], totals[CON]["bytes"]) == (1024, 896)
+    # 11 element-wise ops: 9 of 64 flops in bias+GELU, 2 after the norm; bytes summed by hand.
+    assert (totals[EW]["ops"], totals[EW]["flops"], totals[EW]["bytes"]) == (11, 704, 6336)
+    # 2 reductions, 2 /N, 2 subs, square, +eps, rsqrt, ·rstd.
+    assert (totals[NORM]["ops"], totals[NORM]["flops"], totals[NORM]["bytes"]) == (10, 400, 2768)
+    assert (r.flops, r.bytes) == (2128, 10000)
+
+
+def test_class_totals_add_up(encoder):
+    layer, params, x = encoder
+    r = jaxsub.analyze(_loss(layer), params, x, jax.random.key(1), grad=True)
+    for report in (r, r.optimized):
+        totals = report.by_class()
+        assert set(totals) == set(analysis.CLASSES)
+        assert sum(t["bytes"] for t in totals.values()) == report.bytes > 0
+        assert sum(t["flops"] for t in totals.values()) == report.flops > 0
+        assert sum(t["ops"] for t in totals.values()) == len(report.ops)
+        assert sum(t["bytes_pct"] for t in totals.values()) == pytest.approx(100.0)
+        assert all(r.bytes == r.flops == 0 for r in report.ops if r.cls == analysis.STRUCTURAL)
+        assert totals[analysis.STRUCTURAL]["ops"] > 0
+
+
+def test_scan_multiplies_by_trip_count():
+    w = _normal(5, (8, 8))
+
+    def step(c, _):
+        return jnp.tanh(c @ w), None
+
+    one = jaxsub.analyze(lambda x: step(x, None)[0], BLOCK_ARGS[0], compare_optimized=False)
+    five = jaxsub.analyze(lambda x: jax.lax.scan(step, x, None, length=5)[0], BLOCK_ARGS[0],
+                          compare_optimized=False)
+    assert one.flops == 2 * 4 * 8 * 8 + 32
+    assert (five.flops, five.bytes) == (5 * one.flops, 5 * one.bytes)
+    assert {(r.count, r.scope) for r in five.ops} == {(5, "scan×5")}
+
+
+def test_cond_counts_largest_branch_and_while_body_once():
+    x, w = BLOCK_ARGS[0], _normal(5, (8, 8))
+
+    def branches(x):
+        return jax.lax.cond(x[0, 0] > 0, lambda x: x @ w, lambda x: jnp.sin(x), x)
+
+    r = jaxsub.analyze(branches, x, compare_optimized=False)
+    assert _rows(r, "dot_general") == [(CON, 512, 512)] and not _rows(r, "sin")
+    # lax.cond's branches are (false, true): the matmul is branch 1.
+    assert any("cond" in n and "branch 1" in n for n in r.notes)
+
+    def loop(x):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+
+    r = jaxsub.analyze(loop, x, compare_optimized=False)
+    assert _rows(r, "dot_general") == [(CON, 512, 512)]
+    assert any("while" in n and "once" in n for n in r.notes)
+
+
+def test_convolution_and_an_opaque_primitive():
+    x, k = _normal(10, (2, 3, 8, 8)), _normal(11, (4, 3, 3, 3))
+    r = jaxsub.analyze(lambda x, k: jax.lax.conv(x, k, (1, 1), "VALID"), x, k, compare_optimized=False)
+    # out [2, 4, 6, 6], each 3·3·3 multiply-adds; reads 1536 + 432 B, writes 1152 B.
+    assert _rows(r, "conv_general_dilated") == [(CON, 2 * 2 * 4 * 6 * 6 * 27, 3120)]
+
+    def solve(b):
+        return jax.lax.custom_linear_solve(lambda v: 2.0 * v, b, lambda mv, b: b / 2.0)
+
+    r = jaxsub.analyze(solve, x[0, 0, 0], compare_optimized=False)
+    assert any("custom_linear_solve" in n and "not descended" in n for n in r.notes)
+
+
+def test_dead_equations_are_not_counted():
+    def f(x):
+        jax.nn.softmax(x)
+        return x * 2.0
+
+    r = jaxsub.analyze(f, BLOCK_ARGS[0], compare_optimized=False)
+    assert [r.op for r in r.ops] == ["mul"]
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    layer = ReferenceEncoderLayer(num_heads=4, mlp_dim=128, dropout_rate=0.1, attention_dropout_rate=0.1)
+    x = _normal(6, (2, 16, 32))
+    return layer, layer.init(jax.random.key(0), x), x
+
+
+def _apply(layer):
+    return lambda p, x, k: layer.apply(p, x, deterministic=False, rngs={"dropout": k})
+
+
+def _loss(layer):
+    return lambda p, x, k: jnp.sum(_apply(layer)(p, x, k) ** 2)
+
+
+def test_bert_layer_moves_fewer_bytes_after_optimize(encoder):
+    layer, params, x = encoder
+    r = jaxsub.analyze(_apply(layer), params, x, jax.random.key(1))
+    opt = r.optimized
+    assert opt.targets == {"jaxsub_softmax_dropout_fwd", "jaxsub_bdrln_fwd", "jaxsub_bias_gelu_dropout_fwd"}
+    assert not r.targets
+    assert r.bytes_reduction_pct == pytest.approx(100 * (1 - opt.bytes / r.bytes))
+    assert opt.bytes < r.bytes and r.bytes_reduction_pct > 50
+    # Fusion leaves the matmuls alone: the same contraction flops and bytes.
+    assert r.by_class()[CON] == {**opt.by_class()[CON], "bytes_pct": r.by_class()[CON]["bytes_pct"]}
+    assert r.by_class()[NORM]["bytes"] > opt.by_class()[NORM]["bytes"]
+    # Flax's softmax (its exp) and LayerNorm are normalizations; rows name their module.
+    assert {row.cls for row in r.ops if row.op == "exp"} == {NORM}
+    assert any(row.cls == NORM and row.source.endswith("[ReferenceEncoderLayer/attention_norm]")
+               for row in r.ops)
+
+
+def test_training_step_counts_backward_kernels(encoder):
+    layer, params, x = encoder
+    fwd = jaxsub.analyze(_loss(layer), params, x, jax.random.key(1))
+    step = jaxsub.analyze(_loss(layer), params, x, jax.random.key(1), grad=True)
+    assert {t.replace("_fwd", "_bwd") for t in fwd.optimized.targets} <= step.optimized.targets
+    assert step.bytes > fwd.bytes and step.optimized.bytes > fwd.optimized.bytes
+    # Each matmul gets two backward ones (d_input, d_weight), except that x is not
+    # differentiated: the input gradients of the q/k/v projections (2·B·S·E·E each) are dead.
+    assert step.by_class()[CON]["flops"] == 3 * fwd.by_class()[CON]["flops"] - 3 * 2 * 32 * 32 * 32
+    assert step.bytes_reduction_pct > 0
+
+
+def test_fused_target_bytes_match_the_op_benchmark_floor():
+    """A jaxsub target moves what bench/ops.py's memory floor says (ABI.md tensors,
+    workspace excluded), forward and backward, and grad of a plain function sees both."""
+    x, scale, bias = _normal(7, (64, 48)), _normal(8, (48,)), _normal(9, (48,))
+    r = jaxsub.analyze(lambda x, s, b: jnp.sum(ops.layer_norm(x, s, b)), x, scale, bias,
+                       compare_optimized=False, grad=True, argnums=(0, 1, 2))
+    fused = {row.op: row for row in r.ops if row.op in r.targets}
+    assert set(fused) == {"jaxsub_layer_norm_fwd", "jaxsub_layer_norm_bwd"}
+    floor = OPS["layer_norm"].floor_bytes
+    assert fused["jaxsub_layer_norm_fwd"].bytes == floor("fwd", 64, 48, jnp.float32, jnp.float32)
+    assert fused["jaxsub_layer_norm_bwd"].bytes == (floor("fwd+bwd", 64, 48, jnp.float32, jnp.float32)
+                                                   - floor("fwd", 64, 48, jnp.float32, jnp.float32))
+    assert {row.cls for row in fused.values()} == {NORM}
+
+
+def test_fused_attention_is_a_contraction_with_its_bytes():
+    b, s, h, d = 2, 8, 2, 4
+    q, k, v = (_normal(i, (b, s, h, d)) for i in (12, 13, 14))
+
+    def loss(q, k, v):
+        return jnp.sum(ops.attention(q, k, v, implementation="fused"))
+
+    r = jaxsub.analyze(loss, q, k, v, compare_optimized=False, grad=True, argnums=(0, 1, 2))
+    fused = {row.op: row for row in r.ops if row.op in r.targets}
+    qkv, lse = 3 * q.nbytes, b * h * s * 4
+    # fwd reads q, k, v, the [1,1,1,1] dummy mask (1 B) and the u32[2] seed; writes out and lse.
+    assert fused["jaxsub_attention_fwd"] == analysis.OpStat(
+        "jaxsub_attention_fwd", CON, fused["jaxsub_attention_fwd"].shape, 4 * b * h * s * s * d,
+        qkv + 1 + 8 + q.nbytes + lse, source=fused["jaxsub_attention_fwd"].source)
+    # bwd reads dout, q, k, v, out, lse, mask, seed; writes dq, dk, dv (workspaces excluded).
+    assert (fused["jaxsub_attention_bwd"].cls, fused["jaxsub_attention_bwd"].flops,
+            fused["jaxsub_attention_bwd"].bytes) == (CON, 10 * b * h * s * s * d,
+                                                     2 * q.nbytes + qkv + lse + 1 + 8 + qkv)
+
+
+def test_optimized_function_is_compared_with_its_original():
+    fast = jaxsub.optimize(block)
+    r = jaxsub.analyze(fast, *BLOCK_ARGS)
+    assert r.bytes == 10000 and not r.targets
+    assert r.optimized.targets == {"jaxsub_layer_norm_fwd", "jaxsub_bias_gelu_dropout_fwd"}
+
+
+def test_table_and_json(encoder):
+    r = jaxsub.analyze(block, *BLOCK_ARGS)
+    text = str(r)
+    lines = text.splitlines()
+    row = next(line for line in lines if line.startswith("dot_general"))
+    assert row.split()[:7] == ["dot_general", "tensor", "contraction", "f32[4,16]", "1", "1,024", "896"]
+    assert "test_analysis.py:" in row and "(block)" in row
+    assert any(line.startswith("statistical normalization") and "2,768" in line for line in lines)
+    assert "5 zero-cost structural equations not shown" in text
+    assert "jaxsub_layer_norm_fwd" in text
+    assert f"{r.bytes_reduction_pct:.2f}% fewer" in text
+    d = json.loads(r.to_json())
+    assert d == r.to_dict() and d["bytes"] == 10000 and d["optimized"]["bytes"] == r.optimized.bytes
+    assert analysis.Analysis.from_dict(d).to_dict() == d
+
+
+def test_time_without_gpu_warns_and_returns_the_counts():
+    if jax.default_backend() == "gpu":
+        pytest.skip("CPU behaviour")
+    with pytest.warns(UserWarning, match="GPU"):
+        r = jaxsub.analyze(block, *BLOCK_ARGS, time=True, compare_optimized=False)
+    assert r.timing is None and r.bytes == 10000
+
+
+@pytest.mark.gpu
+def test_time_on_gpu_reports_memory_efficiency():
+    r = jaxsub.analyze(block, *BLOCK_ARGS, time=True, compare_optimized=False)
+    t = r.timing
+    assert t["time_s"] > 0 and t["bandwidth_Bps"] > 1e11
+    assert t["memory_efficiency"] == pytest.approx(r.bytes / t["bandwidth_Bps"] / t["time_s"])
