@@ -1,13 +1,16 @@
 // Fused attention with in-kernel dropout, forward and backward (FlashAttention-2 structure
 // on mma.sync m16n8k16 tensor-core instructions), CUDA. Contract: ABI.md ("Attention
-// family"). Status: compiled, not yet run on a GPU, so not registered (see targets.h). The [B, H, Sq, Sk] scores never reach memory: the forward keeps a running
+// family"). The [B, H, Sq, Sk] scores never reach memory: the forward keeps a running
 // max and sum per query row and saves only the log-sum-exp; the backward recomputes the
 // probabilities from it and regenerates the dropout mask at the same logical index as
 // the softmax op, so the fused and unfused paths drop the same elements.
 //
 // Block: 4 warps. Forward: 64 query rows per block (16 per warp), key tiles of 64 in
 // shared memory. Backward: 64 keys per block (16 per warp), query tiles of 64 in shared
-// memory; dK, dV accumulate in registers, dQ in an f32 workspace through atomics.
+// memory; dK, dV accumulate in registers, dQ in an f32 workspace through atomics (one per
+// element per block and query tile). Operands reach the tensor cores through ldmatrix.
+// Probabilities enter the P V products unscaled (kept or zero); the dropout scale
+// multiplies the output and dV once, in f32.
 #include <cmath>
 
 #include "common.h"
@@ -60,13 +63,6 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Two 16-bit elements that are not adjacent in memory, packed low first.
-template <typename T>
-__device__ __forceinline__ uint32_t pack_elems(const T& lo, const T& hi) {
-  const uint16_t a = *reinterpret_cast<const uint16_t*>(&lo), b = *reinterpret_cast<const uint16_t*>(&hi);
-  return static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
-}
-
 // c += a * b for a 16x16 (row) by 16x8 (col) tile, f32 accumulators.
 template <typename T>
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -83,6 +79,24 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+// ldmatrix: four 8x8 16-bit matrices from shared memory; lanes 8m..8m+7 give the row
+// addresses of matrix m (16-byte aligned). Plain: lane i gets row i/4, columns 2(i%4),
+// 2(i%4)+1 of each matrix (a B fragment of a row-major [n][k] tile, or an A fragment of a
+// row-major [m][k] tile). Transposed: lane i gets rows 2(i%4), 2(i%4)+1 of column i/4 (a
+// B fragment of a row-major [k][n] tile).
+__device__ __forceinline__ void ldsm(uint32_t (&r)[4], const void* p) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_t(uint32_t (&r)[4], const void* p) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 __device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -103,6 +117,9 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, in
 // ---------------------------------------------------------------------------------------
 // Scores: scale, mask, causal, bounds. -inf marks an entry that takes no probability.
 
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 struct RowCtx {
   int64_t bb, hh;
   int64_t mask_head;  // offset of (bb, hh) in the mask, before the query and key terms
@@ -115,6 +132,7 @@ __device__ __forceinline__ RowCtx row_ctx(const AttnArgs& a, int64_t bb, int64_t
   return r;
 }
 
+// The scaled, masked score of raw s = q_i . k_j (natural-log units).
 __device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j) {
   if (i >= a.sq || j >= a.sk) return -INFINITY;
   if (a.causal && j > i + a.sk - a.sq) return -INFINITY;
@@ -130,18 +148,26 @@ __device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, floa
   return x;
 }
 
-// Keep decisions for elements (i, j) and (i, j + 1) of the logical [B, H, Sq, Sk] tensor
-// (bit 0 and bit 1).
-__device__ __forceinline__ uint32_t keep_pair(const AttnArgs& a, const uint32_t (&seed)[2], const RowCtx& rc,
-                                              int64_t i, int64_t j) {
-  if (a.threshold == 0) return 3u;
-  const uint64_t idx = static_cast<uint64_t>(((rc.bb * a.h + rc.hh) * a.sq + i) * a.sk + j);
-  const U32x4 w0 = dropout_words(seed, idx >> 3);
-  const uint32_t k0 = lane16(w0, static_cast<int>(idx & 7)) >= a.threshold;
-  const uint64_t idx1 = idx + 1;
-  const U32x4 w1 = (idx1 >> 3) == (idx >> 3) ? w0 : dropout_words(seed, idx1 >> 3);
-  const uint32_t k1 = lane16(w1, static_cast<int>(idx1 & 7)) >= a.threshold;
-  return k0 | (k1 << 1);
+// Keep bits of 16 consecutive keys j0 .. j0 + 15 of query i (bit t: key j0 + t), from the
+// Philox lanes of the logical [B, H, Sq, Sk] element index (philox.h); 0 outside the
+// tensor. Two Philox calls when the 16 keys are two aligned groups of eight.
+__device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+                                           int64_t j0) {
+  if (i >= a.sq) return 0u;
+  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
+  uint32_t bits = 0;
+  if ((idx & 7) == 0 && j0 + 16 <= a.sk) {
+    const U32x4 w0 = dropout_words(seed, idx >> 3), w1 = dropout_words(seed, (idx >> 3) + 1);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      bits |= static_cast<uint32_t>(lane16(w0, t) >= a.threshold) << t;
+      bits |= static_cast<uint32_t>(lane16(w1, t) >= a.threshold) << (t + 8);
+    }
+  } else {
+    for (int t = 0; t < 16 && j0 + t < a.sk; ++t)
+      bits |= static_cast<uint32_t>(dropout_keep(seed, idx + t, a.threshold)) << t;
+  }
+  return bits;
 }
 
 __device__ __forceinline__ float quad_max(float x) {
@@ -155,11 +181,18 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // ---------------------------------------------------------------------------------------
 // Forward. grid (ceil(Sq / 64), B * H), block 128.
+//
+// Key order inside a tile: the score mma's column c (n-block c / 8, thread c % 8 / 2 of a
+// quad) holds key  key_of(c) = (c % 8 / 2) * 16 + (c / 8) * 2 + c % 2,  so thread tq of a
+// quad owns the 16 consecutive keys 16 tq .. 16 tq + 15 of each of its rows: their
+// dropout decisions are two Philox calls (8 keys each) instead of one per pair. ldmatrix
+// takes one row address per lane, so K and V are read in that order at no cost.
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
   __shared__ __align__(16) T ks[kTile * (D + kPad)];
   __shared__ __align__(16) T vs[kTile * (D + kPad)];
+  constexpr int kRow = D + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile + warp * 16;  // warp's first query row
@@ -169,6 +202,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
   const T* vg = static_cast<const T*>(a.v) + (bb * a.sk * a.h + hh) * D;
   const RowCtx rc = row_ctx(a, bb, hh);
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const float scale_log2 = a.scale * kLog2e;
 
   // Q fragments for the warp's 16 rows: rows quad and quad + 8, columns tq*2 (+8).
   uint32_t qf[D / 16][4];
@@ -181,8 +215,15 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
       qf[kc][r] = i < a.sq ? ld32(qg + i * row_stride + col) : 0u;
     }
 
+  // This lane's ldmatrix row addresses. K (plain, B of Q Kᵀ): matrix m = lane / 8 is
+  // (key rows key_of(8 n + r), d columns 16 kc + 8 (m % 2) + 16 (m / 2)). V (transposed, B
+  // of P V): (key rows key_of(16 kc + 8 (m % 2) + r), d columns 8 dn + 8 (m / 2)).
+  const int lm = lane / 8, lr = lane % 8;
+  const T* k_lane = ks + ((lr / 2) * 16 + lr % 2) * kRow + (lm % 2) * 8 + (lm / 2) * 16;
+  const T* v_lane = vs + ((lr / 2) * 16 + lr % 2 + 2 * (lm % 2)) * kRow + (lm / 2) * 8;
+
   float o[D / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), sum
   // Keys beyond the block's last visible one are never needed.
   int64_t key_end = a.sk;
   if (a.causal) {
@@ -200,47 +241,56 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
     for (int n = 0; n < 8; ++n) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-        const T* kr = ks + (n * 8 + quad) * (D + kPad) + kc * 16 + tq * 2;
-        mma<T>(s[n], qf[kc], ld32(kr), ld32(kr + 8));
+      for (int kc = 0; kc < D / 16; kc += 2) {
+        uint32_t b[4];
+        ldsm(b, k_lane + n * 2 * kRow + kc * 16);
+        mma<T>(s[n], qf[kc], b[0], b[1]);
+        mma<T>(s[n], qf[kc + 1], b[2], b[3]);
       }
     }
+    // Scores in log2 units; the common case (no mask, no causal, a full key tile) needs no
+    // per-element test (rows past Sq are never stored).
+    const bool plain = a.mask_kind == kMaskNone && !a.causal && kb + kTile <= a.sk;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t i = q0 + quad + (e >> 1) * 8, j = kb + n * 8 + tq * 2 + (e & 1);
-        s[n][e] = score(a, rc, s[n][e], i, j);
+        if (plain) {
+          s[n][e] *= scale_log2;
+        } else {
+          const int64_t i = q0 + quad + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
+          s[n][e] = score(a, rc, s[n][e], i, j) * kLog2e;
+        }
         mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
       }
-    float alpha[2];
+    float alpha[2], base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float m_new = fmaxf(m[r], quad_max(mx[r]));
-      alpha[r] = m_new == -INFINITY ? 1.f : __expf(m[r] - m_new);
+      alpha[r] = m_new == -INFINITY ? 1.f : exp2f(m[r] - m_new);
       m[r] = m_new;
+      base[r] = m_new == -INFINITY ? 0.f : m_new;  // exp2(-inf - 0) = 0 for masked entries
       l[r] *= alpha[r];
     }
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[dn][e] *= alpha[e >> 1];
-    uint32_t pf[4][4];  // dropped, scaled probabilities as A fragments (16 keys each)
+    uint32_t keep[2] = {0xffffu, 0xffffu};
+    if (a.threshold != 0) {
+      keep[0] = keep16(a, seed, bh, q0 + quad, kb + tq * 16);
+      keep[1] = keep16(a, seed, bh, q0 + quad + 8, kb + tq * 16);
+    }
+    uint32_t pf[4][4];  // kept probabilities (unscaled) as A fragments, 16 key slots each
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       float p[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        p[e] = s[n][e] == -INFINITY ? 0.f : __expf(s[n][e] - m[e >> 1]);
+        p[e] = exp2f(s[n][e] - base[e >> 1]);
         l[e >> 1] += p[e];
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t i = q0 + quad + r * 8, j = kb + n * 8 + tq * 2;
-        const uint32_t keep = i < a.sq && j < a.sk ? keep_pair(a, seed, rc, i, j) : 0u;
-        p[2 * r] = (keep & 1u) ? p[2 * r] * a.keep_scale : 0.f;
-        p[2 * r + 1] = (keep & 2u) ? p[2 * r + 1] * a.keep_scale : 0.f;
+        if (!((keep[e >> 1] >> (n * 2 + (e & 1))) & 1u)) p[e] = 0.f;
       }
       pf[n / 2][(n & 1) * 2 + 0] = pack2<T>(p[0], p[1]);
       pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]);
@@ -248,11 +298,11 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        const T* vr = vs + (kc * 16 + tq * 2) * (D + kPad) + dn * 8 + quad;
-        const uint32_t b0 = pack_elems(vr[0], vr[D + kPad]);
-        const uint32_t b1 = pack_elems(vr[8 * (D + kPad)], vr[9 * (D + kPad)]);
-        mma<T>(o[dn], pf[kc], b0, b1);
+      for (int dn = 0; dn < D / 8; dn += 2) {
+        uint32_t b[4];
+        ldsm_t(b, v_lane + kc * 4 * kRow + dn * 8);
+        mma<T>(o[dn], pf[kc], b[0], b[1]);
+        mma<T>(o[dn + 1], pf[kc], b[2], b[3]);
       }
   }
 
@@ -260,14 +310,15 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float total = quad_sum(l[r]);
-    const float inv = total > 0.f ? 1.f / total : 0.f;
+    // The dropout scale multiplies the output once, after the bf16/f16 product.
+    const float inv = total > 0.f ? a.keep_scale / total : 0.f;
     const int64_t i = q0 + quad + r * 8;
     if (i >= a.sq) continue;
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)
       *reinterpret_cast<uint32_t*>(og + i * row_stride + dn * 8 + tq * 2) =
           pack2<T>(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
-    if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? m[r] + __logf(total) : -INFINITY;
+    if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? (m[r] + __log2f(total)) * kLn2 : -INFINITY;
   }
 }
 
@@ -291,15 +342,29 @@ __global__ void attention_delta_kernel(AttnArgs a) {
   }
 }
 
-// grid (ceil(Sk / 64), B * H), block 128; each warp owns 16 keys.
+// Shared memory of the backward kernel (dynamic: 61 KB at D = 128).
+template <typename T, int D>
+struct BwdSmem {
+  T q[kTile * (D + kPad)];            // query tile
+  T dout[kTile * (D + kPad)];         // dO tile
+  T k[kTile * (D + kPad)];            // the block's 64 keys (B of dQ = dS K)
+  T ds[kTile * (kTile + kPad)];       // dSᵀ of the block: [64 keys][64 queries]
+  float lse2[kTile], delta[kTile];    // per query of the tile: lse (log2 units), delta
+  uint16_t keep[kWarps][kTile];       // per warp and query: keep bits of the warp's 16 keys
+};
+
+// grid (ceil(Sk / 64), B * H), block 128; each warp owns 16 keys. dK, dV accumulate in
+// registers; dQ for the tile's 64 queries is computed once per block from the block's dSᵀ
+// in shared memory (warp w: queries 16 w .. 16 w + 15) and added to the f32 workspace.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
-  __shared__ __align__(16) T qs[kTile * (D + kPad)];
-  __shared__ __align__(16) T dos[kTile * (D + kPad)];
-  __shared__ __align__(16) T dss[kWarps][16 * (kTile + kPad)];  // each warp's dS^T, [16 keys][64 queries]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  BwdSmem<T, D>& sm = *reinterpret_cast<BwdSmem<T, D>*>(smem_raw);
+  constexpr int kRow = D + kPad, kDsRow = kTile + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTile + warp * 16;  // warp's first key
+  const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t k0 = kblock + warp * 16;  // warp's first key
   const int64_t row_stride = a.h * D;
   const T* qg = static_cast<const T*>(a.q) + (bb * a.sq * a.h + hh) * D;
   const T* dog = static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D;
@@ -308,7 +373,9 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
   float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
   const RowCtx rc = row_ctx(a, bb, hh);
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const float scale_log2 = a.scale * kLog2e;
 
+  load_tile<T, D>(sm.k, kg, kblock, a.sk, row_stride);
   // K and V fragments (A operands) for the warp's 16 keys.
   uint32_t kf[D / 16][4], vf[D / 16][4];
 #pragma unroll
@@ -322,102 +389,118 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
     }
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
 
+  // ldmatrix row addresses of this lane (matrix m = lane / 8, row r = lane % 8).
+  const int lm = lane / 8, lr = lane % 8;
+  // Plain, B of Kᵀ Q / Vᵀ dO (rows = queries 8 n + r, d columns 16 kc + 8 (m % 2) + 16 (m / 2)).
+  const int plain_off = lr * kRow + (lm % 2) * 8 + (lm / 2) * 16;
+  // Transposed, B of Pᵀ dO / dSᵀ Q (rows = queries 16 kc + 8 (m % 2) + r, d columns 8 dn + 8 (m / 2)),
+  // and of dS K (rows = keys 16 kc + 8 (m % 2) + r).
+  const int trans_off = ((lm % 2) * 8 + lr) * kRow + (lm / 2) * 8;
+  // Transposed, A of dS K from dSᵀ (rows = keys 16 kc + 8 (m / 2) + r, query columns 16 warp + 8 (m % 2)).
+  const T* ds_lane = sm.ds + ((lm / 2) * 8 + lr) * kDsRow + warp * 16 + (lm % 2) * 8;
+
   // Queries before the block's first visible one are never needed.
   int64_t q_begin = 0;
   if (a.causal) {
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * kTile - (a.sk - a.sq);
+    const int64_t first = kblock - (a.sk - a.sq);
     q_begin = first > 0 ? first / kTile * kTile : 0;
   }
   for (int64_t qb = q_begin; qb < a.sq; qb += kTile) {
     __syncthreads();
-    load_tile<T, D>(qs, qg, qb, a.sq, row_stride);
-    load_tile<T, D>(dos, dog, qb, a.sq, row_stride);
+    load_tile<T, D>(sm.q, qg, qb, a.sq, row_stride);
+    load_tile<T, D>(sm.dout, dog, qb, a.sq, row_stride);
+    if (threadIdx.x < kTile) {
+      const int64_t i = qb + threadIdx.x;
+      const float lse = i < a.sq ? a.lse[bh * a.sq + i] : -INFINITY;
+      sm.lse2[threadIdx.x] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // +inf: p = 0
+      sm.delta[threadIdx.x] = i < a.sq ? a.delta[bh * a.sq + i] : 0.f;
+    }
+    if (a.threshold != 0) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) sm.keep[warp][lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
+    }
     __syncthreads();
 
-    // S^T and dPd^T for the warp's 16 keys x 64 queries: rows = keys, columns = queries.
+    // Sᵀ and dPdᵀ for the warp's 16 keys x 64 queries: rows = keys, columns = queries.
     float st[8][4], dpt[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-        const T* qr = qs + (n * 8 + quad) * (D + kPad) + kc * 16 + tq * 2;
-        mma<T>(st[n], kf[kc], ld32(qr), ld32(qr + 8));
-        const T* dr = dos + (n * 8 + quad) * (D + kPad) + kc * 16 + tq * 2;
-        mma<T>(dpt[n], vf[kc], ld32(dr), ld32(dr + 8));
+      for (int kc = 0; kc < D / 16; kc += 2) {
+        uint32_t b[4];
+        ldsm(b, sm.q + plain_off + n * 8 * kRow + kc * 16);
+        mma<T>(st[n], kf[kc], b[0], b[1]);
+        mma<T>(st[n], kf[kc + 1], b[2], b[3]);
+        ldsm(b, sm.dout + plain_off + n * 8 * kRow + kc * 16);
+        mma<T>(dpt[n], vf[kc], b[0], b[1]);
+        mma<T>(dpt[n], vf[kc + 1], b[2], b[3]);
       }
     }
-    uint32_t pdf[4][4], dsf[4][4];  // dropped P^T and dS^T as A fragments (16 queries each)
+    const bool plain = a.mask_kind == kMaskNone && !a.causal && k0 + 16 <= a.sk;
+    uint32_t pdf[4][4], dsf[4][4];  // kept Pᵀ (unscaled) and dSᵀ as A fragments (16 queries each)
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       float pd[4], ds[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t j = k0 + quad + (e >> 1) * 8, i = qb + n * 8 + tq * 2 + (e & 1);
-        const float x = score(a, rc, st[n][e], i, j);
-        const float lse = i < a.sq ? a.lse[bh * a.sq + i] : -INFINITY;
-        const float p = (x == -INFINITY || lse == -INFINITY) ? 0.f : __expf(x - lse);
-        const float delta = i < a.sq ? a.delta[bh * a.sq + i] : 0.f;
-        bool keep = true;
-        if (a.threshold != 0 && i < a.sq && j < a.sk) {
-          const uint64_t idx = static_cast<uint64_t>(((bb * a.h + hh) * a.sq + i) * a.sk + j);
-          keep = lane16(dropout_words(seed, idx >> 3), static_cast<int>(idx & 7)) >= a.threshold;
+        const int il = n * 8 + tq * 2 + (e & 1), jl = quad + (e >> 1) * 8;  // query in tile, key in warp
+        float x;
+        if (plain) {
+          x = st[n][e] * scale_log2;
+        } else {
+          x = score(a, rc, st[n][e], qb + il, k0 + jl) * kLog2e;
         }
-        const float m = keep ? a.keep_scale : 0.f;
-        pd[e] = p * m;
-        ds[e] = p * (dpt[n][e] * m - delta);
+        const float p = exp2f(x - sm.lse2[il]);  // 0 for masked scores and empty rows
+        const bool keep = a.threshold == 0 || ((sm.keep[warp][il] >> jl) & 1u);
+        pd[e] = keep ? p : 0.f;
+        ds[e] = p * ((keep ? dpt[n][e] * a.keep_scale : 0.f) - sm.delta[il]);
       }
       pdf[n / 2][(n & 1) * 2 + 0] = pack2<T>(pd[0], pd[1]);
       pdf[n / 2][(n & 1) * 2 + 1] = pack2<T>(pd[2], pd[3]);
       dsf[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
       dsf[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
-      // dS^T to shared memory for dQ = dS K, which needs it transposed.
-      T* w = dss[warp] + quad * (kTile + kPad) + n * 8 + tq * 2;
+      // dSᵀ to shared memory for dQ = dS K.
+      T* w = sm.ds + (warp * 16 + quad) * kDsRow + n * 8 + tq * 2;
       *reinterpret_cast<uint32_t*>(w) = dsf[n / 2][(n & 1) * 2 + 0];
-      *reinterpret_cast<uint32_t*>(w + 8 * (kTile + kPad)) = dsf[n / 2][(n & 1) * 2 + 1];
+      *reinterpret_cast<uint32_t*>(w + 8 * kDsRow) = dsf[n / 2][(n & 1) * 2 + 1];
     }
-    // dV += Pd^T dO and dK += dS^T Q over the tile's 64 queries.
+    // dV += Pdᵀ dO and dK += dSᵀ Q over the tile's 64 queries.
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        const T* dr = dos + (kc * 16 + tq * 2) * (D + kPad) + dn * 8 + quad;
-        mma<T>(dv[dn], pdf[kc], pack_elems(dr[0], dr[D + kPad]),
-               pack_elems(dr[8 * (D + kPad)], dr[9 * (D + kPad)]));
-        const T* qr = qs + (kc * 16 + tq * 2) * (D + kPad) + dn * 8 + quad;
-        mma<T>(dk[dn], dsf[kc], pack_elems(qr[0], qr[D + kPad]),
-               pack_elems(qr[8 * (D + kPad)], qr[9 * (D + kPad)]));
+      for (int dn = 0; dn < D / 8; dn += 2) {
+        uint32_t b[4];
+        ldsm_t(b, sm.dout + trans_off + kc * 16 * kRow + dn * 8);
+        mma<T>(dv[dn], pdf[kc], b[0], b[1]);
+        mma<T>(dv[dn + 1], pdf[kc], b[2], b[3]);
+        ldsm_t(b, sm.q + trans_off + kc * 16 * kRow + dn * 8);
+        mma<T>(dk[dn], dsf[kc], b[0], b[1]);
+        mma<T>(dk[dn + 1], dsf[kc], b[2], b[3]);
       }
-    __syncwarp();
-    // dQ[64 queries, D] += dS[queries, 16 keys] K[16 keys, D]: four 16-query row blocks.
+    __syncthreads();
+    // dQ[16 queries of this warp, D] += dS[those queries, 64 keys] K[64 keys, D].
+    float c[D / 8][4] = {};
 #pragma unroll
-    for (int mb = 0; mb < 4; ++mb) {
+    for (int kc = 0; kc < 4; ++kc) {
       uint32_t af[4];
+      ldsm_t(af, ds_lane + kc * 16 * kDsRow);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int qi = mb * 16 + quad + (r & 1) * 8, kj = tq * 2 + (r >> 1) * 8;
-        const T* src = dss[warp] + kj * (kTile + kPad) + qi;
-        af[r] = pack_elems(src[0], src[kTile + kPad]);
-      }
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        // B = K[16 keys, 8 dims]: the k index is the key, held by kf as (key, dim) pairs.
-        const int64_t j0 = k0 + tq * 2;
-        const T* kr = kg + j0 * row_stride + dn * 8 + quad;
-        const T zero = from_float_dev<T>(0.f);
-        const T e0 = j0 < a.sk ? kr[0] : zero, e1 = j0 + 1 < a.sk ? kr[row_stride] : zero;
-        const T e8 = j0 + 8 < a.sk ? kr[8 * row_stride] : zero, e9 = j0 + 9 < a.sk ? kr[9 * row_stride] : zero;
-        mma<T>(c, af, pack_elems(e0, e1), pack_elems(e8, e9));
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t i = qb + mb * 16 + quad + (e >> 1) * 8;
-          if (i < a.sq) atomicAdd(dqg + i * row_stride + dn * 8 + tq * 2 + (e & 1), c[e] * a.scale);
-        }
+      for (int dn = 0; dn < D / 8; dn += 2) {
+        uint32_t b[4];
+        ldsm_t(b, sm.k + trans_off + kc * 16 * kRow + dn * 8);
+        mma<T>(c[dn], af, b[0], b[1]);
+        mma<T>(c[dn + 1], af, b[2], b[3]);
       }
     }
-    __syncwarp();
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = qb + warp * 16 + quad + (e >> 1) * 8;
+        if (i < a.sq) atomicAdd(dqg + i * row_stride + dn * 8 + tq * 2 + (e & 1), c[dn][e] * a.scale);
+      }
   }
 
   T* dkg = static_cast<T*>(a.dk) + (bb * a.sk * a.h + hh) * D;
@@ -431,7 +514,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
       *reinterpret_cast<uint32_t*>(dkg + j * row_stride + dn * 8 + tq * 2) =
           pack2<T>(dk[dn][2 * r] * a.scale, dk[dn][2 * r + 1] * a.scale);
       *reinterpret_cast<uint32_t*>(dvg + j * row_stride + dn * 8 + tq * 2) =
-          pack2<T>(dv[dn][2 * r], dv[dn][2 * r + 1]);
+          pack2<T>(dv[dn][2 * r] * a.keep_scale, dv[dn][2 * r + 1] * a.keep_scale);
     }
   }
 }
@@ -534,7 +617,12 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
     cudaMemsetAsync(a.dq_acc, 0, sizeof(float) * rows * D, stream);
     attention_delta_kernel<T, D><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(a);
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
-    attention_bwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(a);
+    constexpr size_t smem = sizeof(BwdSmem<T, D>);
+    static const cudaError_t opt_in =
+        cudaFuncSetAttribute(attention_bwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (opt_in != cudaSuccess) return ffi::Error::Internal(std::string(op) + ": shared-memory opt-in failed: " +
+                                                         cudaGetErrorString(opt_in));
+    attention_bwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(a);
     const int64_t n = rows * D;
     attention_dq_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(
         a.dq_acc, static_cast<T*>(a.o), n);
