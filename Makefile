@@ -25,8 +25,11 @@ test: setup
 test-gpu: setup
 	cd tests && $(PYTHON) -m pytest -q -m gpu
 
+# The main job: the encoder-layer benchmark (bench/encoder.py); a small CPU run without a GPU.
 bench: setup
 	$(PYTHON) -m bench
+
+# The fused-op benchmark (bench/ops.py).
 
 bench-ops: setup
 	$(PYTHON) -m bench.ops

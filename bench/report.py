@@ -1,11 +1,13 @@
 """Console and JSON conventions shared by the benchmarks: the run header, the copy
-bandwidth line, number formatting, the final table and the JSON file."""
+bandwidth line, number formatting, the final table, the JSON file, a progress bar and
+an optional bar chart."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -30,13 +32,15 @@ def reason(e: Exception) -> str:
     return f"{type(e).__name__}: {first[0] if first else ''}".rstrip(": ")
 
 
-def format_table(header: Sequence[str], lines: Sequence[Sequence[str]], text_columns: int) -> str:
-    """Pipe-separated table; the first `text_columns` columns are left-aligned, the
-    (numeric) rest right-aligned."""
+def format_table(header: Sequence[str], lines: Sequence[Sequence[str]], text_columns: int,
+                 trailing_text_columns: int = 0) -> str:
+    """Pipe-separated table; the first `text_columns` and the last `trailing_text_columns`
+    columns are left-aligned, the (numeric) rest right-aligned."""
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    numeric_end = len(header) - trailing_text_columns
 
     def join(cells):
-        return " | ".join(c.ljust(w) if i < text_columns else c.rjust(w)
+        return " | ".join(c.ljust(w) if i < text_columns or i >= numeric_end else c.rjust(w)
                           for i, (c, w) in enumerate(zip(cells, widths)))
 
     return "\n".join([join(header), "-+-".join("-" * w for w in widths), *(join(line) for line in lines)])
@@ -101,3 +105,66 @@ def write_json(path: pathlib.Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+
+
+class Progress:
+    """A text progress bar on stderr: redrawn in place on a terminal, one line per step
+    otherwise (logs, CI), so long compiles show that the run is alive."""
+
+    def __init__(self, total: int, width: int = 28):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.tty = sys.stderr.isatty()
+        self.line = ""
+
+    def update(self, what: str, advance: int = 1) -> None:
+        self.done = min(self.done + advance, self.total)
+        filled = self.width * self.done // self.total
+        self.line = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {what}"
+        sys.stderr.write("\r\033[K" + self.line if self.tty else self.line + "\n")
+        sys.stderr.flush()
+
+    def note(self, text: str) -> None:
+        """Prints a line to stdout without leaving the bar mixed into it."""
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+        print(text, flush=True)
+        if self.tty and self.line:
+            sys.stderr.write(self.line)
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def bar_chart(path: pathlib.Path, groups: Sequence[str], series: dict[str, Sequence], *, ylabel: str,
+              title: str, baseline: float | None = None) -> bool:
+    """Grouped bar chart PNG: one group of bars per entry of `groups`, one bar per series
+    (None values are left out). matplotlib is optional (the 'bench' extra); without it the
+    chart is skipped with a message. Returns whether the file was written."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed; skipping the chart {path} (pip install matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) * max(1, len(series)) / 3), 4.5))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g, v in enumerate(values) if v is not None]
+        ax.bar(xs, [v for v in values if v is not None], width, label=name)
+    if baseline is not None:
+        ax.axhline(baseline, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups, rotation=15)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return True

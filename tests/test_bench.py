@@ -1,8 +1,9 @@
-"""The op and attention benchmarks' --small paths end to end on CPU: rows, JSON, positive
-times; and their floors against hand counts."""
+"""The op, attention and encoder benchmarks' --small paths end to end on CPU: rows, JSON,
+positive times, spot checks; and their floors and flop counts against hand counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -17,6 +18,7 @@ import pytest
 # jaxsub still wins over the source tree when tests run from tests/.
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import attention as bench_attention  # noqa: E402
+from bench import encoder as bench_encoder  # noqa: E402
 from bench import ops as bench_ops  # noqa: E402
 
 
@@ -155,3 +157,84 @@ def test_trace_finds_device_kernels_only_on_a_gpu():
         assert times and all(us > 0 for us in times.values())
     else:
         assert times == {}
+
+
+def test_encoder_small_run_checks_and_times_every_row(tmp_path, capsys):
+    out = tmp_path / "encoder.json"
+    # One config (f32: the pass fuses the whole layer) and the rows whose code paths differ
+    # most; cudnn shows how a row that cannot run is recorded. The others share these paths.
+    code = bench_encoder.main(["--small", "--configs", "small-b2s64-f32", "--rows", "cudnn,opt-jnp,jaxsub",
+                               "--repeats", "2", "--json", str(out), "--plot", str(tmp_path / "chart.png")])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert code == 0, [(r["row"], r["check"], r["status"]) for r in result["rows"]]
+
+    assert result["small"] and result["matmul_rate_flops_per_s"] > 0 and result["matmul_rate_source"]
+    rows = {r["row"]: r for r in result["rows"]}
+    assert list(rows) == ["xla", "cudnn", "opt-jnp", "jaxsub"]        # the baseline always runs, first
+    cfg = bench_encoder.SMALL.configs["small-b2s64-f32"]
+    gpu = jax.default_backend() == "gpu"
+    for name, row in rows.items():
+        assert row["config"] == cfg.name and row["flops"] == cfg.matmul_flops(), name
+        if name == "cudnn" and not gpu:
+            assert row["ms"] is None and row["status"].startswith("failed: "), row
+            assert row["check"].startswith("skipped: "), row
+            continue
+        assert row["check"] == ("baseline" if name == "xla" else "ok"), (name, row["check"])
+        assert row["status"] == "ok" and row["ms"] > 0 and math.isfinite(row["ms"]), name
+        assert row["speedup_vs_xla"] == pytest.approx(rows["xla"]["ms"] / row["ms"]), name
+        assert row["tflops"] == pytest.approx(row["flops"] / row["ms"] / 1e9), name
+        assert row["pct_floor"] == pytest.approx(
+            100 * row["flops"] / result["matmul_rate_flops_per_s"] / (row["ms"] * 1e-3)), name
+        assert row["xla_bytes"] > 0, name
+        assert (row["analytic_bytes"] is None) == (not result["jaxsub_analyze"]), name
+    assert rows["opt-jnp"]["fused"] == "attn1 bdrln2 gelu1"
+    # The fused ops keep fewer intermediates than plain XLA's step.
+    assert rows["jaxsub"]["xla_bytes"] < rows["xla"]["xla_bytes"]
+    assert "a xla" in printed and "d opt-jnp" in printed
+    assert gpu or "CPU timings say nothing" in printed
+
+
+def test_encoder_spot_check_catches_wrong_numbers(monkeypatch):
+    """A row whose output is 1% off fails its check (which makes `main` exit 1)."""
+    impl = bench_encoder.ROWS["jaxsub"]
+    forward = impl.forward
+
+    def off_by_one_percent(cfg, deterministic):
+        f = forward(cfg, deterministic)
+        return lambda p, x, key: f(p, x, key) * 1.01
+
+    monkeypatch.setitem(bench_encoder.ROWS, "jaxsub", dataclasses.replace(impl, forward=off_by_one_percent))
+    cfg = bench_encoder.SMALL.configs["small-b2s64-f32"]
+    checks = bench_encoder.spot_check(cfg, ["xla", "jaxsub"], bench_encoder.make_inputs(cfg, 0),
+                                      bench_encoder.report.Progress(2))
+    assert checks["jaxsub"].startswith("FAILED: y"), checks
+
+
+def test_encoder_flops_match_hand_counts():
+    layer = bench_encoder.FULL.configs["b8s512-bf16"]
+    t, e, f = 8 * 512, 1024, 4096
+    fwd = 2 * t * e * 3 * e + 2 * 2 * 8 * 16 * 512 * 512 * 64 + 2 * t * e * e + 2 * 2 * t * e * f
+    assert layer.matmul_flops() == 3 * fwd
+    assert layer.matmul_flops() == pytest.approx(335e9, rel=2e-3)       # TARGETS.md: 335 GFLOP
+    assert bench_encoder.FULL.configs["stack24-b8s512-bf16"].matmul_flops() == 24 * 3 * fwd
+
+
+def test_encoder_byte_counts_read_every_report_shape(monkeypatch):
+    class Compiled:
+        def __init__(self, cost):
+            self.cost = cost
+
+        def cost_analysis(self):
+            return self.cost
+
+    assert bench_encoder.cost_bytes(Compiled({"bytes accessed": 12.0, "flops": 3.0})) == 12.0
+    assert bench_encoder.cost_bytes(Compiled([{"bytes accessed": 7.0}])) == 7.0
+    assert bench_encoder.cost_bytes(Compiled([])) is None
+
+    class Report:
+        def to_dict(self):
+            return {"ops": [], "totals": {"bytes": 1234, "flops": 5}}
+
+    monkeypatch.setattr(bench_encoder.jaxsub, "analyze", lambda fn, *args: Report(), raising=False)
+    assert bench_encoder.analytic_bytes(None, ()) == (1234.0, {"bytes": 1234, "flops": 5})
