@@ -211,7 +211,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       key: a JAX PRNG key, required when dropout_rate > 0 (may be traced).
       implementation: "fused" (one kernel per direction, no [B, H, Sq, Sk] tensor in
         memory), "unfused" (score GEMM, fused softmax-dropout, GEMM), or None, which is
-        "unfused" for now: the layout selector will pick by timing once both are tuned.
+        "unfused": on the H200 at BERT-large shapes the fused kernel is faster forward but
+        not forward + backward (bench/NOTES.md), and the layout selector picks by timing.
         "fused" on a GPU without a CUDA fused kernel for this build, dtype (float32) or head
         dim (not 32, 64 or 128) runs the unfused path with a one-time log line.
 
