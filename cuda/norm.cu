@@ -50,8 +50,10 @@ __device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, 
   }
 }
 
+// Layer norm forward at 32 elements per thread is capped at 64 registers (two 512-thread
+// blocks per SM): 32 rows of 1024 resident per SM, so [4096, 1024] runs in one wave.
 template <typename T, int VEC, int NV, bool kResidual>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV))
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), (!kResidual && VEC * NV == 32) ? 2 : 1)
     norm_fwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, float eps, uint32_t threshold, float keep_scale) {
   __shared__ float scratch[32 * kMaxBlockRows];
   uint32_t seed[2] = {0u, 0u};
