@@ -215,17 +215,25 @@ __device__ __forceinline__ float warp_reduce(float x) {
 
 __device__ __forceinline__ float warp_sum(float x) { return warp_reduce<SumOp>(x); }
 
-// Reduction over the blockDim.x threads of one row group (threadIdx.y selects the group).
-// `scratch` holds at least 32 * blockDim.y floats. All threads of the block must call it.
+// Barrier over the blockDim.x threads of this row group only (named barrier
+// 1 + threadIdx.y; 0 is __syncthreads): row groups of one block never wait for each other.
+// Needs blockDim.x a multiple of 32 and blockDim.y <= 15 (choose_rows guarantees both).
+__device__ __forceinline__ void row_group_barrier() {
+  asm volatile("bar.sync %0, %1;" ::"r"(threadIdx.y + 1), "r"(blockDim.x) : "memory");
+}
+
+// Reduction over the blockDim.x threads of one row group (threadIdx.y selects the group):
+// shuffles only when the group is one warp. `scratch` holds at least 32 * blockDim.y
+// floats. All threads of the row group must call it.
 template <typename Op>
 __device__ __forceinline__ float row_group_reduce(float x, float* scratch) {
   x = warp_reduce<Op>(x);
   if (blockDim.x <= 32) return x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   float* s = scratch + threadIdx.y * 32;
-  __syncthreads();
+  row_group_barrier();  // the previous reduction's readers are done with s
   if (lane == 0) s[warp] = x;
-  __syncthreads();
+  row_group_barrier();
   return warp_reduce<Op>(lane < nwarps ? s[lane] : Op::kIdentity);
 }
 
@@ -238,9 +246,9 @@ __device__ __forceinline__ void row_group_sum2(float& a, float& b, float* scratc
   if (blockDim.x <= 32) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   float* s = scratch + threadIdx.y * 64;
-  __syncthreads();
+  row_group_barrier();
   if (lane == 0) s[warp] = a, s[32 + warp] = b;
-  __syncthreads();
+  row_group_barrier();
   a = warp_sum(lane < nwarps ? s[lane] : 0.f);
   b = warp_sum(lane < nwarps ? s[32 + lane] : 0.f);
 }

@@ -40,8 +40,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     gelu_kernel(GeluPtrs p, bool pf32, int64_t rows, int64_t n, bool approximate, uint32_t threshold,
                 float keep_scale) {
   extern __shared__ float smem[];
-  Tile<VEC, NV> b, acc[1];
-  load_param<T, VEC, NV>(p.bias, pf32, n, b);
+  Tile<VEC, NV> acc[1];
 #pragma unroll
   for (int v = 0; v < NV; ++v)
 #pragma unroll
@@ -51,8 +50,9 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
        base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const int64_t r = base + threadIdx.y;
     if (r >= rows) continue;  // no barriers inside the loop
-    Tile<VEC, NV> t, d;
+    Tile<VEC, NV> t, d, b;
     load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, true, t);
+    load_param<T, VEC, NV>(p.bias, pf32, n, b);  // per row: L1/L2-resident, saves registers
     if constexpr (kBackward) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, true, d);
     const uint32_t keep = keep_bits<VEC, NV>(seed, threshold, r, n);
 #pragma unroll
@@ -83,7 +83,10 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
   return dispatch_float<DeviceTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const bool aligned = aligned16(p.x) && aligned16(p.bias) && aligned16(p.out) && (!kBackward || aligned16(p.dy));
-    const RowConfig c = choose_rows(rc.cols, sizeof(T), aligned, 16, kBackward ? 512 : 256);
+    // No row reductions here: forward up to 16 elements per thread, backward 8 (16-bit) /
+    // 16 (f32), since the column partials stay live beside x and dy.
+    const RowConfig c =
+        choose_rows(rc.cols, sizeof(T), aligned, kBackward && sizeof(T) < 4 ? 8 : 16, kBackward ? 512 : 256);
     if (!c.ok) return invalid(op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
     ffi::Error status = invalid(op, "no kernel for this row length");

@@ -28,15 +28,19 @@ struct NormPtrs {
   float* workspace;      // [C, K, N] f32 (backward)
 };
 
+// h for row r: x, or for BDRLN residual + dropout(x + bias). Parameters are re-read per
+// row (a few KB, L1/L2-resident) instead of held in registers for the whole kernel, which
+// would cost occupancy at 32 elements per thread.
 template <typename T, int VEC, int NV, bool kResidual>
-__device__ __forceinline__ void load_h(const NormPtrs& p, int64_t r, int64_t n, bool valid, uint32_t threshold,
-                                       float keep_scale, const uint32_t (&seed)[2], const Tile<VEC, NV>& xb,
+__device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, int64_t n, bool valid,
+                                       uint32_t threshold, float keep_scale, const uint32_t (&seed)[2],
                                        Tile<VEC, NV>& h, uint32_t& keep) {
   load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, valid, h);
   keep = 0xffffffffu;
   if constexpr (kResidual) {
-    Tile<VEC, NV> res;
+    Tile<VEC, NV> res, xb;
     load_tile<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, res);
+    load_param<T, VEC, NV>(p.bias, pf32, n, xb);
     keep = keep_bits<VEC, NV>(seed, threshold, r, n);
 #pragma unroll
     for (int v = 0; v < NV; ++v)
@@ -46,18 +50,14 @@ __device__ __forceinline__ void load_h(const NormPtrs& p, int64_t r, int64_t n, 
   }
 }
 
+// Layer norm forward at 32 elements per thread is capped at 64 registers (two 512-thread
+// blocks per SM): 32 rows of 1024 resident per SM, so [4096, 1024] runs in one wave.
 template <typename T, int VEC, int NV, bool kResidual>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV))
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), (!kResidual && VEC * NV == 32) ? 2 : 1)
     norm_fwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, float eps, uint32_t threshold, float keep_scale) {
   __shared__ float scratch[32 * kMaxBlockRows];
-  Tile<VEC, NV> g, b, xb;
-  load_param<T, VEC, NV>(p.scale, pf32, n, g);
-  load_param<T, VEC, NV>(p.ln_bias, pf32, n, b);
   uint32_t seed[2] = {0u, 0u};
-  if constexpr (kResidual) {
-    load_param<T, VEC, NV>(p.bias, pf32, n, xb);
-    seed[0] = p.seed[0], seed[1] = p.seed[1];
-  }
+  if constexpr (kResidual) seed[0] = p.seed[0], seed[1] = p.seed[1];
   const float inv_n = 1.f / static_cast<float>(n);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
        base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     const bool valid = r < rows;
     Tile<VEC, NV> h;
     uint32_t keep;
-    load_h<T, VEC, NV, kResidual>(p, r, n, valid, threshold, keep_scale, seed, xb, h, keep);
+    load_h<T, VEC, NV, kResidual>(p, pf32, r, n, valid, threshold, keep_scale, seed, h, keep);
     float s = 0.f;
 #pragma unroll
     for (int v = 0; v < NV; ++v)
@@ -83,11 +83,25 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
       }
     }
     const float rstd = rsqrtf(row_group_sum(q, scratch) * inv_n + eps);
+    // One vector at a time: its scale and bias are loaded just before use (the store to y
+    // in between keeps the compiler from hoisting all of them), so only one vector of
+    // parameters is live beside h.
 #pragma unroll
-    for (int v = 0; v < NV; ++v)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t c = tile_col(v, VEC);
+      if (!valid || c >= n) continue;
+      float g[VEC], b[VEC], out[VEC];
+      if (pf32) {
+        load_elems<float, VEC>(static_cast<const float*>(p.scale) + c, g);
+        load_elems<float, VEC>(static_cast<const float*>(p.ln_bias) + c, b);
+      } else {
+        load_elems<T, VEC>(static_cast<const T*>(p.scale) + c, g);
+        load_elems<T, VEC>(static_cast<const T*>(p.ln_bias) + c, b);
+      }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) h.v[v][e] = (h.v[v][e] - mean) * rstd * g.v[v][e] + b.v[v][e];
-    store_tile<T, VEC, NV>(static_cast<T*>(p.y) + r * n, n, valid, h);
+      for (int e = 0; e < VEC; ++e) out[e] = (h.v[v][e] - mean) * rstd * g[e] + b[e];
+      store_elems<T, VEC>(static_cast<T*>(p.y) + r * n + c, out);
+    }
     if (valid && threadIdx.x == 0) p.mean[r] = mean, p.rstd[r] = rstd;
   }
 }
@@ -99,13 +113,8 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   constexpr int K = kResidual ? 3 : 2;
   extern __shared__ float smem[];
   __shared__ float scratch[64 * kMaxBlockRows];
-  Tile<VEC, NV> g, xb;
-  load_param<T, VEC, NV>(p.scale, pf32, n, g);
   uint32_t seed[2] = {0u, 0u};
-  if constexpr (kResidual) {
-    load_param<T, VEC, NV>(p.bias, pf32, n, xb);
-    seed[0] = p.seed[0], seed[1] = p.seed[1];
-  }
+  if constexpr (kResidual) seed[0] = p.seed[0], seed[1] = p.seed[1];
   Tile<VEC, NV> acc[K];
 #pragma unroll
   for (int k = 0; k < K; ++k)
@@ -118,10 +127,11 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
        base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const int64_t r = base + threadIdx.y;
     const bool valid = r < rows;
-    Tile<VEC, NV> h, d;
+    Tile<VEC, NV> h, d, g;
     uint32_t keep;
-    load_h<T, VEC, NV, kResidual>(p, r, n, valid, threshold, keep_scale, seed, xb, h, keep);
+    load_h<T, VEC, NV, kResidual>(p, pf32, r, n, valid, threshold, keep_scale, seed, h, keep);
     load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, d);
+    load_param<T, VEC, NV>(p.scale, pf32, n, g);
     const float mean = valid ? p.mean[r] : 0.f, rstd = valid ? p.rstd[r] : 0.f;
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
@@ -187,7 +197,12 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
   return dispatch_float<DeviceTypes>(a.t, a.op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const bool aligned = all_aligned({p.dy, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual});
-    const RowConfig c = choose_rows(a.cols, sizeof(T), aligned, 16, kBackward ? 512 : 256);
+    // Forward: up to 32 elements per thread (a 16-bit row of 1024 is one warp, 4 vectors per
+    // thread). Backward: 8 (16-bit) / 16 (f32) as before; four or five [NV][VEC] f32 tiles
+    // (column partials, xhat, dy) stay live, and at 16 16-bit elements ptxas needed 120-128
+    // registers (no more rows in flight per SM than at 8 elements and 64).
+    const RowConfig c =
+        choose_rows(a.cols, sizeof(T), aligned, kBackward ? (sizeof(T) == 4 ? 16 : 8) : 32, kBackward ? 512 : 256);
     if (!c.ok) return invalid(a.op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
     ffi::Error status = invalid(a.op, "no kernel for this row length");

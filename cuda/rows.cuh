@@ -25,34 +25,46 @@ struct RowConfig {
   bool ok = false;
 };
 
-// Vectors per thread the kernels are compiled for: fast path {1, 4} with up to 512 threads
-// per row (16-bit N <= 16384, f32 N <= 8192); general path {4, 16} with up to 1024
+// Vectors per thread the kernels are compiled for: fast path {1, 2, 4} with up to 512
+// threads per row (16-bit N <= 16384, f32 N <= 8192); general path {4, 16} with up to 1024
 // (N <= 16384).
 constexpr int kMaxBlockRows = 16;  // rows per block at most (512 threads / 32)
 JAXSUB_HD constexpr int max_threads_for(int vec, int nv) { return vec == 1 && nv == 16 ? 1024 : 512; }
 
 // Fast path when N is a multiple of the 16-byte vector and every pointer is 16-byte
-// aligned; otherwise scalar accesses. Prefers the most elements per thread (fewest threads
-// per row, so row reductions stay in one warp when they can) within `max_elems` elements
-// per thread (registers), relaxing that bound only when the row needs it.
+// aligned; otherwise scalar accesses.
+//
+// Fast path: one warp per row whenever the row fits in 32 threads with at most
+// `max_elems` elements each (the fewest vectors that cover it: shuffle-only reductions,
+// no barriers); a longer row takes the most vectors per thread within `max_elems` (fewest
+// warps per row), relaxing to 4 vectors only when the row needs it. General path: the most
+// elements per thread within `max_elems`, relaxed likewise.
 inline RowConfig choose_rows(int64_t n, int itemsize, bool aligned, int max_elems, int block_threads) {
   RowConfig c;
   const int vmax = 16 / itemsize;
   c.vec = (aligned && n % vmax == 0 && n / vmax <= 4 * 512) ? vmax : 1;
   const int64_t nvec = (n + c.vec - 1) / c.vec;
-  const int options[2] = {c.vec > 1 ? 4 : 16, c.vec > 1 ? 1 : 4};
-  for (int pass = 0; pass < 2 && !c.ok; ++pass) {
-    for (int nv : options) {
-      const int64_t tx = ((nvec + nv - 1) / nv + 31) / 32 * 32;
-      if (tx <= max_threads_for(c.vec, nv) && (pass == 1 || nv * c.vec <= max_elems)) {
-        c.nv = nv, c.tx = static_cast<int>(tx), c.ok = true;
-        break;
-      }
-    }
+  auto threads = [&](int nv) { return ((nvec + nv - 1) / nv + 31) / 32 * 32; };
+  auto pick = [&](int nv) {
+    c.nv = nv, c.tx = static_cast<int>(threads(nv)), c.ok = true;
+  };
+  if (c.vec > 1) {
+    for (int nv : {1, 2, 4})
+      if (!c.ok && threads(nv) == 32 && nv * c.vec <= max_elems) pick(nv);
+    for (int nv : {4, 2, 1})
+      if (!c.ok && nv * c.vec <= max_elems && threads(nv) <= max_threads_for(c.vec, nv)) pick(nv);
+    if (!c.ok && threads(4) <= max_threads_for(c.vec, 4)) pick(4);
+  } else {
+    for (int pass = 0; pass < 2 && !c.ok; ++pass)
+      for (int nv : {16, 4})
+        if (!c.ok && threads(nv) <= max_threads_for(c.vec, nv) && (pass == 1 || nv * c.vec <= max_elems)) pick(nv);
   }
   // Rows per block, with the backward's partial-sum buffer (tx * ty * nv * vec floats)
-  // kept within 32 KB so no kernel needs the shared-memory opt-in.
+  // kept within 32 KB so no kernel needs the shared-memory opt-in. Row groups of more
+  // than one warp synchronize on named barrier 1 + threadIdx.y, so then ty <= 15 (it is
+  // at most 512 / 64 = 8 anyway).
   c.ty = std::max(1, std::min({kMaxBlockRows, block_threads / c.tx, 8192 / (c.tx * c.nv * c.vec)}));
+  if (c.tx > 32) c.ty = std::min(c.ty, 15);
   return c;
 }
 
@@ -280,6 +292,7 @@ using IntC = std::integral_constant<int, V>;
 template <int VMAX, typename F>
 inline bool dispatch_tile(const RowConfig& c, F&& f) {
   if (c.vec == VMAX && c.nv == 1) return f(IntC<VMAX>{}, IntC<1>{}), true;
+  if (c.vec == VMAX && c.nv == 2) return f(IntC<VMAX>{}, IntC<2>{}), true;
   if (c.vec == VMAX && c.nv == 4) return f(IntC<VMAX>{}, IntC<4>{}), true;
   if (c.vec == 1 && c.nv == 4) return f(IntC<1>{}, IntC<4>{}), true;
   if (c.vec == 1 && c.nv == 16) return f(IntC<1>{}, IntC<16>{}), true;

@@ -23,16 +23,39 @@ struct SoftmaxArgs {
   int64_t bm, hm, sqm, skm;
   float scale;
   bool causal;
+  bool idx32;  // every row index (and B*H) fits in 32 bits: cheaper (b, h, i) division
   int mask_kind;
   uint32_t threshold;
   float keep_scale;
 };
 
 // The scaled, masked score of the thread's elements in row r (-inf where masked).
+// Without mask and causality only the row end masks (no index arithmetic per element);
+// otherwise the row's (b, h, i) are computed once per row, in 32 bits when the row count
+// allows (`idx32`).
 template <typename T, int VEC, int NV>
 __device__ __forceinline__ void masked_scores(const SoftmaxArgs& a, int64_t r, bool valid, Tile<VEC, NV>& s) {
   load_tile<T, VEC, NV>(static_cast<const T*>(a.scores) + r * a.sk, a.sk, valid, s);
-  const int64_t i = r % a.sq, bh = r / a.sq, hh = bh % a.h, bb = bh / a.h;
+  if (!a.causal && a.mask_kind == kMaskNone) {
+    // A vector lies wholly inside or outside the row: on the fast path Sk is a multiple of
+    // VEC and columns start at multiples of VEC; on the general path VEC is 1.
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      const bool in = valid && tile_col(v, VEC) < a.sk;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) s.v[v][e] = in ? s.v[v][e] * a.scale : -INFINITY;
+    }
+    return;
+  }
+  int64_t i, hh, bb;
+  if (a.idx32) {
+    const uint32_t ru = static_cast<uint32_t>(r), sq = static_cast<uint32_t>(a.sq), h = static_cast<uint32_t>(a.h);
+    const uint32_t bh = ru / sq;
+    i = ru - bh * sq, hh = bh % h, bb = bh / h;
+  } else {
+    const int64_t bh = r / a.sq;
+    i = r % a.sq, hh = bh % a.h, bb = bh / a.h;
+  }
   const int64_t mask_row =
       (((a.bm == 1 ? 0 : bb) * a.hm + (a.hm == 1 ? 0 : hh)) * a.sqm + (a.sqm == 1 ? 0 : i)) * a.skm;
   const int64_t last = a.causal ? i + a.sk - a.sq : a.sk - 1;
@@ -142,10 +165,14 @@ template <bool kBackward>
 ffi::Error launch_softmax(cudaStream_t stream, const char* op, ffi::DataType t, const SoftmaxArgs& a) {
   const int64_t rows = a.b * a.h * a.sq;
   if (rows == 0 || a.sk == 0) return ffi::Error::Success();
+  SoftmaxArgs args = a;
+  args.idx32 = rows + 2 * kMaxBlockRows < (int64_t{1} << 31);  // covers the r >= rows of a last partial block
   return dispatch_float<DeviceTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const bool aligned = aligned16(a.scores) && aligned16(a.out) && (!kBackward || aligned16(a.dy));
-    const RowConfig c = choose_rows(a.sk, sizeof(T), aligned, 16, 256);
+    // Up to 32 elements per thread: a 16-bit row of 512 is one warp with 2 vectors per
+    // thread, of 1024 one warp with 4 (shuffle-only reductions).
+    const RowConfig c = choose_rows(a.sk, sizeof(T), aligned, 32, 256);
     if (!c.ok) return invalid(op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
     const int blocks = row_blocks(rows, c);
@@ -153,10 +180,10 @@ ffi::Error launch_softmax(cudaStream_t stream, const char* op, ffi::DataType t, 
     dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       if constexpr (kBackward) {
-        softmax_bwd_kernel<T, VEC, NV><<<blocks, block, 0, stream>>>(a, rows);
+        softmax_bwd_kernel<T, VEC, NV><<<blocks, block, 0, stream>>>(args, rows);
         status = launch_check(op, "softmax_bwd_kernel", c, blocks, 0);
       } else {
-        softmax_fwd_kernel<T, VEC, NV><<<blocks, block, 0, stream>>>(a, rows);
+        softmax_fwd_kernel<T, VEC, NV><<<blocks, block, 0, stream>>>(args, rows);
         status = launch_check(op, "softmax_fwd_kernel", c, blocks, 0);
       }
     });
