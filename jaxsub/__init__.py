@@ -1,10 +1,10 @@
 """jaxsub: fused, data-movement-minimizing transformer kernels for JAX."""
 
-from jaxsub import ops
+from jaxsub import layout, ops
 from jaxsub._ffi import cuda_available
 from jaxsub.rewrite import explain, optimize
 
-__all__ = ["ops", "cuda_available", "optimize", "explain", "flax"]
+__all__ = ["ops", "cuda_available", "optimize", "explain", "layout", "flax"]
 __version__ = "0.1.0"
 
 
