@@ -89,11 +89,13 @@ def test_round_trip_and_incremental_tuning(tmp_path):
 def test_budget_times_defaults_first_and_marks_incomplete():
     problem = _problem()
     tables = tuning.tune(problem, budget_s=0.0, measure_fn=_fake_measure, progress=False)
-    # Only the first item (stage 0's default) fits a zero budget; the rest is left out.
-    assert not tables.complete and sum(len(t) for t in tables.stages) == 1
-    defaults_only = tuning.tune(problem, measure_fn=_fake_measure, progress=False,
-                              budget_s=None, known=tuning.Tables([{} for _ in problem.stages], {}))
-    assert defaults_only.complete
+    # A zero budget still times every default (a complete default path), nothing else.
+    assert not tables.complete and not tables.transposes
+    assert [list(t) for t in tables.stages] == [[st.candidates[0].key] for st in problem.stages]
+    sel = tuning.solve(problem, tables, "timed")
+    assert [c.candidate for c in sel.choices] == problem.default()
+    assert tables.missing(problem) == sum(len(st.candidates) - 1 for st in problem.stages) + len(
+        tuning.needed_transposes(problem))
 
 
 def test_corrupt_and_foreign_files_are_ignored_with_a_warning(monkeypatch):

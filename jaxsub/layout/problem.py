@@ -185,13 +185,16 @@ class Selection:
 
     def describe(self) -> str:
         """One line per stage: name, candidate, time; then the total."""
-        rows = []
+        def us(t):
+            return "" if t is None else f"{t * 1e6:10.4g} us"
+
+        rows, prev = [], None
         for c in self.choices:
-            t = "" if c.seconds is None else f"{c.seconds * 1e6:10.1f} us"
-            if c.transpose_s:
-                rows.append(f"  {'(transpose)':<18} {'':<44} {c.transpose_s * 1e6:10.1f} us")
-            rows.append(f"  {c.stage:<18} {str(c.candidate):<44} {t}")
-        total = "" if self.cost_s is None else f"{self.cost_s * 1e6:.1f} us"
+            if prev is not None and prev != c.candidate.in_layout:
+                rows.append(f"  {'(transpose)':<18} {prev + ' -> ' + c.candidate.in_layout:<44} {us(c.transpose_s)}")
+            rows.append(f"  {c.stage:<18} {str(c.candidate):<44} {us(c.seconds)}")
+            prev = c.candidate.out_layout
+        total = "" if self.cost_s is None else f"{self.cost_s * 1e6:.4g} us"
         return "\n".join([f"{self.kind} selection ({self.source}):", *rows, f"  total {total}"])
 
     def to_json(self) -> dict:

@@ -44,6 +44,7 @@ class Auto:
       tests and demos) instead of falling back to the heuristic.
     progress: None (a bar when stderr is a terminal), True, False or a callable
       (done, total, what).
+    refresh: time every candidate again even when the cache has them.
     """
 
     budget_s: float | None = DEFAULT_BUDGET_S
@@ -52,6 +53,7 @@ class Auto:
     use_cache: bool = True
     measure_without_gpu: bool = False
     progress: object = None
+    refresh: bool = False
 
 
 _MEMO: dict = {}
@@ -99,31 +101,36 @@ def heuristic_selection(problem: Problem) -> Selection:
     return _MEMO[key]
 
 
-def timed_selection(problem: Problem, options: Auto) -> Selection:
-    """Cached or freshly timed selection (the "auto" path with a device to time on)."""
-    device = cache.device_key()
-    mkey = _memo_key("auto", problem, (device, options.cache_dir, options.use_cache))
-    if mkey in _MEMO:
-        return _MEMO[mkey]
-    key = cache.make_key(problem.key(), device)
+def timed_tables(problem: Problem, options: Auto):
+    """(tables, source, cache file or None): the cached tables when they cover every
+    candidate ("cache"), else tables timed now ("timed"), stored when the cache is on.
+    Measurements already on disk are reused; `options.refresh` times everything again."""
+    key = cache.make_key(problem.key())
     known = None
-    if options.use_cache:
+    if options.use_cache and not options.refresh:
         entry = cache.load(key, options.cache_dir)
         if entry is not None:
             known = tuning.Tables.from_json(problem, entry["tables"])
             if known.missing(problem) == 0:
-                sel = tuning.solve(problem, known, "cache")
-                _MEMO[mkey] = sel
-                return sel
+                return known, "cache", cache.entry_path(key, options.cache_dir)
     log.info("jaxsub.layout: timing %s candidates for %s", problem.kind, json.dumps(problem.key()))
     tables = tuning.tune(problem, repeats=options.repeats, budget_s=options.budget_s, progress=options.progress,
-                       known=known)
-    sel = tuning.solve(problem, tables, "timed")
+                         known=known)
+    path = None
     if options.use_cache:
+        sel = tuning.solve(problem, tables, "timed")
         path = cache.store(key, tables.to_json(problem), sel.to_json(), options.cache_dir)
         log.info("jaxsub.layout: stored %s", path)
-    _MEMO[mkey] = sel
-    return sel
+    return tables, "timed", path
+
+
+def timed_selection(problem: Problem, options: Auto) -> Selection:
+    """The "auto" path with a device to time on: cached or freshly timed."""
+    mkey = _memo_key("auto", problem, (cache.device_key(), options.cache_dir, options.use_cache))
+    if mkey not in _MEMO or options.refresh:
+        tables, source, _ = timed_tables(problem, options)
+        _MEMO[mkey] = tuning.solve(problem, tables, source)
+    return _MEMO[mkey]
 
 
 def resolve(layouts, problem: Problem, where: str = "jaxsub.layout") -> Selection:

@@ -183,9 +183,9 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
          known: Tables | None = None, seed: int = 0, measure_fn=None) -> Tables:
     """Time every candidate of every stage and every needed transpose, forward and
     backward. Entries in `known` are reused, not timed again. Order: each stage's default
-    candidate first (so a complete default path exists whatever the budget), then the
-    other candidates stage by stage, then the transposes. When `budget_s` is exceeded
-    the rest is skipped and the tables are marked incomplete. A candidate that fails to
+    candidate first, always timed (so a complete default path exists whatever the
+    budget), then the other candidates stage by stage, then the transposes. Once
+    `budget_s` is exceeded the rest is skipped and the tables are marked incomplete. A candidate that fails to
     run gets None (not selectable) and its error is kept. `progress`: None (a bar on an
     interactive stderr), True, False, or a callable (done, total, what). `measure_fn`
     replaces `measure` (same signature)."""
@@ -194,24 +194,24 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
     stages = [dict() for _ in problem.stages]
     transposes = dict(known.transposes) if known else {}
     errors = dict(known.errors) if known else {}
-    todo = []
+    todo = []          # (kind, ..., required): the defaults are timed whatever the budget
     for rank in (0, 1):
         for i, st in enumerate(problem.stages):
             for c in (st.candidates[:1] if rank == 0 else st.candidates[1:]):
                 if known is not None and c.key in known.stages[i]:
                     stages[i][c.key] = known.stages[i][c.key]
                 else:
-                    todo.append(("stage", i, c))
-    todo += [("transpose", a, b) for a, b in needed_transposes(problem) if (a, b) not in transposes]
+                    todo.append(("stage", i, c, rank == 0))
+    todo += [("transpose", a, b, False) for a, b in needed_transposes(problem) if (a, b) not in transposes]
     bar = _Progress(problem.kind, len(todo), progress)
     complete = True
     try:
-        for n, item in enumerate(todo):
-            if budget_s is not None and time.perf_counter() - start > budget_s and n > 0:
+        for item in todo:
+            if not item[3] and budget_s is not None and time.perf_counter() - start > budget_s:
                 complete = False
                 break
             if item[0] == "stage":
-                _, i, c = item
+                _, i, c, _ = item
                 what = f"{problem.stages[i].name} {c}"
                 try:
                     stages[i][c.key] = measure_fn(problem.stage_workload(i, c), repeats=repeats, seed=seed)
@@ -219,7 +219,7 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
                     stages[i][c.key] = None
                     errors[(i, c.key)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             else:
-                _, a, b = item
+                _, a, b, _ = item
                 what = f"transpose {a} -> {b}"
                 transposes[(a, b)] = measure_fn(problem.transpose_workload(a, b), repeats=repeats, seed=seed)
             bar.step(what)
