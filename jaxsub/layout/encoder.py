@@ -344,6 +344,22 @@ class EncoderProblem(Problem):
 
         return Workload(fn, make)
 
+    def layer_workload(self, selection: Selection) -> Workload:
+        """The whole layer under `selection` (forward + backward: x and every parameter),
+        to measure a configuration end to end."""
+        det = not self.spec.training
+
+        def fn(diff, aux):
+            params, x = diff
+            keys, mask = aux
+            return self.apply(selection, params, x, mask=mask, keys=keys, deterministic=det)
+
+        def make(seed):
+            rng = np.random.default_rng(seed)
+            return (self.random_params(rng), self.label_value(IN_LABEL, rng)["x"]), self.random_ext(rng)
+
+        return Workload(fn, make)
+
     def transpose_workload(self, src: str, dst: str) -> Workload:
         """Transposing one array laid out as `src` (axis letters) to `dst`."""
         def make(seed):

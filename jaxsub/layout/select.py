@@ -139,7 +139,8 @@ def resolve(layouts, problem: Problem, where: str = "jaxsub.layout") -> Selectio
     if isinstance(layouts, Selection):
         check = getattr(problem, "check", None)
         return check(layouts) if check is not None else layouts
-    if layouts == "none":
+    if layouts == "none" or all(len(st.candidates) == 1 for st in problem.stages):
+        # Nothing to choose (e.g. attention where the fused kernel does not run): no timing.
         return default_selection(problem)
     if layouts == "heuristic":
         return heuristic_selection(problem)
