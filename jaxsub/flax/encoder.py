@@ -315,6 +315,8 @@ class Encoder(nn.Module):
         stacked on a leading axis of size num_layers, under params["layers"]["layer"].
         Without scan, layer i's parameters are params[f"layers_{i}"]["layer"].
       remat: rematerialize each layer's activations in the backward pass (nn.remat).
+      layouts: as EncoderLayer's; every layer has the same shapes, so one selection
+        (one tuning) serves the whole stack.
 
     With pre_layer_norm, a final layer norm ("final_norm": scale, bias) follows the
     stack, as in GPT-style models whose layers leave their output unnormalized.
