@@ -2,12 +2,13 @@
 
 Timing method (as bench/timing.py, DESIGN.md "Benchmarks"): a candidate's forward and
 backward (`jax.vjp` with a random cotangent; gradients of every differentiated input) run
-inside one jitted `fori_loop` over `sets` distinct input sets, each iteration's results
-pinned by `optimization_barrier` so nothing is skipped. Two loops, of n1 and n2
-iterations (static trip counts: no per-iteration host sync), are timed from the host to
-completion after warm-up, median of `repeats` interleaved calls; the per-application time
-is the slope (t(n2) - t(n1)) / (n2 - n1), so launch and dispatch overhead cancel. Enough
-input sets are drawn that they do not all fit in a GPU's L2 cache.
+inside one jitted `fori_loop` over several distinct input sets, each iteration's results
+(output and every gradient, in full) carried to the next and the last returned, so
+nothing is skipped. Two loops, of n1 and n2
+iterations (static trip counts on a GPU: no per-iteration host sync), are timed from the
+host to completion after warm-up, median of `repeats` interleaved calls; the
+per-application time is the slope (t(n2) - t(n1)) / (n2 - n1), so launch and dispatch
+overhead cancel. Enough input sets are drawn that they do not all fit in a GPU's L2 cache.
 
 All of it runs under `jax.ensure_compile_time_eval()`, so tuning started while the
 caller is being traced (the first call of an optimized function under jit) executes
@@ -23,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxsub.layout.problem import Candidate, Choice, Problem, Selection, atomic_transposes
 from jaxsub.layout.solver import shortest_configuration
@@ -95,31 +97,54 @@ def _nbytes(tree) -> int:
                and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
 
 
-def _loop(workload, k: int, n: int | None):
+def _row_major(x):
+    """x, constrained to the row-major layout: a loop carry is otherwise free to take the
+    layout a transpose produces, which turns the transpose into a plain copy."""
+    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
+
+
+def _loop(workload, k: int, n: int | None, result):
     """jit of run(diffs, auxs, cots[, n]): n applications of the workload's forward and
-    backward, cycling through k stacked input sets. A static n gives XLA a known trip
-    count (on a GPU a dynamic one costs a device-to-host copy of the loop predicate per
-    iteration); n=None takes it as an argument, one compilation for both loop lengths."""
+    backward, cycling through k stacked input sets. Each application's results (output
+    and gradients, shapes `result`) become the loop carry and the last ones are returned:
+    every application computes them in full (a loop that kept only an element of each
+    would let XLA compute just that element) and in the row-major layout the next
+    operator reads (unconstrained, XLA may skip a transpose by changing a layout). A static n gives
+    XLA a known trip count (on a GPU a dynamic one costs a device-to-host copy of the loop
+    predicate per iteration); n=None takes it as an argument: one compilation for both
+    loop lengths."""
     def step(diff, aux, cot):
         out, vjp = jax.vjp(lambda d: workload.fn(d, aux), diff)
         return out, vjp(cot)
 
     def run(diffs, auxs, cots, count=n):
-        def body(i, acc):
+        def body(i, carry):
             j = i % k
             pick = lambda t: jax.tree.map(lambda a: a[j], t)  # noqa: E731
-            res = jax.lax.optimization_barrier(step(pick(diffs), pick(auxs), pick(cots)))
-            return acc + sum(jnp.ravel(r)[0].astype(jnp.float32) for r in jax.tree.leaves(res))
+            return jax.tree.map(_row_major, step(pick(diffs), pick(auxs), pick(cots)))
 
-        return jax.lax.fori_loop(0, count, body, jnp.float32(0))
+        init = jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), result)
+        return jax.lax.fori_loop(0, count, body, init)
 
     if n is None:
         return jax.jit(run)
     return jax.jit(lambda diffs, auxs, cots: run(diffs, auxs, cots))
 
 
-def measure(workload, *, repeats: int = 5, n1: int = 2, n2: int = 10, seed: int = 0, max_sets: int = 16) -> float:
-    """Seconds of one forward + backward application of `workload` (slope method)."""
+def _median_time(fn, args, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure(workload, *, repeats: int = 5, n1: int = 2, target_s: float = 0.01, max_n: int = 1000, seed: int = 0,
+            max_sets: int = 16) -> float:
+    """Seconds of one forward + backward application of `workload` (slope method). The
+    longer loop has n2 >= 10 iterations, more for small work, so that t(n2) - t(n1) is
+    about `target_s` (capped at `max_n`): a 5 µs transpose is not lost in launch noise."""
     with jax.ensure_compile_time_eval():
         first = workload.make(seed)
         per_set = max(_nbytes(first), 1)
@@ -134,20 +159,27 @@ def measure(workload, *, repeats: int = 5, n1: int = 2, n2: int = 10, seed: int 
             cots.append(jax.tree.unflatten(tree, [jax.random.normal(kk, o.shape, jnp.float32).astype(o.dtype)
                                                   for kk, o in zip(keys, leaves)]))
         args = (_stack([m[0] for m in made]), _stack([m[1] for m in made]), _stack(cots))
-        if jax.default_backend() == "gpu":
-            calls = [(_loop(workload, k, n1), args), (_loop(workload, k, n2), args)]
-        else:
-            run = _loop(workload, k, None)
-            calls = [(run, (*args, n1)), (run, (*args, n2))]
-        for fn, a in calls:
-            for _ in range(2):
-                jax.block_until_ready(fn(*a))
+        result = jax.eval_shape(lambda d, a, c: (out, jax.vjp(lambda x: workload.fn(x, a), d)[1](c)),
+                                first[0], first[1], cots[0])
+        static = jax.default_backend() == "gpu"
+        dynamic = None if static else _loop(workload, k, None, result)
+
+        def loop(n):
+            return (_loop(workload, k, n, result), args) if static else (dynamic, (*args, n))
+
+        calls = [loop(n1)]
+        for _ in range(2):
+            jax.block_until_ready(calls[0][0](*calls[0][1]))
+        # t(n1) / n1 overestimates the work (it includes the launch), so n2 errs short.
+        estimate = max(_median_time(*calls[0], 3) / n1, 1e-7)
+        n2 = int(min(max_n, max(10, n1 + target_s / estimate)))
+        calls.append(loop(n2))
+        for _ in range(2):
+            jax.block_until_ready(calls[1][0](*calls[1][1]))
         samples = [[], []]
         for _ in range(repeats):
             for s, (fn, a) in zip(samples, calls):
-                start = time.perf_counter()
-                jax.block_until_ready(fn(*a))
-                s.append(time.perf_counter() - start)
+                s.append(_median_time(fn, a, 1))
         t1, t2 = (statistics.median(s) for s in samples)
     slope = (t2 - t1) / (n2 - n1)
     # Noise larger than the work (tiny CPU problems): t(n2)/n2, an upper bound.
