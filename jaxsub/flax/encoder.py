@@ -159,8 +159,11 @@ class EncoderLayer(_LayerFields):
 
     def selection(self, x, mask=None):
         """The layout Selection this layer uses for input x [B, S, E] (and mask)."""
+        return self._resolve(x, mask)[1]
+
+    def _resolve(self, x, mask):
         problem = layout.EncoderProblem(self._spec(x, mask))
-        return layout.resolve(self.layouts, problem, "jaxsub.flax.EncoderLayer")
+        return problem, layout.resolve(self.layouts, problem, "jaxsub.flax.EncoderLayer")
 
     def _spec(self, x, mask):
         b, s, e = x.shape
@@ -181,10 +184,8 @@ class EncoderLayer(_LayerFields):
         x = jnp.asarray(x, self.dtype)
         if x.ndim != 3:
             raise ValueError(f"jaxsub.flax.EncoderLayer: `x` must be [B, S, E], got shape {x.shape}")
-        spec = self._spec(x, mask)
-        problem = layout.EncoderProblem(spec)
-        selection = layout.resolve(self.layouts, problem, "jaxsub.flax.EncoderLayer")
-        e, h = spec.hidden, spec.heads
+        problem, selection = self._resolve(x, mask)
+        e, h = problem.spec.hidden, problem.spec.heads
         d = e // h
         params = {}
         params["qkv_kernel"], params["qkv_bias"] = self._affine("qkv", e, (e, 3, h, d), (3, h, d))
