@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 JAXSUB_CUDA ?= AUTO
 export JAXSUB_CUDA
 
-.PHONY: setup dev test test-gpu bench bench-ops clean
+.PHONY: setup dev test test-gpu bench bench-ops bench-layout clean
 
 # Build dependencies first, then the package without build isolation, so the FFI headers
 # come from the jaxlib that will load the extension.
@@ -33,6 +33,10 @@ bench: setup
 
 bench-ops: setup
 	$(PYTHON) -m bench.ops
+
+# Layout selection on the GPU: selected vs default vs exhaustive search (issue 6).
+bench-layout: setup
+	$(PYTHON) -m bench.layout
 
 clean:
 	rm -rf build dist *.egg-info jaxsub/_C*.so

@@ -397,8 +397,10 @@ def test_decorator_options_and_layouts():
         return ln_no_params(x)
 
     assert _counts(f, _normal(0, (2, N)))["jaxsub_layer_norm_fwd"] == 1
-    with pytest.raises(NotImplementedError, match="layout"):
-        jaxsub.optimize(ln_no_params, layouts="auto")
+    with pytest.raises(ValueError, match="layouts='fastest'"):
+        jaxsub.optimize(ln_no_params, layouts="fastest")
+    with pytest.raises(TypeError, match="layouts must be"):
+        jaxsub.optimize(ln_no_params, layouts=3)
 
 
 def test_explain_report_lists_matches_with_source():

@@ -2,8 +2,10 @@
 
 Each source (hand-written jnp in both layouts, jax.nn.dot_product_attention, flax linen
 and nnx attention) is optimized and compared with the original: outputs and gradients
-within the jaxsub.testing tolerance, the number of `jaxsub_softmax_dropout_fwd` targets
-(the unfused attention path) in the lowered HLO, and explain()'s report. With dropout,
+within the jaxsub.testing tolerance, the number of attention/softmax forward targets
+in the lowered HLO (`jaxsub_softmax_dropout_fwd` for the unfused path and lone softmaxes,
+`jaxsub_attention_fwd` for the fused path: which one runs is the `layouts=` selection's
+choice), and explain()'s report. With dropout,
 the result is compared with jaxsub.ops.attention for the key the user's code used.
 """
 
@@ -22,7 +24,7 @@ from test_optimize import _assert_same as assert_same
 B, S, H, D = 2, 8, 4, 16
 E = H * D
 RATE = 0.25
-TARGET = "jaxsub_softmax_dropout_fwd"
+TARGETS = ("jaxsub_softmax_dropout_fwd", "jaxsub_attention_fwd")
 
 
 def _normal(i, shape, dtype=jnp.float32):
@@ -42,11 +44,13 @@ def _padding(seed=7):
 
 
 def _count(f, *args):
-    return jax.jit(f).lower(*args).as_text().count(f"@{TARGET}(")
+    text = jax.jit(f).lower(*args).as_text()
+    return sum(text.count(f"@{t}(") for t in TARGETS)
 
 
 def _check(f, args, totals, argnums=(0, 1, 2)):
-    """optimize(f) == f in value and gradients; one fused softmax per match; explain."""
+    """optimize(f) == f in value and gradients; one fused attention or softmax per match;
+    explain."""
     assert_same(f, args, argnums=argnums)
     opt = jaxsub.optimize(f)
     assert _count(opt, *args) == sum(totals.values())

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxsub import ops
+from jaxsub import layout, ops
 
 Initializer = Callable[..., Any]
 
@@ -129,12 +129,20 @@ class EncoderLayer(_LayerFields):
     mask from `ops.dropout_mask`. Both: the feed-forward input bias, GELU and dropout are
     one `ops.bias_gelu_dropout`.
 
+    layouts: how the layer's operators are laid out and configured (issue #6):
+      "auto" (default: timed on the GPU at the first call for new shapes, cached on disk;
+      the byte-count heuristic without a GPU), "heuristic", "none" (the layouts above,
+      unfused attention), `jaxsub.layout.Auto(...)` or a `jaxsub.layout.Selection`. Every
+      choice computes the same function (same dropout masks); only speed differs. The
+      choice never changes the parameter tree. See `jaxsub.layout.encoder`.
+
     `__call__(x, mask=None, deterministic=True)`: x [B, S, E]; mask as in
     `ops.attention` (boolean key padding [B, S], or boolean / additive broadcastable to
     [B, H, S, S]). With deterministic=False, dropout keys come from the 'dropout' rng.
     A query that sees no key gets a zero attention output (plain Flax averages V).
     """
 
+    layouts: Any = "auto"
 
     def _affine(self, name, fan_in, kernel_shape, bias_shape):
         kernel, bias = _Affine(fan_in, kernel_shape, bias_shape, self.kernel_init, self.bias_init,
@@ -149,58 +157,49 @@ class EncoderLayer(_LayerFields):
         """A fresh dropout key, or None when this dropout is off (no rng is consumed)."""
         return None if deterministic or rate == 0.0 else self.make_rng("dropout")
 
-    def _residual(self, x, y, bias, deterministic):
-        """x + dropout(y + bias), the pre-LN residual."""
-        y = y + bias
-        key = self._key(self.dropout_rate, deterministic)
-        if key is not None:
-            keep = ops.dropout_mask(key, y.shape, self.dropout_rate)
-            y = jnp.where(keep, y / jnp.asarray(1.0 - self.dropout_rate, y.dtype), jnp.zeros((), y.dtype))
-        return x + y
+    def selection(self, x, mask=None):
+        """The layout Selection this layer uses for input x [B, S, E] (and mask)."""
+        return self._resolve(x, mask)[1]
+
+    def _resolve(self, x, mask):
+        problem = layout.EncoderProblem(self._spec(x, mask))
+        return problem, layout.resolve(self.layouts, problem, "jaxsub.flax.EncoderLayer")
+
+    def _spec(self, x, mask):
+        b, s, e = x.shape
+        if e % self.num_heads:
+            raise ValueError(f"jaxsub.flax.EncoderLayer: hidden size {e} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        mask_shape = mask_dtype = None
+        if mask is not None:
+            mask_shape, mask_dtype = tuple(jnp.shape(mask)), jnp.result_type(mask).name
+        return layout.LayerSpec(
+            batch=b, seq=s, hidden=e, heads=self.num_heads, mlp_dim=self.mlp_dim, dtype=jnp.dtype(self.dtype).name,
+            dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+            pre_layer_norm=self.pre_layer_norm, causal=self.causal, epsilon=self.epsilon,
+            approximate_gelu=self.approximate_gelu, mask_shape=mask_shape, mask_dtype=mask_dtype)
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True):
         x = jnp.asarray(x, self.dtype)
         if x.ndim != 3:
             raise ValueError(f"jaxsub.flax.EncoderLayer: `x` must be [B, S, E], got shape {x.shape}")
-        e = x.shape[-1]
-        if e % self.num_heads:
-            raise ValueError(f"jaxsub.flax.EncoderLayer: hidden size {e} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        h, d = self.num_heads, e // self.num_heads
-        qkv_kernel, qkv_bias = self._affine("qkv", e, (e, 3, h, d), (3, h, d))
-        out_kernel, out_bias = self._affine("out", e, (h, d, e), (e,))
-        attn_scale, attn_bias = self._norm("attention_norm", e)
-        in_kernel, in_bias = self._affine("mlp_in", e, (e, self.mlp_dim), (self.mlp_dim,))
-        ffn_kernel, ffn_bias = self._affine("mlp_out", self.mlp_dim, (self.mlp_dim, e), (e,))
-        mlp_scale, mlp_bias = self._norm("mlp_norm", e)
-        eps = self.epsilon
+        problem, selection = self._resolve(x, mask)
+        e, h = problem.spec.hidden, problem.spec.heads
+        d = e // h
+        params = {}
+        params["qkv_kernel"], params["qkv_bias"] = self._affine("qkv", e, (e, 3, h, d), (3, h, d))
+        params["out_kernel"], params["out_bias"] = self._affine("out", e, (h, d, e), (e,))
+        params["attn_scale"], params["attn_bias"] = self._norm("attention_norm", e)
+        params["in_kernel"], params["in_bias"] = self._affine("mlp_in", e, (e, self.mlp_dim), (self.mlp_dim,))
+        params["ffn_kernel"], params["ffn_bias"] = self._affine("mlp_out", self.mlp_dim, (self.mlp_dim, e), (e,))
+        params["mlp_scale"], params["mlp_bias"] = self._norm("mlp_norm", e)
         det = bool(deterministic)
-
-        a = ops.layer_norm(x, attn_scale, attn_bias, eps=eps) if self.pre_layer_norm else x
-        qkv = jnp.einsum("bse,ethd->bsthd", a, qkv_kernel) + qkv_bias
-        attn_rate = 0.0 if det else self.attention_dropout_rate
-        attn = ops.attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask=mask, causal=self.causal,
-                             dropout_rate=attn_rate, key=self._key(attn_rate, det))
-        proj = jnp.einsum("bshd,hde->bse", attn, out_kernel)
-        if self.pre_layer_norm:
-            x = self._residual(x, proj, out_bias, det)
-            a = ops.layer_norm(x, mlp_scale, mlp_bias, eps=eps)
-        else:
-            x = ops.bias_dropout_residual_layer_norm(
-                proj, out_bias, x, attn_scale, attn_bias, rate=self.dropout_rate,
-                key=self._key(self.dropout_rate, det), eps=eps, deterministic=det)
-            a = x
-
-        g = ops.bias_gelu_dropout(jnp.einsum("bse,ef->bsf", a, in_kernel), in_bias, rate=self.dropout_rate,
-                                  key=self._key(self.dropout_rate, det), approximate=self.approximate_gelu,
-                                  deterministic=det)
-        y = jnp.einsum("bsf,fe->bse", g, ffn_kernel)
-        if self.pre_layer_norm:
-            return self._residual(x, y, ffn_bias, det)
-        return ops.bias_dropout_residual_layer_norm(
-            y, ffn_bias, x, mlp_scale, mlp_bias, rate=self.dropout_rate,
-            key=self._key(self.dropout_rate, det), eps=eps, deterministic=det)
+        # Drawn in the order the ops consume them (attention, first residual, GELU, second
+        # residual), whatever the layouts.
+        keys = {"attn": self._key(self.attention_dropout_rate, det), "drop1": self._key(self.dropout_rate, det),
+                "gelu": self._key(self.dropout_rate, det), "drop2": self._key(self.dropout_rate, det)}
+        return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det)
 
 
 class ReferenceEncoderLayer(_LayerFields):
@@ -256,8 +255,9 @@ class ReferenceEncoderLayer(_LayerFields):
 
 
 def _fields(module: nn.Module) -> dict:
-    """The configuration fields of an EncoderLayer-like module (not parent or name)."""
-    names = {f.name for f in dataclasses.fields(EncoderLayer)} - {"parent", "name"}
+    """The configuration fields EncoderLayer shares with its plain-Flax twin (not parent,
+    name or layouts)."""
+    names = {f.name for f in dataclasses.fields(_LayerFields)} - {"parent", "name"}
     return {n: getattr(module, n) for n in names}
 
 
@@ -316,6 +316,8 @@ class Encoder(nn.Module):
         stacked on a leading axis of size num_layers, under params["layers"]["layer"].
         Without scan, layer i's parameters are params[f"layers_{i}"]["layer"].
       remat: rematerialize each layer's activations in the backward pass (nn.remat).
+      layouts: as EncoderLayer's; every layer has the same shapes, so one selection
+        (one tuning) serves the whole stack.
 
     With pre_layer_norm, a final layer norm ("final_norm": scale, bias) follows the
     stack, as in GPT-style models whose layers leave their output unnormalized.
@@ -336,10 +338,11 @@ class Encoder(nn.Module):
     bias_init: Initializer = nn.initializers.zeros
     scan_layers: bool = True
     remat: bool = False
+    layouts: Any = "auto"
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True):
-        layer = _fields(self)
+        layer = dict(_fields(self), layouts=self.layouts)
         deterministic = bool(deterministic)
         block = nn.remat(_Block, prevent_cse=not self.scan_layers) if self.remat else _Block
         x = jnp.asarray(x, self.dtype)

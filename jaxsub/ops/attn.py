@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import _ffi
+from jaxsub.ops import config as _config
 from jaxsub.ops import dropout as _dropout
 from jaxsub.ops import masks as _masks
 from jaxsub.ops import softmax as _softmax
@@ -157,18 +158,35 @@ def _platform(q) -> str:
     return next(iter(q.devices())).platform
 
 
-def _fused_unsupported(q) -> str | None:
-    """Why the fused kernels cannot run on q's platform (None when they can)."""
-    platform = _platform(q)
+def fused_unsupported(platform: str, dtype, head_dim: int) -> str | None:
+    """Why the fused kernels cannot run for this platform ("cpu", "gpu"), dtype and head
+    dim (None when they can). The layout selector offers "fused" only where they can."""
     if platform == "cpu":
         return None
     if platform != "gpu" or not _ffi.has_cuda_target("jaxsub_attention_fwd"):
         return f"no fused attention kernel for platform {platform!r} in this build"
-    if q.dtype not in _CUDA_DTYPES:
-        return f"the CUDA fused kernel takes bfloat16/float16, not {q.dtype}"
-    if q.shape[-1] not in _CUDA_HEAD_DIMS:
-        return f"the CUDA fused kernel takes head dims {_CUDA_HEAD_DIMS}, not {q.shape[-1]}"
+    if jnp.dtype(dtype) not in _CUDA_DTYPES:
+        return f"the CUDA fused kernel takes bfloat16/float16, not {jnp.dtype(dtype)}"
+    if head_dim not in _CUDA_HEAD_DIMS:
+        return f"the CUDA fused kernel takes head dims {_CUDA_HEAD_DIMS}, not {head_dim}"
     return None
+
+
+def _fused_unsupported(q) -> str | None:
+    return fused_unsupported(_platform(q), q.dtype, q.shape[-1])
+
+
+_KIND_NAMES = {_masks.NONE: "none", _masks.BOOLEAN: "boolean", _masks.ADDITIVE: "additive"}
+
+
+def signature(q, k, mask4d, kind, causal, rate) -> tuple:
+    """What the choice of implementation may depend on: the key under which
+    `jaxsub.ops.config.lookup("attention", ...)` is asked (and the layout cache stores)."""
+    b, sq, h, d = q.shape
+    mask_shape = tuple(int(n) for n in np.shape(mask4d)) if kind != _masks.NONE else ()
+    return (("batch", b), ("seq_q", sq), ("seq_k", k.shape[1]), ("heads", h), ("head_dim", d),
+            ("dtype", jnp.dtype(q.dtype).name), ("causal", bool(causal)), ("mask", _KIND_NAMES[kind]),
+            ("mask_shape", mask_shape), ("dropout_rate", float(rate)))
 
 
 def _check_inputs(q, k, v):
@@ -210,9 +228,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       dropout_rate: static float in [0, 1), dropout on the attention probabilities.
       key: a JAX PRNG key, required when dropout_rate > 0 (may be traced).
       implementation: "fused" (one kernel per direction, no [B, H, Sq, Sk] tensor in
-        memory), "unfused" (score GEMM, fused softmax-dropout, GEMM), or None, which is
-        "unfused": on the H200 at BERT-large shapes the fused kernel is faster forward but
-        not forward + backward (bench/NOTES.md), and the layout selector picks by timing.
+        memory), "unfused" (score GEMM, fused softmax-dropout, GEMM), or None: the
+        choice of the enclosing `jaxsub.ops.config.use` block (what `jaxsub.optimize`'s
+        `layouts=` selected for this signature), else "unfused" (on the H200 at BERT-large
+        shapes the fused kernel is faster forward but not forward + backward; bench/NOTES.md).
         "fused" on a GPU without a CUDA fused kernel for this build, dtype (float32) or head
         dim (not 32, 64 or 128) runs the unfused path with a one-time log line.
 
@@ -238,6 +257,11 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
     if q.size == 0 or k.size == 0:
         _ffi.fallback(_OP, "zero-size input")
         return jnp.zeros(q.shape, q.dtype)
+    if implementation is None:
+        implementation = _config.lookup(_OP, signature(q, k, mask4d, kind, causal, rate)).get("impl")
+        if implementation not in _IMPLEMENTATIONS:
+            raise ValueError(f"jaxsub.{_OP}: the configuration in effect selects implementation "
+                             f"{implementation!r}; expected 'fused' or 'unfused'")
     if implementation == "fused":
         reason = _fused_unsupported(q)
         if reason is None:

@@ -16,10 +16,10 @@ import functools
 import jax
 import numpy as np
 
+from jaxsub.layout import select as _select
+from jaxsub.ops import config as _config
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import patterns as P
-
-LAYOUT_ISSUE = "layout selection (issue: layouts and configuration selector)"
 
 
 def _scan(node, plan, vals):
@@ -113,13 +113,6 @@ def trace(fn, options: P.Options, args, kwargs):
     return Traced(graph, P.plan(graph, options), out_tree[0]), arrays
 
 
-def _check_layouts(layouts):
-    if layouts is None or layouts == "none":
-        return None
-    raise NotImplementedError(f"jaxsub.optimize: layouts={layouts!r} is not supported yet; it comes "
-                              f"with the {LAYOUT_ISSUE}. Use layouts=None.")
-
-
 class Optimized:
     """`fn` with its layer norm, BDRLN, bias+GELU(+dropout), attention and softmax(+dropout)
     patterns run as fused ops."""
@@ -128,6 +121,7 @@ class Optimized:
         self.fn = fn
         self.options = options
         self.layouts = layouts
+        self._resolver = _select.op_resolver(layouts)
         self._cache = {}
         functools.update_wrapper(self, fn)
 
@@ -141,11 +135,15 @@ class Optimized:
 
     def __call__(self, *args, **kwargs):
         traced, leaves = self.specialize(args, kwargs)
-        outs = run(traced.graph, traced.plan, leaves)
+        if self._resolver is None:
+            outs = run(traced.graph, traced.plan, leaves)
+        else:
+            with _config.use(self._resolver):
+                outs = run(traced.graph, traced.plan, leaves)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 
-def optimize(fn=None, *, rewrite_dropout=True, layouts=None):
+def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
     """Rewrite fn's transformer patterns into jaxsub's fused ops; usable as a decorator.
 
     The result has fn's signature and pytree structure and composes with jit, grad,
@@ -162,9 +160,20 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts=None):
     kernel's in-kernel dropout, keyed by the same JAX key that fed `jax.random.bernoulli`:
     same keep probability, different random bits. With rewrite_dropout=False such
     patterns are left alone (bias+GELU without its dropout may still be fused).
-    `layouts` is reserved for layout selection; only None ("none") is accepted for now.
+
+    `layouts` selects configurations for the fused ops the rewrite produces: "auto"
+    (default; per attention signature, the on-disk cache or, on a miss with a GPU present,
+    timing of the candidates before the first run of those shapes; without a GPU the
+    byte-count heuristic), "heuristic", "none" (each op's built-in default),
+    `jaxsub.layout.Auto(...)` or a `jaxsub.layout.Selection`. What it can change in an
+    arbitrary function is only what the ops leave open: today the attention algorithm
+    (fused or unfused, read by `ops.attention(implementation=None)` from the
+    `jaxsub.ops.config` context this function runs in), later kernel configurations. The
+    layouts of your tensors are your code's: the full per-operator layout choice applies
+    to `jaxsub.flax.EncoderLayer`, which builds its operators from a Selection. A
+    Selection passed here gives every attention call its "attention" stage's config.
     """
-    _check_layouts(layouts)
+    layouts = _select.check_layouts(layouts)
     if fn is None:
         return functools.partial(optimize, rewrite_dropout=rewrite_dropout, layouts=layouts)
     return Optimized(fn, P.Options(rewrite_dropout=bool(rewrite_dropout)), layouts)

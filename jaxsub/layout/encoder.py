@@ -1,0 +1,385 @@
+"""The encoder layer as a chain of eight operators, each with layout/algorithm candidates.
+
+Stages (post-LN BERT; pre-LN noted where it differs) and what each hands on:
+
+  qkv                x [B,S,E] -> q/k/v in one array: BS3HD (default), 3BSHD or 3BHSD.
+                     The QKV weight [E,3,H,D] is contracted so the matmul itself writes
+                     the layout (pre-LN: layer norm first).
+  attention          q/k/v in any of those -> context BSHD (default) or BHSD;
+                     impl=unfused (default) or fused (where the fused kernel exists).
+                     jaxsub.ops.attention takes [B,S,H,D]: other layouts are transposed
+                     around it at the JAX level, where XLA may fold them into matmuls.
+  out_proj           context -> proj BSE ([B·S,E], default) or SBE ([S,B,E]).
+  bdrln1             LN(x + dropout(proj + bias)) in proj's layout -> h (pre-LN:
+                     h = x + dropout(proj + bias), a = LN(h); both handed on).
+  ffn_in             h (or a) -> ffn BSF or SBF; h is handed on as the residual.
+  bias_gelu_dropout  in the ffn layout.
+  ffn_out            ffn -> out BSE or SBE (h still handed on).
+  bdrln2             LN(h + dropout(out + bias)) -> y [B,S,E] (pre-LN: h + dropout(...)).
+
+Dropout is defined on the logical tensor whatever the layout: the row kernels index their
+mask by row-major position, so an [S,B,N] candidate of a row op with dropout active
+transposes to [B,S,N] around the kernel (without dropout it runs in place). Every
+candidate therefore computes the same numbers as the default; kernel-level support for a
+row map would add a cheaper candidate, nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsub import ops
+from jaxsub.layout.problem import (
+    Candidate, Problem, Selection, Stage, Workload, config_str, parse_config, parse_label, relayout, transpose)
+from jaxsub.ops import attn as _attn
+
+QKV_LAYOUTS = ("BS3HD", "3BSHD", "3BHSD")
+CTX_LAYOUTS = ("BSHD", "BHSD")
+TOKEN_LAYOUTS = ("BSE", "SBE")
+FFN_LAYOUTS = ("BSF", "SBF")
+STAGE_NAMES = ("qkv", "attention", "out_proj", "bdrln1", "ffn_in", "bias_gelu_dropout", "ffn_out", "bdrln2")
+IN_LABEL, OUT_LABEL = "x:BSE", "y:BSE"
+# The layer's parameters after the cast to the compute dtype, by name.
+PARAM_AXES = {"qkv_kernel": "E3HD", "qkv_bias": "3HD", "out_kernel": "HDE", "out_bias": "E",
+              "attn_scale": "E", "attn_bias": "E", "in_kernel": "EF", "in_bias": "F",
+              "ffn_kernel": "FE", "ffn_bias": "E", "mlp_scale": "E", "mlp_bias": "E"}
+PARAMS = tuple(PARAM_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """Everything the layer's timing depends on. `training`: dropout active (the tuner
+    times training steps; the selection is used for inference too)."""
+
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    mlp_dim: int
+    dtype: str = "bfloat16"
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    pre_layer_norm: bool = False
+    causal: bool = False
+    epsilon: float = 1e-5
+    approximate_gelu: bool = False
+    mask_shape: tuple | None = None
+    mask_dtype: str | None = None
+    training: bool = True
+
+    def __post_init__(self):
+        if self.hidden % self.heads:
+            raise ValueError(f"LayerSpec: hidden {self.hidden} is not divisible by heads {self.heads}")
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+        if self.mask_shape is not None:
+            object.__setattr__(self, "mask_shape", tuple(int(n) for n in self.mask_shape))
+
+    @property
+    def dims(self) -> dict:
+        return {"B": self.batch, "S": self.seq, "E": self.hidden, "H": self.heads,
+                "D": self.hidden // self.heads, "F": self.mlp_dim, "3": 3}
+
+    def shape(self, axes: str) -> tuple[int, ...]:
+        return tuple(self.dims[c] for c in axes)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["mask_shape"] = list(self.mask_shape) if self.mask_shape is not None else None
+        return d
+
+
+def _ein(axes: str) -> str:
+    return axes.lower().replace("3", "t")
+
+
+def _place(a, src: str, dst: str):
+    """`a` (axes src, a subset of dst) transposed to dst's order with unit axes for the
+    letters it lacks, so it broadcasts against an array laid out as dst."""
+    order = "".join(c for c in dst if c in src)
+    a = transpose(a, src, order)
+    return a.reshape([a.shape[order.index(c)] if c in src else 1 for c in dst])
+
+
+def _rowwise(layout: str, canonical: str, active: bool, fn, *arrays):
+    """fn over row-wise arrays laid out as `layout`. With dropout active and a layout
+    other than the canonical one the arrays are transposed to it around fn, so that the
+    mask is drawn on the logical tensor."""
+    if layout == canonical or not active:
+        return fn(*arrays)
+    return transpose(fn(*(transpose(a, layout, canonical) for a in arrays)), canonical, layout)
+
+
+def _residual(x, y, bias, rate, key):
+    """x + dropout(y + bias) (pre-LN), mask from ops.dropout_mask on y's shape."""
+    y = y + bias
+    if key is not None:
+        keep = ops.dropout_mask(key, y.shape, rate)
+        y = jnp.where(keep, y / jnp.asarray(1.0 - rate, y.dtype), jnp.zeros((), y.dtype))
+    return x + y
+
+
+class EncoderProblem(Problem):
+    kind = "encoder_layer"
+
+    def __init__(self, spec: LayerSpec, platform: str | None = None):
+        self.spec = spec
+        self.platform = platform or jax.default_backend()
+        s = spec
+        # The fused attention kernel is a candidate only where it runs as itself.
+        impls = ["unfused"]
+        if _attn.fused_unsupported(self.platform, s.dtype, s.hidden // s.heads) is None:
+            impls.append("fused")
+        h = self.h_label
+        self.stages = (
+            Stage("qkv", tuple(Candidate(IN_LABEL, f"qkv:{q}") for q in QKV_LAYOUTS)),
+            Stage("attention", tuple(Candidate(f"qkv:{q}", f"ctx:{c}", config_str(impl=i))
+                                     for q, c, i in itertools.product(QKV_LAYOUTS, CTX_LAYOUTS, impls))),
+            Stage("out_proj", tuple(Candidate(f"ctx:{c}", f"proj:{p}")
+                                    for c, p in itertools.product(CTX_LAYOUTS, TOKEN_LAYOUTS))),
+            Stage("bdrln1", tuple(Candidate(f"proj:{p}", h(p)) for p in TOKEN_LAYOUTS)),
+            Stage("ffn_in", tuple(Candidate(h(p), f"ffn:{f};h:{p}")
+                                  for p, f in itertools.product(TOKEN_LAYOUTS, FFN_LAYOUTS))),
+            Stage("bias_gelu_dropout", tuple(Candidate(f"ffn:{f};h:{p}", f"ffn:{f};h:{p}")
+                                             for p, f in itertools.product(TOKEN_LAYOUTS, FFN_LAYOUTS))),
+            Stage("ffn_out", tuple(Candidate(f"ffn:{f};h:{p}", f"out:{r};h:{p}")
+                                   for p, f, r in itertools.product(TOKEN_LAYOUTS, FFN_LAYOUTS, TOKEN_LAYOUTS))),
+            Stage("bdrln2", tuple(Candidate(f"out:{r};h:{p}", OUT_LABEL)
+                                  for p, r in itertools.product(TOKEN_LAYOUTS, TOKEN_LAYOUTS))),
+        )
+
+    def h_label(self, p: str) -> str:
+        return f"a:{p};h:{p}" if self.spec.pre_layer_norm else f"h:{p}"
+
+    def key(self) -> dict:
+        return {"problem": self.kind, **self.spec.to_json()}
+
+    # -----------------------------------------------------------------------------------
+    # The stages. Each takes (candidate, params, value in the input label, ext) and
+    # returns the value in the output label; ext = {"x": layer input, "mask", "keys",
+    # "deterministic"}; keys = {"attn", "drop1", "gelu", "drop2"}, None where off.
+
+    def run_stage(self, i, cand: Candidate, p, v, ext):
+        return getattr(self, "_" + STAGE_NAMES[i])(cand, p, v, ext)
+
+    def _qkv(self, cand, p, v, ext):
+        s = self.spec
+        a = v["x"]
+        if s.pre_layer_norm:
+            a = ops.layer_norm(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon)
+        q = parse_label(cand.out_layout)["qkv"]
+        out = jnp.einsum(f"bse,ethd->{_ein(q)}", a, p["qkv_kernel"]) + _place(p["qkv_bias"], "3HD", q)
+        return {"qkv": out}
+
+    def _attention(self, cand, p, v, ext):
+        s = self.spec
+        src = parse_label(cand.in_layout)["qkv"]
+        dst = parse_label(cand.out_layout)["ctx"]
+        per = src.replace("3", "")
+        q, k, w = (transpose(jax.lax.index_in_dim(v["qkv"], i, src.index("3"), keepdims=False), per, "BSHD")
+                   for i in range(3))
+        key = ext["keys"]["attn"]
+        rate = s.attention_dropout_rate if key is not None else 0.0
+        out = ops.attention(q, k, w, mask=ext["mask"], causal=s.causal, dropout_rate=rate, key=key,
+                            implementation=parse_config(cand.config).get("impl", "unfused"))
+        return {"ctx": transpose(out, "BSHD", dst)}
+
+    def _out_proj(self, cand, p, v, ext):
+        src = parse_label(cand.in_layout)["ctx"]
+        dst = parse_label(cand.out_layout)["proj"]
+        return {"proj": jnp.einsum(f"{_ein(src)},hde->{_ein(dst)}", v["ctx"], p["out_kernel"])}
+
+    def _bdrln1(self, cand, p, v, ext):
+        s = self.spec
+        lay = parse_label(cand.in_layout)["proj"]
+        key, det = ext["keys"]["drop1"], ext["deterministic"]
+        x = transpose(ext["x"], "BSE", lay)
+        if s.pre_layer_norm:
+            h = _rowwise(lay, "BSE", key is not None,
+                         lambda y, r: _residual(r, y, p["out_bias"], s.dropout_rate, key), v["proj"], x)
+            return {"a": ops.layer_norm(h, p["mlp_scale"], p["mlp_bias"], eps=s.epsilon), "h": h}
+
+        def bdrln(y, r):
+            return ops.bias_dropout_residual_layer_norm(y, p["out_bias"], r, p["attn_scale"], p["attn_bias"],
+                                                        rate=s.dropout_rate, key=key, eps=s.epsilon,
+                                                        deterministic=det)
+
+        return {"h": _rowwise(lay, "BSE", key is not None, bdrln, v["proj"], x)}
+
+    def _ffn_in(self, cand, p, v, ext):
+        src = parse_label(cand.in_layout)["h"]
+        dst = parse_label(cand.out_layout)["ffn"]
+        a = v["a"] if self.spec.pre_layer_norm else v["h"]
+        return {"ffn": jnp.einsum(f"{_ein(src)},ef->{_ein(dst)}", a, p["in_kernel"]), "h": v["h"]}
+
+    def _bias_gelu_dropout(self, cand, p, v, ext):
+        s = self.spec
+        lay = parse_label(cand.in_layout)["ffn"]
+        key, det = ext["keys"]["gelu"], ext["deterministic"]
+
+        def gelu(f):
+            return ops.bias_gelu_dropout(f, p["in_bias"], rate=s.dropout_rate, key=key,
+                                         approximate=s.approximate_gelu, deterministic=det)
+
+        return {"ffn": _rowwise(lay, "BSF", key is not None, gelu, v["ffn"]), "h": v["h"]}
+
+    def _ffn_out(self, cand, p, v, ext):
+        src = parse_label(cand.in_layout)["ffn"]
+        dst = parse_label(cand.out_layout)["out"]
+        return {"out": jnp.einsum(f"{_ein(src)},fe->{_ein(dst)}", v["ffn"], p["ffn_kernel"]), "h": v["h"]}
+
+    def _bdrln2(self, cand, p, v, ext):
+        s = self.spec
+        parts = parse_label(cand.in_layout)
+        lay = parts["out"]
+        key, det = ext["keys"]["drop2"], ext["deterministic"]
+        h = transpose(v["h"], parts["h"], lay)
+        if s.pre_layer_norm:
+            y = _rowwise(lay, "BSE", key is not None,
+                         lambda o, r: _residual(r, o, p["ffn_bias"], s.dropout_rate, key), v["out"], h)
+        else:
+            def bdrln(o, r):
+                return ops.bias_dropout_residual_layer_norm(o, p["ffn_bias"], r, p["mlp_scale"], p["mlp_bias"],
+                                                            rate=s.dropout_rate, key=key, eps=s.epsilon,
+                                                            deterministic=det)
+
+            y = _rowwise(lay, "BSE", key is not None, bdrln, v["out"], h)
+        return {"y": transpose(y, lay, "BSE")}
+
+    # -----------------------------------------------------------------------------------
+    # The whole layer.
+
+    def check(self, selection: Selection) -> Selection:
+        """`selection` if it fits this layer (stage names, and label pairs that are
+        candidates here; the config may be any the stage understands), else ValueError."""
+        if selection.kind != self.kind or [c.stage for c in selection.choices] != list(STAGE_NAMES):
+            raise ValueError(f"jaxsub.layout: a {selection.kind} selection with stages "
+                             f"{[c.stage for c in selection.choices]} does not fit the encoder layer "
+                             f"(stages {list(STAGE_NAMES)})")
+        for stage, choice in zip(self.stages, selection.choices):
+            pairs = {(c.in_layout, c.out_layout) for c in stage.candidates}
+            got = (choice.candidate.in_layout, choice.candidate.out_layout)
+            if got not in pairs:
+                raise ValueError(f"jaxsub.layout: stage {stage.name!r} has no candidate {got[0]} -> {got[1]} "
+                                 f"for this layer (pre_layer_norm={self.spec.pre_layer_norm})")
+        return selection
+
+    def apply(self, selection: Selection, params: dict, x, mask=None, keys=None, deterministic=True):
+        """The layer's output [B,S,E] for x [B,S,E] with the stages `selection` chose."""
+        ext = {"x": x, "mask": mask, "keys": _keys(keys), "deterministic": bool(deterministic)}
+        value, prev = {"x": x}, IN_LABEL
+        for i, choice in enumerate(self.check(selection).choices):
+            cand = choice.candidate
+            if cand.in_layout != prev:
+                value = relayout(value, prev, cand.in_layout)
+            value = self.run_stage(i, cand, params, value, ext)
+            prev = cand.out_layout
+        return value["y"]
+
+    # -----------------------------------------------------------------------------------
+    # What the tuner times.
+
+    def label_value(self, lab: str, rng) -> dict:
+        dtype = jnp.dtype(self.spec.dtype)
+        return {n: jnp.asarray(rng.standard_normal(self.spec.shape(axes), np.float32), dtype)
+                for n, axes in parse_label(lab).items()}
+
+    def stage_params(self, i: int) -> tuple[str, ...]:
+        """The parameters stage i reads (only these are differentiated when it is timed:
+        gradients of unused ones would be zero tensors written for nothing)."""
+        pre = self.spec.pre_layer_norm
+        return {
+            "qkv": ("qkv_kernel", "qkv_bias") + (("attn_scale", "attn_bias") if pre else ()),
+            "attention": (),
+            "out_proj": ("out_kernel",),
+            "bdrln1": ("out_bias",) + (("mlp_scale", "mlp_bias") if pre else ("attn_scale", "attn_bias")),
+            "ffn_in": ("in_kernel",),
+            "bias_gelu_dropout": ("in_bias",),
+            "ffn_out": ("ffn_kernel",),
+            "bdrln2": ("ffn_bias",) + (() if pre else ("mlp_scale", "mlp_bias")),
+        }[STAGE_NAMES[i]]
+
+    def random_params(self, rng, names=PARAMS) -> dict:
+        s, dt = self.spec, jnp.dtype(self.spec.dtype)
+        return {n: jnp.asarray(rng.standard_normal(s.shape(PARAM_AXES[n]), np.float32)
+                               / np.sqrt(s.shape(PARAM_AXES[n])[0]), dt) for n in names}
+
+    def random_ext(self, rng) -> tuple[dict, object]:
+        """(keys, mask) for a training step of this spec."""
+        s = self.spec
+        train = s.training
+        seeds = rng.integers(0, 2**31, size=4)
+        keys = {n: jax.random.key(int(k)) if train and r > 0 else None
+                for n, k, r in zip(("attn", "drop1", "gelu", "drop2"), seeds,
+                                   (s.attention_dropout_rate, s.dropout_rate, s.dropout_rate, s.dropout_rate))}
+        mask = None
+        if s.mask_shape is not None:
+            if s.mask_dtype == "bool":
+                m = rng.random(s.mask_shape) > 0.2
+                m[..., 0] = True
+                mask = jnp.asarray(m)
+            else:
+                mask = jnp.zeros(s.mask_shape, s.mask_dtype or jnp.float32)
+        return keys, mask
+
+    def stage_workload(self, i: int, cand: Candidate) -> Workload:
+        uses_x = STAGE_NAMES[i] == "bdrln1"
+        det = not self.spec.training
+
+        def fn(diff, aux):
+            params, value, x = diff
+            keys, mask = aux
+            ext = {"x": x, "mask": mask, "keys": keys, "deterministic": det}
+            return self.run_stage(i, cand, params, value, ext)
+
+        def make(seed):
+            rng = np.random.default_rng(seed)
+            x = self.label_value(IN_LABEL, rng)["x"] if uses_x else None
+            return ((self.random_params(rng, self.stage_params(i)), self.label_value(cand.in_layout, rng), x),
+                    self.random_ext(rng))
+
+        return Workload(fn, make)
+
+    def layer_workload(self, selection: Selection) -> Workload:
+        """The whole layer under `selection` (forward + backward: x and every parameter),
+        to measure a configuration end to end."""
+        det = not self.spec.training
+
+        def fn(diff, aux):
+            params, x = diff
+            keys, mask = aux
+            return self.apply(selection, params, x, mask=mask, keys=keys, deterministic=det)
+
+        def make(seed):
+            rng = np.random.default_rng(seed)
+            return (self.random_params(rng), self.label_value(IN_LABEL, rng)["x"]), self.random_ext(rng)
+
+        return Workload(fn, make)
+
+    def transpose_workload(self, src: str, dst: str) -> Workload:
+        """Transposing one array laid out as `src` (axis letters) to `dst`."""
+        def make(seed):
+            rng = np.random.default_rng(seed)
+            return (jnp.asarray(rng.standard_normal(self.spec.shape(src), np.float32), jnp.dtype(self.spec.dtype)),), ()
+
+        return Workload(lambda diff, aux: transpose(diff[0], src, dst), make)
+
+    def model_stage(self, i: int, cand: Candidate) -> float:
+        from jaxsub.layout import model
+
+        return model.encoder_stage(self, i, cand)
+
+    def model_transpose(self, src: str, dst: str) -> float:
+        from jaxsub.layout import model
+
+        return model.transpose(self.spec.shape(src), self.spec.dtype)
+
+
+def _keys(keys) -> dict:
+    keys = dict(keys or {})
+    return {n: keys.get(n) for n in ("attn", "drop1", "gelu", "drop2")}
+

@@ -1,0 +1,173 @@
+"""From a `layouts=` argument to a Selection.
+
+  "none" / None   the default candidate of every stage (today's layouts, unfused attention).
+  "heuristic"     the byte-count model (jaxsub.layout.model), solved; no timing.
+  "auto"          the on-disk cache for this GPU, jax version and problem; on a miss with a
+                  GPU present, time the candidates (progress bar, time budget), solve and
+                  store. Without a GPU, "heuristic".
+  Auto(...)       "auto" with options (budget, repeats, cache directory, timing on CPU).
+  a Selection     used as given (checked to fit the problem).
+
+Results are also remembered in-process per (mode, problem, device), so tracing the same
+shapes again costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import jax
+
+from jaxsub.layout import cache, tuning
+from jaxsub.layout.attention import AttentionProblem
+from jaxsub.layout.problem import Problem, Selection, parse_config
+
+log = logging.getLogger("jaxsub")
+
+MODES = ("auto", "heuristic", "none")
+DEFAULT_BUDGET_S = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto:
+    """Options of `layouts="auto"`.
+
+    budget_s: wall-clock limit for timing one problem (compilation included); when it runs
+      out the untimed candidates are left out (each stage's default is timed first) and
+      the cache entry is marked incomplete, to be finished by a later tuning.
+    repeats: timed calls per measurement (median).
+    cache_dir: where the cache lives (default: jaxsub.layout.cache.cache_dir()).
+    use_cache: read and write the cache.
+    measure_without_gpu: time on whatever backend there is (CPU runs at tiny sizes, for
+      tests and demos) instead of falling back to the heuristic.
+    progress: None (a bar when stderr is a terminal), True, False or a callable
+      (done, total, what).
+    refresh: time every candidate again even when the cache has them.
+    """
+
+    budget_s: float | None = DEFAULT_BUDGET_S
+    repeats: int = 5
+    cache_dir: str | None = None
+    use_cache: bool = True
+    measure_without_gpu: bool = False
+    progress: object = None
+    refresh: bool = False
+
+
+_MEMO: dict = {}
+
+
+def clear_memo() -> None:
+    """Forget the selections remembered in this process (the disk cache stays)."""
+    _MEMO.clear()
+
+
+def gpu_present() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def check_layouts(layouts, where: str = "jaxsub.optimize"):
+    """`layouts` normalized ("none" for None), or ValueError/TypeError naming `where`."""
+    if layouts is None:
+        return "none"
+    if isinstance(layouts, (Selection, Auto)):
+        return layouts
+    if isinstance(layouts, str):
+        if layouts not in MODES:
+            raise ValueError(f"{where}: layouts={layouts!r}; expected one of {MODES}, an Auto(...) or a Selection")
+        return layouts
+    raise TypeError(f"{where}: layouts must be 'auto', 'heuristic', 'none', jaxsub.layout.Auto(...) or a "
+                    f"jaxsub.layout.Selection, got {type(layouts).__name__}")
+
+
+def _memo_key(mode: str, problem: Problem, extra=()) -> str:
+    return json.dumps([mode, problem.key(), getattr(problem, "platform", None), *extra], sort_keys=True,
+                      default=str)
+
+
+def default_selection(problem: Problem) -> Selection:
+    return Selection.of(problem, problem.default(), source="default")
+
+
+def heuristic_selection(problem: Problem) -> Selection:
+    key = _memo_key("heuristic", problem)
+    if key not in _MEMO:
+        _MEMO[key] = tuning.solve(problem, tuning.model_tables(problem), "heuristic")
+    return _MEMO[key]
+
+
+def timed_tables(problem: Problem, options: Auto):
+    """(tables, source, cache file or None): the cached tables when they cover every
+    candidate ("cache"), else tables timed now ("timed"), stored when the cache is on.
+    Measurements already on disk are reused; `options.refresh` times everything again."""
+    key = cache.make_key(problem.key())
+    known = None
+    if options.use_cache and not options.refresh:
+        entry = cache.load(key, options.cache_dir)
+        if entry is not None:
+            known = tuning.Tables.from_json(problem, entry["tables"])
+            if known.missing(problem) == 0:
+                return known, "cache", cache.entry_path(key, options.cache_dir)
+    log.info("jaxsub.layout: timing %s candidates for %s", problem.kind, json.dumps(problem.key()))
+    tables = tuning.tune(problem, repeats=options.repeats, budget_s=options.budget_s, progress=options.progress,
+                         known=known)
+    path = None
+    if options.use_cache:
+        sel = tuning.solve(problem, tables, "timed")
+        path = cache.store(key, tables.to_json(problem), sel.to_json(), options.cache_dir)
+        log.info("jaxsub.layout: stored %s", path)
+    return tables, "timed", path
+
+
+def timed_selection(problem: Problem, options: Auto) -> Selection:
+    """The "auto" path with a device to time on: cached or freshly timed."""
+    mkey = _memo_key("auto", problem, (cache.device_key(), options.cache_dir, options.use_cache))
+    if mkey not in _MEMO or options.refresh:
+        tables, source, _ = timed_tables(problem, options)
+        _MEMO[mkey] = tuning.solve(problem, tables, source)
+    return _MEMO[mkey]
+
+
+def resolve(layouts, problem: Problem, where: str = "jaxsub.layout") -> Selection:
+    """The Selection `layouts` (see the module docstring) gives for `problem`."""
+    layouts = check_layouts(layouts, where)
+    if isinstance(layouts, Selection):
+        check = getattr(problem, "check", None)
+        return check(layouts) if check is not None else layouts
+    if layouts == "none" or all(len(st.candidates) == 1 for st in problem.stages):
+        # Nothing to choose (e.g. attention where the fused kernel does not run): no timing.
+        return default_selection(problem)
+    if layouts == "heuristic":
+        return heuristic_selection(problem)
+    options = layouts if isinstance(layouts, Auto) else Auto()
+    if not (gpu_present() or options.measure_without_gpu):
+        return heuristic_selection(problem)
+    return timed_selection(problem, options)
+
+
+def op_resolver(layouts):
+    """For `jaxsub.ops.config.use`: per-op configurations from `layouts`. A Selection
+    gives every call of an op the config of its stage of that name (e.g. the attention
+    stage's impl); a mode resolves each attention call's signature as a one-stage problem."""
+    layouts = check_layouts(layouts)
+    if layouts == "none":
+        return None
+    if isinstance(layouts, Selection):
+        table = {c.stage: c.candidate.config for c in layouts.choices}
+
+        def from_selection(op, signature):
+            return parse_config(table[op]) if op in table else {}
+
+        return from_selection
+
+    def per_signature(op, signature):
+        if op != "attention":
+            return {}
+        return resolve(layouts, AttentionProblem(signature)).config("attention")
+
+    return per_signature

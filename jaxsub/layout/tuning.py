@@ -1,0 +1,303 @@
+"""Timing every candidate of a problem (or modelling it), and solving for a Selection.
+
+Timing method (as bench/timing.py, DESIGN.md "Benchmarks"): a candidate's forward and
+backward (`jax.vjp` with a random cotangent; gradients of every differentiated input) run
+inside one jitted `fori_loop` over several distinct input sets, each iteration's results
+(output and every gradient, in full) carried to the next and the last returned, so
+nothing is skipped. Two loops, of n1 and n2
+iterations (static trip counts on a GPU: no per-iteration host sync), are timed from the
+host to completion after warm-up, median of `repeats` interleaved calls; the
+per-application time is the slope (t(n2) - t(n1)) / (n2 - n1), so launch and dispatch
+overhead cancel. Enough input sets are drawn that they do not all fit in a GPU's L2 cache.
+
+All of it runs under `jax.ensure_compile_time_eval()`, so tuning started while the
+caller is being traced (the first call of an optimized function under jit) executes
+eagerly on the device instead of being staged into the caller's program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
+
+from jaxsub.layout.problem import Candidate, Choice, Problem, Selection, atomic_transposes
+from jaxsub.layout.solver import shortest_configuration
+
+_L2_BYTES = 256 << 20     # input sets span at least this much (an H200's L2 is 60 MB)
+
+
+@dataclasses.dataclass
+class Tables:
+    """Measured (or modelled) seconds: stages[i] {candidate key: seconds or None
+    (failed)}, transposes {(src axes, dst axes): seconds}; `complete` is False when the
+    time budget ran out before every candidate was timed."""
+
+    stages: list
+    transposes: dict
+    complete: bool = True
+    tuning_s: float = 0.0
+    errors: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self, problem: Problem) -> dict:
+        return {
+            "complete": self.complete, "tuning_s": self.tuning_s,
+            "stages": [{"name": st.name, "candidates": [
+                {"in": k[0], "out": k[1], "config": k[2], "seconds": s,
+                 **({"error": self.errors[(i, k)]} if (i, k) in self.errors else {})}
+                for k, s in table.items()]} for i, (st, table) in enumerate(zip(problem.stages, self.stages))],
+            "transposes": [{"from": a, "to": b, "seconds": s} for (a, b), s in self.transposes.items()],
+        }
+
+    @classmethod
+    def from_json(cls, problem: Problem, data: dict) -> Tables:
+        """Tables for `problem` from a cache entry; stages are matched by name and
+        candidates the cache lacks are simply missing (to be timed)."""
+        by_name = {st["name"]: st for st in data["stages"]}
+        stages = []
+        for st in problem.stages:
+            rows = by_name.get(st.name, {}).get("candidates", [])
+            stages.append({(r["in"], r["out"], r["config"]): r["seconds"] for r in rows})
+        transposes = {(t["from"], t["to"]): t["seconds"] for t in data.get("transposes", [])}
+        return cls(stages, transposes, bool(data.get("complete", False)), float(data.get("tuning_s", 0.0)))
+
+    def missing(self, problem: Problem) -> int:
+        n = sum(c.key not in t for st, t in zip(problem.stages, self.stages) for c in st.candidates)
+        return n + sum(p not in self.transposes for p in needed_transposes(problem))
+
+
+def needed_transposes(problem: Problem) -> list[tuple[str, str]]:
+    """The single-array transposes any label change between consecutive stages needs."""
+    pairs = {}
+    for left, right in zip(problem.stages, problem.stages[1:]):
+        outs = dict.fromkeys(c.out_layout for c in left.candidates)
+        ins = dict.fromkeys(c.in_layout for c in right.candidates)
+        for a in outs:
+            for b in ins:
+                for pair in (atomic_transposes(a, b) or []) if a != b else []:
+                    pairs[pair] = None
+    return list(pairs)
+
+
+# ---------------------------------------------------------------------------------------
+# Timing.
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")
+               and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def _row_major(x):
+    """x, constrained to the row-major layout: a loop carry is otherwise free to take the
+    layout a transpose produces, which turns the transpose into a plain copy."""
+    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
+
+
+def _loop(workload, k: int, n: int | None, result):
+    """jit of run(diffs, auxs, cots[, n]): n applications of the workload's forward and
+    backward, cycling through k stacked input sets. Each application's results (output
+    and gradients, shapes `result`) become the loop carry and the last ones are returned:
+    every application computes them in full (a loop that kept only an element of each
+    would let XLA compute just that element) and in the row-major layout the next
+    operator reads (unconstrained, XLA may skip a transpose by changing a layout). A static n gives
+    XLA a known trip count (on a GPU a dynamic one costs a device-to-host copy of the loop
+    predicate per iteration); n=None takes it as an argument: one compilation for both
+    loop lengths."""
+    def step(diff, aux, cot):
+        out, vjp = jax.vjp(lambda d: workload.fn(d, aux), diff)
+        return out, vjp(cot)
+
+    def run(diffs, auxs, cots, count=n):
+        def body(i, carry):
+            j = i % k
+            pick = lambda t: jax.tree.map(lambda a: a[j], t)  # noqa: E731
+            return jax.tree.map(_row_major, step(pick(diffs), pick(auxs), pick(cots)))
+
+        init = jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), result)
+        return jax.lax.fori_loop(0, count, body, init)
+
+    if n is None:
+        return jax.jit(run)
+    return jax.jit(lambda diffs, auxs, cots: run(diffs, auxs, cots))
+
+
+def _median_time(fn, args, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure(workload, *, repeats: int = 5, n1: int = 2, target_s: float = 0.01, max_n: int = 1000, seed: int = 0,
+            max_sets: int = 16) -> float:
+    """Seconds of one forward + backward application of `workload` (slope method). The
+    longer loop has n2 >= 10 iterations, more for small work, so that t(n2) - t(n1) is
+    about `target_s` (capped at `max_n`): a 5 µs transpose is not lost in launch noise."""
+    with jax.ensure_compile_time_eval():
+        first = workload.make(seed)
+        per_set = max(_nbytes(first), 1)
+        k = max(2, min(max_sets, -(-_L2_BYTES // per_set)))
+        made = [first] + [workload.make(seed + i) for i in range(1, k)]
+        out = jax.eval_shape(lambda d, a: workload.fn(d, a), *first)
+        cot_key = jax.random.key(seed)
+        cots = []
+        for i in range(k):
+            leaves, tree = jax.tree.flatten(out)
+            keys = jax.random.split(jax.random.fold_in(cot_key, i), max(len(leaves), 1))
+            cots.append(jax.tree.unflatten(tree, [jax.random.normal(kk, o.shape, jnp.float32).astype(o.dtype)
+                                                  for kk, o in zip(keys, leaves)]))
+        args = (_stack([m[0] for m in made]), _stack([m[1] for m in made]), _stack(cots))
+        result = jax.eval_shape(lambda d, a, c: (out, jax.vjp(lambda x: workload.fn(x, a), d)[1](c)),
+                                first[0], first[1], cots[0])
+        static = jax.default_backend() == "gpu"
+        dynamic = None if static else _loop(workload, k, None, result)
+
+        def loop(n):
+            return (_loop(workload, k, n, result), args) if static else (dynamic, (*args, n))
+
+        calls = [loop(n1)]
+        for _ in range(2):
+            jax.block_until_ready(calls[0][0](*calls[0][1]))
+        # t(n1) / n1 overestimates the work (it includes the launch), so n2 errs short.
+        estimate = max(_median_time(*calls[0], 3) / n1, 1e-7)
+        n2 = int(min(max_n, max(10, n1 + target_s / estimate)))
+        calls.append(loop(n2))
+        for _ in range(2):
+            jax.block_until_ready(calls[1][0](*calls[1][1]))
+        samples = [[], []]
+        for _ in range(repeats):
+            for s, (fn, a) in zip(samples, calls):
+                s.append(_median_time(fn, a, 1))
+        t1, t2 = (statistics.median(s) for s in samples)
+    slope = (t2 - t1) / (n2 - n1)
+    # Noise larger than the work (tiny CPU problems): t(n2)/n2, an upper bound.
+    return slope if slope > 0 else t2 / n2
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only when it is a terminal, unless forced)."""
+
+    def __init__(self, title: str, total: int, enabled):
+        self.title, self.total, self.done, self.start = title, total, 0, time.perf_counter()
+        self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
+        self.callback = enabled if callable(enabled) else None
+
+    def step(self, what: str):
+        self.done += 1
+        if self.callback is not None:
+            self.callback(self.done, self.total, what)
+        elif self.enabled:
+            width = 24
+            fill = width * self.done // max(self.total, 1)
+            sys.stderr.write(f"\rjaxsub.layout: tuning {self.title} [{'#' * fill}{'.' * (width - fill)}] "
+                             f"{self.done}/{self.total} {time.perf_counter() - self.start:5.0f}s {what[:48]:<48}")
+            sys.stderr.flush()
+
+    def close(self):
+        if self.enabled and self.callback is None:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, progress=None,
+         known: Tables | None = None, seed: int = 0, measure_fn=None) -> Tables:
+    """Time every candidate of every stage and every needed transpose, forward and
+    backward. Entries in `known` are reused, not timed again. Order: each stage's default
+    candidate first, always timed (so a complete default path exists whatever the
+    budget), then the other candidates stage by stage, then the transposes. Once
+    `budget_s` is exceeded the rest is skipped and the tables are marked incomplete. A candidate that fails to
+    run gets None (not selectable) and its error is kept. `progress`: None (a bar on an
+    interactive stderr), True, False, or a callable (done, total, what). `measure_fn`
+    replaces `measure` (same signature)."""
+    measure_fn = measure_fn or measure
+    start = time.perf_counter()
+    stages = [dict() for _ in problem.stages]
+    transposes = dict(known.transposes) if known else {}
+    errors = dict(known.errors) if known else {}
+    todo = []          # (kind, ..., required): the defaults are timed whatever the budget
+    for rank in (0, 1):
+        for i, st in enumerate(problem.stages):
+            for c in (st.candidates[:1] if rank == 0 else st.candidates[1:]):
+                if known is not None and c.key in known.stages[i]:
+                    stages[i][c.key] = known.stages[i][c.key]
+                else:
+                    todo.append(("stage", i, c, rank == 0))
+    todo += [("transpose", a, b, False) for a, b in needed_transposes(problem) if (a, b) not in transposes]
+    bar = _Progress(problem.kind, len(todo), progress)
+    complete = True
+    try:
+        for item in todo:
+            if not item[3] and budget_s is not None and time.perf_counter() - start > budget_s:
+                complete = False
+                break
+            if item[0] == "stage":
+                _, i, c, _ = item
+                what = f"{problem.stages[i].name} {c}"
+                try:
+                    stages[i][c.key] = measure_fn(problem.stage_workload(i, c), repeats=repeats, seed=seed)
+                except Exception as e:  # noqa: BLE001 - a failing candidate is not selectable
+                    stages[i][c.key] = None
+                    errors[(i, c.key)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            else:
+                _, a, b, _ = item
+                what = f"transpose {a} -> {b}"
+                transposes[(a, b)] = measure_fn(problem.transpose_workload(a, b), repeats=repeats, seed=seed)
+            bar.step(what)
+    finally:
+        bar.close()
+    # Keep the problem's candidate order (defaults first): the solver breaks ties by it.
+    ordered = [{c.key: st_t[c.key] for c in st.candidates if c.key in st_t}
+               for st, st_t in zip(problem.stages, stages)]
+    return Tables(ordered, transposes, complete, time.perf_counter() - start + (known.tuning_s if known else 0.0),
+                  errors)
+
+
+def model_tables(problem: Problem) -> Tables:
+    """The heuristic's tables: modelled seconds for every candidate and transpose."""
+    stages = [{c.key: problem.model_stage(i, c) for c in st.candidates} for i, st in enumerate(problem.stages)]
+    transposes = {(a, b): problem.model_transpose(a, b) for a, b in needed_transposes(problem)}
+    return Tables(stages, transposes)
+
+
+def transpose_cost(tables: Tables):
+    """transpose_cost(a, b) for the solver: the sum of the single-array transposes a
+    label change needs; None where impossible or not measured."""
+    def cost(a: str, b: str):
+        pairs = atomic_transposes(a, b)
+        if pairs is None:
+            return None
+        total = 0.0
+        for p in pairs:
+            t = tables.transposes.get(p)
+            if t is None:
+                return None
+            total += t
+        return total
+
+    return cost
+
+
+def solve(problem: Problem, tables: Tables, source: str) -> Selection:
+    """The shortest path through `tables` as a Selection of `problem`."""
+    names = [st.name for st in problem.stages]
+    ordered = [{c.key: t[c.key] for c in st.candidates if c.key in t} for st, t in zip(problem.stages, tables.stages)]
+    cost_fn = transpose_cost(tables)
+    path, total = shortest_configuration(ordered, cost_fn, names=names)
+    choices, prev = [], None
+    for st, key, table in zip(problem.stages, path, ordered):
+        step = 0.0 if prev is None or prev == key[0] else cost_fn(prev, key[0])
+        choices.append(Choice(st.name, Candidate(*key), table[key], step))
+        prev = key[1]
+    return Selection(problem.kind, tuple(choices), total, source)
