@@ -356,6 +356,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"(with --small: {','.join(SMALL.configs)})")
     p.add_argument("--rows", type=report.csv_choices(ROWS), default=list(ROWS),
                    help=f"comma-separated subset of {','.join(ROWS)} ({BASELINE} is always run: the baseline)")
+    p.add_argument("--layouts", choices=("none", "heuristic", "auto"), default="none",
+                   help="layouts= of the jaxsub rows (d, e, f): 'none' (default configuration), "
+                        "'heuristic', or 'auto' (times candidates on a cache miss: minutes per shape)")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="chart path (default: the JSON path, .png)")
     report.add_run_arguments(p, DEFAULT_JSON, FULL.repeats, SMALL.repeats)
     args = report.parse_run_args(p, argv)
@@ -378,7 +381,7 @@ def main(argv=None) -> int:
         print("note: --small uses reduced sizes (not BERT-large); its timings and ratios mean nothing")
     rate, rate_source = matmul_rate(backend, size.matmul_n, repeats)
     print(f"matmul rate for '% floor': {rate_source}", flush=True)
-    configs = [size.configs[c] for c in args.configs]
+    configs = [dataclasses.replace(size.configs[c], layouts=args.layouts) for c in args.configs]
     plan = [(c, [n for n in args.rows if ROWS[n].stack or not c.stack]) for c in configs]
     progress = report.Progress(sum(2 * len(names) + 1 for _, names in plan))
     rows = []

@@ -48,6 +48,7 @@ class Config:
     layers: int = 1          # > 1: a stack scanned over layers
     rate: float = 0.1
     eps: float = 1e-5
+    layouts: str = "none"    # jaxsub rows' layouts= (issue #6): "none", "heuristic" or "auto"
 
     @property
     def stack(self) -> bool:
@@ -77,8 +78,9 @@ def init_params(cfg: Config, seed: int):
     """The shared parameter tree (stacked for a stack), with biases and norm parameters
     moved off zero / one so a bias routed to the wrong place cannot go unnoticed."""
     x = jax.ShapeDtypeStruct((1, 8, cfg.hidden), cfg.dtype)
-    module = (Encoder(num_layers=cfg.layers, scan_layers=True, **_module_fields(cfg)) if cfg.stack
-              else EncoderLayer(**_module_fields(cfg)))
+    # The parameter tree is the same whatever the layouts: "none" never starts tuning.
+    module = (Encoder(num_layers=cfg.layers, scan_layers=True, layouts="none", **_module_fields(cfg)) if cfg.stack
+              else EncoderLayer(layouts="none", **_module_fields(cfg)))
     params = jax.jit(module.init)(jax.random.key(seed), jnp.zeros(x.shape, x.dtype))["params"]
     params = params["layers"]["layer"] if cfg.stack else params
     rng = np.random.default_rng(seed)
@@ -151,7 +153,7 @@ def _jnp(attention: str, optimized: bool):
         def f(p, x, key):
             return body(p, x, key, cfg=cfg, deterministic=deterministic, attention=attention)
 
-        return jaxsub.optimize(f) if optimized else f
+        return jaxsub.optimize(f, layouts=cfg.layouts) if optimized else f
     return forward
 
 
@@ -166,19 +168,19 @@ def _flax(optimized: bool):
         def f(p, x, key):
             return layer.apply({"params": p}, x, deterministic=deterministic, rngs={"dropout": key})
 
-        return jaxsub.optimize(f) if optimized else f
+        return jaxsub.optimize(f, layouts=cfg.layouts) if optimized else f
     return forward
 
 
 def _jaxsub_module(cfg: Config, deterministic: bool):
     if cfg.stack:
-        module = Encoder(num_layers=cfg.layers, scan_layers=True, **_module_fields(cfg))
+        module = Encoder(num_layers=cfg.layers, scan_layers=True, layouts=cfg.layouts, **_module_fields(cfg))
 
         def f(p, x, key):
             return module.apply({"params": {"layers": {"layer": p}}}, x, deterministic=deterministic,
                                 rngs={"dropout": key})
     else:
-        module = EncoderLayer(**_module_fields(cfg))
+        module = EncoderLayer(layouts=cfg.layouts, **_module_fields(cfg))
 
         def f(p, x, key):
             return module.apply({"params": p}, x, deterministic=deterministic, rngs={"dropout": key})
