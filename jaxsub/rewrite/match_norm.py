@@ -330,7 +330,7 @@ def _bdrln_match(anchor, ln, c):
 
     inputs = dict(x=c.x, bias=c.bias, residual=c.residual, scale=ln.scale, ln_bias=ln.bias,
                   key=c.drop.key if c.drop is not None else None)
-    extra = f", dropout rate={rate:g}" if c.drop is not None else ", no dropout"
+    extra = f", dropout rate={rate:g}{c.drop.note}" if c.drop is not None else ", no dropout"
     return Match(BDRLN, anchor, ln.nodes + c.nodes, inputs, build, _describe(ln, c.x, extra))
 
 

@@ -166,5 +166,5 @@ def match_softmax_dropout(g, anchor, options):
         key = read(drop.key) if drop is not None else None
         return [ops.softmax_dropout(read(x), rate=rate, key=key)]
 
-    desc = f"scores {shapes(x)}" + (f", dropout rate={rate:g}" if drop else ", no dropout")
+    desc = f"scores {shapes(x)}" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
     return Match(SOFTMAX, anchor, nodes, dict(x=x, key=drop.key if drop else None), build, desc)

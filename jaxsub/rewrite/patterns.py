@@ -10,9 +10,11 @@ match is never claimed again. Patterns register with `register`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsub.rewrite import graph as G
 
@@ -119,6 +121,31 @@ def private_violation(g: G.Graph, nodes, anchor, roles=None):
             where = "returned as an output" if g.is_output(r) else "also used elsewhere"
             return f"{role} {r.dtype}{list(r.shape)} ({n.prim}) is {where}"
     return None
+
+
+def narrow(dtype) -> bool:
+    """Whether `dtype` holds fewer digits than float32 (bf16, f16): constants in it are
+    roundings of the values the user wrote."""
+    return jnp.finfo(dtype).eps > jnp.finfo(F32).eps
+
+
+def rounded(value: float, dtype) -> set:
+    """`value` as a constant of `dtype` can hold it: rounded directly, or through float32
+    first (np.float32(v).astype(bf16), or a float32 literal that JAX converts)."""
+    return {float(np.asarray(value, dtype)), float(np.asarray(np.float32(value), dtype))}
+
+
+def same_constant(c: float, value: float, dtype) -> bool:
+    """Whether the constant `c`, held in `dtype`, is `value` as that dtype stores it.
+
+    float32 (and wider) constants must agree to 1e-6, relative; a bf16/f16 constant must be
+    exactly `value` rounded to that dtype, so a value one step away on the dtype's grid
+    (the rounding of another number) is never taken for it."""
+    if c is None or not math.isfinite(c):
+        return False
+    if not narrow(dtype):
+        return abs(c - value) <= 1e-6 * abs(value)
+    return c in rounded(value, dtype)
 
 
 def _nonunit(shape):
