@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout
-from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, private_violation, shapes
+from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation, shapes
 
 SOFTMAX = "softmax_dropout"
 _SHIFT_OPS = ("broadcast_in_dim", "reshape", "transpose", "stop_gradient", "max", "convert_element_type")
@@ -108,6 +110,19 @@ def _softmax_call(node):
     return Softmax(node.ins[0], found.axis, [node], node.outs[0])
 
 
+def _widening(node) -> bool:
+    return jnp.finfo(node.outs[0].dtype).eps < jnp.finfo(node.ins[0].dtype).eps
+
+
+def _narrowed(g: G.Graph, ref, dtype, casts):
+    """The f32 value `ref` is a downcast of to `dtype` (recorded in `casts`), else `ref`."""
+    node = g.op(ref, "convert_element_type")
+    if node is None or ref.dtype != dtype or node.ins[0].dtype != F32 or dtype == F32:
+        return ref
+    casts.append(node)
+    return node.ins[0]
+
+
 def parse(g: G.Graph, ref):
     """The Softmax whose output is `ref`, or None."""
     node = g.producer.get(ref)
@@ -119,15 +134,30 @@ def parse(g: G.Graph, ref):
         return None
     e, denom = node.ins
     exp = g.op(e, "exp")
+    # A softmax in bf16/f16 may sum in f32: e / downcast(sum(upcast(e))), the downcast
+    # before or after the keepdims broadcast. The fused op does exactly that (f32 sum,
+    # output in e's dtype), so the two converts belong to the softmax.
+    casts = []
+    denom = _narrowed(g, denom, e.dtype, casts)
     bcast = g.producer.get(denom)
-    red = g.op(bcast.ins[0], "reduce_sum") if bcast is not None and bcast.ins else None
-    if exp is None or red is None or red.ins[0] is not e or len(red.params["axes"]) != 1:
+    if exp is None or bcast is None or not bcast.ins:
+        return None
+    red = g.op(_narrowed(g, bcast.ins[0], e.dtype, casts), "reduce_sum")
+    if red is None or len(red.params["axes"]) != 1 or len(casts) > 1:
+        return None
+    summed = red.ins[0]
+    if summed is not e:
+        up = g.op(summed, "convert_element_type")
+        if up is None or up.ins[0] is not e or not casts or not _widening(up):
+            return None
+        casts.append(up)
+    elif casts:
         return None
     axis = int(red.params["axes"][0])
     kept = _keepdims(g, denom, e.shape, axis)
-    if kept is None or kept[0] is not red.outs[0]:
+    if kept is None or kept[0] is not bcast.ins[0]:
         return None
-    nodes = [node, kept[1], red, exp]
+    nodes = [node, kept[1], red, exp, *casts]
     x = exp.ins[0]
     sub = g.op(x, "sub")
     if sub is not None and sub.ins[0].shape == x.shape:
