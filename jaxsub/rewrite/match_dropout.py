@@ -12,9 +12,9 @@ call site keeps its own key (after the user's `split`/`fold_in`), the keep proba
 is the same (rounded to 1/65536), but the bits differ from `jax.random.bernoulli`'s.
 
 The rate comes from bernoulli's keep probability, a float32 scalar even in bf16/f16
-code. The scale 1 / p must be that p: to 1e-6 in float32, and in bf16/f16 (where
-`h / jnp.asarray(1 - rate, h.dtype)` divides by 0.8984375 for rate 0.1) exactly p or
-1 / p rounded to that dtype. The fused op scales by 1 / p in float32 instead of the
+code. The scale's constant (p divided by, or 1 / p multiplied by) must be that p's: to
+1e-6 in float32, and in bf16/f16 (where `h / jnp.asarray(1 - rate, h.dtype)` divides by
+0.8984375 for rate 0.1) exactly p or 1 / p rounded to that dtype. The fused op scales by 1 / p in float32 instead of the
 rounded constant, a difference below the dtype's rounding of the result (0.17% for
 bf16's 0.8984375 against its 0.39% half-ulp); `Dropout.note` says so in explain().
 """

@@ -5,7 +5,8 @@ Layer norm is recognized from its parts rather than from one spelling:
   centered = x - mean(x), mean = reduce_sum(x, last axis) / N,
   rstd     = rsqrt(var + eps) | 1 / sqrt(var + eps) | a division by sqrt(var + eps),
   var      = mean((x - mean)^2) | mean(x^2) - mean^2 (optionally max(0, .)) | jnp.var,
-the product in any association and with unit-axis reshapes/broadcasts anywhere. This
+the product in any association and with unit-axis reshapes/broadcasts anywhere; scale
+and bias may be bf16/f16 parameters upcast to f32 (flax.linen.LayerNorm). This
 covers hand-written jnp, flax.linen.LayerNorm (fast variance or not, any dtype) and
 flax.nnx.LayerNorm. eps is read from the constant. Reductions over another axis are
 near-misses.

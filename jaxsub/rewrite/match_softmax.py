@@ -7,7 +7,8 @@ transpose/reshape/convert of x) through max/broadcast/transpose/reshape/stop_gra
 Softmax is shift-invariant, so the shift only has to be constant along a; which row
 statistic it is changes rounding, never the value. This covers jax.nn.softmax without
 the `jax_softmax_custom_jvp` flag, written-out max/exp/sum/div, and the transposed chain
-of jax.nn.dot_product_attention. With the flag, jax.nn.softmax is a `custom_jvp_call`;
+of jax.nn.dot_product_attention. In bf16/f16 the sum may be taken in f32,
+e / downcast(reduce_sum(upcast(e))), as flax.linen attention does. With the flag, jax.nn.softmax is a `custom_jvp_call`;
 the whole call is matched when its body is such a softmax of its first operand (its
 derivative rule is then replaced by the fused op's, which computes the same derivative).
 
