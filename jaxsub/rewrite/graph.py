@@ -15,6 +15,7 @@ import os
 from collections import Counter
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -107,6 +108,21 @@ class Graph:
             return float(np.asarray(val).reshape(()))
         except (TypeError, ValueError):
             return None
+
+    def precision(self, ref):
+        """The narrowest float dtype a constant passed through on its way to `ref` (its own
+        dtype, or that of a literal it was converted from: a bf16 constant upcast to f32
+        still only holds bf16's digits). Folded values hide such converts from `scalar`,
+        so this walks the producers whatever their values."""
+        best = None
+        while True:
+            if jnp.issubdtype(ref.dtype, jnp.floating) and (
+                    best is None or jnp.finfo(ref.dtype).eps > jnp.finfo(best).eps):
+                best = jnp.dtype(ref.dtype)
+            node = self.op(ref, "broadcast_in_dim", "reshape", "convert_element_type")
+            if node is None:
+                return best if best is not None else jnp.dtype(jnp.float32)
+            ref = node.ins[0]
 
 
 def bind(eqn, vals):

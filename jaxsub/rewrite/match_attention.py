@@ -487,7 +487,7 @@ def _describe(att, causal, rate):
         parts.append("causal")
     for m in att.masks:
         parts.append(("boolean" if m.boolean else "additive") + f" mask {shapes(m.ref)}")
-    parts.append(f"dropout rate={rate:g}" if rate else "no dropout")
+    parts.append(f"dropout rate={rate:g}{att.drop.note}" if rate else "no dropout")
     fills = [m.fill for m in att.masks if m.boolean] + ([att.causal_fill] if causal else [])
     if any(np.isfinite(f) for f in fills):
         parts.append("fully-masked rows give 0 instead of the mean of v")

@@ -10,6 +10,13 @@ Division by p may also be multiplication by 1 / p. The mask must have h's shape
 The fused kernels draw their own mask from the *same key* that fed `bernoulli`, so every
 call site keeps its own key (after the user's `split`/`fold_in`), the keep probability
 is the same (rounded to 1/65536), but the bits differ from `jax.random.bernoulli`'s.
+
+The rate comes from bernoulli's keep probability, a float32 scalar even in bf16/f16
+code. The scale's constant (p divided by, or 1 / p multiplied by) must be that p's: to
+1e-6 in float32, and in bf16/f16 (where `h / jnp.asarray(1 - rate, h.dtype)` divides by
+0.8984375 for rate 0.1) exactly p or 1 / p rounded to that dtype. The fused op scales by 1 / p in float32 instead of the
+rounded constant, a difference below the dtype's rounding of the result (0.17% for
+bf16's 0.8984375 against its 0.39% half-ulp); `Dropout.note` says so in explain().
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxsub.rewrite import graph as G
+from jaxsub.rewrite.patterns import same_constant
 
 NOT_REWRITTEN = "dropout not rewritten (rewrite_dropout=False)"
 
@@ -28,6 +36,17 @@ class Dropout:
     rate: float
     nodes: list       # nodes of the dropout itself, mask generation included
     bernoulli: G.Node
+    scale: float = 0.0        # the user's scale as the program holds it (1 / p rounded)
+    scale_dtype: object = None
+
+    @property
+    def note(self) -> str:
+        """For explain(): the user's scale when it is a bf16/f16 rounding of 1 / (1 - rate)."""
+        exact = 1.0 / (1.0 - self.rate)
+        if self.scale_dtype is None or abs(self.scale - exact) <= 1e-6 * exact:
+            return ""
+        return (f" (rate from bernoulli's keep probability; the program's scale {self.scale:.6g} is "
+                f"1/(1-rate) through a {self.scale_dtype.name} constant, the fused op's {exact:.6g})")
 
 
 def _rate(p):
@@ -44,19 +63,20 @@ def _bernoulli(g: G.Graph, mask):
 
 
 def _scaled(g: G.Graph, ref, p):
-    """(h, node) when ref = h / p or h * (1 / p)."""
+    """(h, node, scale, dtype) when ref = h / p or h * (1 / p), with the constant p or 1 / p
+    as `ref`'s dtype (or a narrower one it was converted from) stores it."""
     node = g.op(ref, "div", "mul")
     if node is None:
         return None
     for h, c in (node.ins, node.ins[::-1]):
         k = g.scalar(c)
-        if k is None:
+        if k is None or k == 0.0 or (node.prim == "div" and c is not node.ins[1]):
             continue
-        factor = 1.0 / k if node.prim == "div" else k
-        if node.prim == "div" and c is not node.ins[1]:
-            continue
-        if abs(factor * p - 1.0) <= 1e-6:
-            return h, node
+        dtype = g.precision(c)
+        if node.prim == "div" and same_constant(k, p, dtype):
+            return h, node, 1.0 / k, dtype
+        if node.prim == "mul" and same_constant(k, 1.0 / p, dtype):
+            return h, node, k, dtype
     return None
 
 
@@ -73,7 +93,7 @@ def _masked(g: G.Graph, ref, shape):
 
 
 def _mask_over_p(g: G.Graph, ref, shape):
-    """(bernoulli node, p, nodes) when ref = convert(mask) / p (or * 1 / p)."""
+    """(bernoulli node, p, nodes, _scaled's answer) when ref = convert(mask) / p (or * 1 / p)."""
     node = g.op(ref, "div", "mul")
     if node is None:
         return None
@@ -82,7 +102,7 @@ def _mask_over_p(g: G.Graph, ref, shape):
         found = _bernoulli(g, conv.ins[0]) if conv is not None and conv.ins[0].shape == shape else None
         scaled = _scaled(g, ref, found[1]) if found is not None else None
         if scaled is not None and scaled[0] is m:
-            return found[0], found[1], [node, conv]
+            return found[0], found[1], [node, conv], scaled
     return None
 
 
@@ -101,8 +121,8 @@ def parse(g: G.Graph, ref):
         scaled = _scaled(g, kept, p)
         if scaled is None:
             return None
-        h, div = scaled
-        return Dropout(h, bern.ins[0], _rate(p), [node, div, bern], bern)
+        h, div = scaled[:2]
+        return Dropout(h, bern.ins[0], _rate(p), [node, div, bern], bern, *scaled[2:])
     if node.prim == "div" or node.prim == "mul":
         # (h * mask) / p
         for inner_ref in node.ins:
@@ -115,14 +135,14 @@ def parse(g: G.Graph, ref):
             if scaled is None or scaled[0] is not inner_ref:
                 continue
             bern, p = found
-            return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern)
+            return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern, *scaled[2:])
         # h * (mask / p)
         if node.prim == "mul":
             for h, m in (node.ins, node.ins[::-1]):
                 found = _mask_over_p(g, m, shape)
                 if found is not None and h.shape == shape:
-                    bern, p, mnodes = found
-                    return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern)
+                    bern, p, mnodes, scaled = found
+                    return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern, *scaled[2:])
         # (h / p) * mask
         masked = _masked(g, ref, shape)
         if masked is not None:
@@ -132,5 +152,6 @@ def parse(g: G.Graph, ref):
                 scaled = _scaled(g, scaled_ref, found[1])
                 if scaled is not None:
                     bern, p = found
-                    return Dropout(scaled[0], bern.ins[0], _rate(p), [*mnodes, scaled[1], bern], bern)
+                    return Dropout(scaled[0], bern.ins[0], _rate(p), [*mnodes, scaled[1], bern], bern,
+                                   *scaled[2:])
     return None

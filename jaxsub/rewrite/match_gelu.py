@@ -7,8 +7,15 @@ activation's output -- it must read nothing but v and scalar constants, use only
 arithmetic, erf/erfc/tanh and float converts, and contain erf/erfc (exact) or tanh
 (approximate) -- and evaluates it in float64 on probe points spanning the activation's
 curved region and both tails. It is accepted when it agrees with that GELU to 1e-6
-everywhere; the two GELUs differ by up to 2e-2 there, and a wrong constant or operator
-moves some probe by far more, so the check separates them with a wide margin.
+everywhere; the two GELUs differ by up to 5e-4 there (relative to 1 + |gelu|), and a
+wrong constant or operator moves some probe by far more.
+
+In bf16/f16 code the constants are roundings (sqrt(1/2) is 0.70703125 in bf16), which
+moves the function by far more than 1e-6. Such a constant is evaluated as the GELU
+constant it is the rounding of (see `_KNOWN`), only when it is exactly that rounding in
+the dtype it is held in; any other narrow constant is evaluated as it is and then fails
+the 1e-6 check unless it is exact (0.5, 1, 3). So in bf16 0.80078125 (0.8 rounded) is
+not taken for sqrt(2/pi) (0.796875): it is the next value of bf16's grid.
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ import numpy as np
 
 from jaxsub import ops
 from jaxsub.rewrite import match_dropout
-from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation,
-                                     shapes, split_vec)
+from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Match, NearMiss, narrow, private_violation,
+                                     rounded, shapes, split_vec)
 
 BGD = "bias_gelu_dropout"
 _MAX_NODES = 24
@@ -41,6 +48,26 @@ _EVAL = {
     "copy": lambda a: a,
     "convert_element_type": lambda a: a,
 }
+
+
+# Irrational constants of GELU's spellings, which bf16/f16 code holds rounded.
+_KNOWN = (math.sqrt(2.0), math.sqrt(0.5), math.sqrt(2.0 / math.pi), 0.044715,
+          0.044715 * math.sqrt(2.0 / math.pi), math.sqrt(math.pi / 2.0), 1.0 / math.sqrt(math.pi),
+          2.0 / math.sqrt(math.pi))
+
+
+def _constant(g, ref):
+    """The value a scalar constant of the subgraph is evaluated with: the GELU constant it
+    is the bf16/f16 rounding of, else its own value."""
+    c = g.scalar(ref)
+    dtype = g.precision(ref)
+    if c is None or not narrow(dtype):
+        return c
+    for k in _KNOWN:
+        for value in (k, -k):
+            if c in rounded(value, dtype):
+                return value
+    return c
 
 
 def _exact(t):
@@ -99,7 +126,7 @@ def _subgraph(g, out):
 def _evaluate(g, order, leaf, out):
     vals = {leaf: _PROBES}
     for node in order:
-        args = [vals[r] if r in vals else g.scalar(r) for r in node.ins]
+        args = [vals[r] if r in vals else _constant(g, r) for r in node.ins]
         if node.prim == "integer_pow":
             vals[node.outs[0]] = args[0] ** node.params["y"]
         else:
@@ -154,6 +181,6 @@ def match_bias_gelu_dropout(g, anchor, options):
                                       approximate=approximate)]
 
     kind = "tanh" if approximate else "exact"
-    desc = f"x {shapes(x)}, {kind} GELU" + (f", dropout rate={rate:g}" if drop else ", no dropout")
+    desc = f"x {shapes(x)}, {kind} GELU" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
     return Match(BGD, anchor, nodes if anchor in nodes else [anchor, *nodes],
                  dict(x=x, bias=bias, key=drop.key if drop else None), build, desc)

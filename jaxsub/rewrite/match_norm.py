@@ -5,7 +5,8 @@ Layer norm is recognized from its parts rather than from one spelling:
   centered = x - mean(x), mean = reduce_sum(x, last axis) / N,
   rstd     = rsqrt(var + eps) | 1 / sqrt(var + eps) | a division by sqrt(var + eps),
   var      = mean((x - mean)^2) | mean(x^2) - mean^2 (optionally max(0, .)) | jnp.var,
-the product in any association and with unit-axis reshapes/broadcasts anywhere. This
+the product in any association and with unit-axis reshapes/broadcasts anywhere; scale
+and bias may be bf16/f16 parameters upcast to f32 (flax.linen.LayerNorm). This
 covers hand-written jnp, flax.linen.LayerNorm (fast variance or not, any dtype) and
 flax.nnx.LayerNorm. eps is read from the constant. Reductions over another axis are
 near-misses.
@@ -191,7 +192,7 @@ def _parse_ln(g, anchor):
         node = g.producer.get(ref)
     bias = scale = None
     if node is not None and node.prim == "add":
-        split = split_vec(g, node, n)
+        split = split_vec(g, node, n, upcast=True)
         if split is not None:
             p.take([node], "normalized value")
             ref, bias = split
@@ -211,8 +212,8 @@ def _parse_ln(g, anchor):
             centered = 1
         elif sign > 0 and g.scalar(f) == 1.0:
             continue
-        elif sign > 0 and scale is None and strip_vec(g, f, n) is not None:
-            scale = strip_vec(g, f, n)
+        elif sign > 0 and scale is None and strip_vec(g, f, n, upcast=True) is not None:
+            scale = strip_vec(g, f, n, upcast=True)
         else:
             return None
     if var_eps is None or not centered:
@@ -249,9 +250,19 @@ def _parse_ln(g, anchor):
         x = p.xs[0]
     if x.dtype not in ACTIVATION_DTYPES or x.dtype != out.dtype:
         return None
-    if any(v is not None and v.dtype not in (x.dtype, F32) for v in (scale, bias)):
+    if any(v is not None and v.dtype not in ACTIVATION_DTYPES for v in (scale, bias)):
         return None
     return _LN(x, scale, bias, eps, p.nodes, p.roles, bool(upcasts), p.stats[0].nodes[-1])
+
+
+def _param(read, ref, x):
+    """A scale/bias for the fused op, which takes x's dtype or float32. The matcher looks
+    through exact bf16/f16 -> f32 upcasts of parameters (flax.linen.LayerNorm upcasts
+    them for its f32 statistics), so a parameter of another dtype is upcast again here."""
+    if ref is None:
+        return None
+    val = read(ref)
+    return val if val.dtype in (x.dtype, F32) else val.astype(F32)
 
 
 @dataclasses.dataclass
@@ -322,15 +333,14 @@ def _bdrln_match(anchor, ln, c):
 
     def build(read):
         key = read(c.drop.key) if c.drop is not None else None
+        x = read(c.x)
         return [ops.bias_dropout_residual_layer_norm(
-            read(c.x), read(c.bias) if c.bias is not None else None, read(c.residual),
-            read(ln.scale) if ln.scale is not None else None,
-            read(ln.bias) if ln.bias is not None else None,
-            rate=rate, key=key, eps=ln.eps)]
+            x, read(c.bias) if c.bias is not None else None, read(c.residual),
+            _param(read, ln.scale, x), _param(read, ln.bias, x), rate=rate, key=key, eps=ln.eps)]
 
     inputs = dict(x=c.x, bias=c.bias, residual=c.residual, scale=ln.scale, ln_bias=ln.bias,
                   key=c.drop.key if c.drop is not None else None)
-    extra = f", dropout rate={rate:g}" if c.drop is not None else ", no dropout"
+    extra = f", dropout rate={rate:g}{c.drop.note}" if c.drop is not None else ", no dropout"
     return Match(BDRLN, anchor, ln.nodes + c.nodes, inputs, build, _describe(ln, c.x, extra))
 
 
@@ -349,8 +359,8 @@ def match_layer_norm(g, anchor, options):
         return bdrln
 
     def build(read):
-        return [ops.layer_norm(read(ln.x), read(ln.scale) if ln.scale is not None else None,
-                               read(ln.bias) if ln.bias is not None else None, eps=ln.eps)]
+        x = read(ln.x)
+        return [ops.layer_norm(x, _param(read, ln.scale, x), _param(read, ln.bias, x), eps=ln.eps)]
 
     return Match(LN, anchor, ln.nodes, dict(x=ln.x, scale=ln.scale, bias=ln.bias), build,
                  _describe(ln, ln.x), near_misses=misses)

@@ -7,7 +7,8 @@ transpose/reshape/convert of x) through max/broadcast/transpose/reshape/stop_gra
 Softmax is shift-invariant, so the shift only has to be constant along a; which row
 statistic it is changes rounding, never the value. This covers jax.nn.softmax without
 the `jax_softmax_custom_jvp` flag, written-out max/exp/sum/div, and the transposed chain
-of jax.nn.dot_product_attention. With the flag, jax.nn.softmax is a `custom_jvp_call`;
+of jax.nn.dot_product_attention. In bf16/f16 the sum may be taken in f32,
+e / downcast(reduce_sum(upcast(e))), as flax.linen attention does. With the flag, jax.nn.softmax is a `custom_jvp_call`;
 the whole call is matched when its body is such a softmax of its first operand (its
 derivative rule is then replaced by the fused op's, which computes the same derivative).
 
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout
-from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, private_violation, shapes
+from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation, shapes
 
 SOFTMAX = "softmax_dropout"
 _SHIFT_OPS = ("broadcast_in_dim", "reshape", "transpose", "stop_gradient", "max", "convert_element_type")
@@ -108,6 +111,19 @@ def _softmax_call(node):
     return Softmax(node.ins[0], found.axis, [node], node.outs[0])
 
 
+def _widening(node) -> bool:
+    return jnp.finfo(node.outs[0].dtype).eps < jnp.finfo(node.ins[0].dtype).eps
+
+
+def _narrowed(g: G.Graph, ref, dtype, casts):
+    """The f32 value `ref` is a downcast of to `dtype` (recorded in `casts`), else `ref`."""
+    node = g.op(ref, "convert_element_type")
+    if node is None or ref.dtype != dtype or node.ins[0].dtype != F32 or dtype == F32:
+        return ref
+    casts.append(node)
+    return node.ins[0]
+
+
 def parse(g: G.Graph, ref):
     """The Softmax whose output is `ref`, or None."""
     node = g.producer.get(ref)
@@ -119,15 +135,30 @@ def parse(g: G.Graph, ref):
         return None
     e, denom = node.ins
     exp = g.op(e, "exp")
+    # A softmax in bf16/f16 may sum in f32: e / downcast(sum(upcast(e))), the downcast
+    # before or after the keepdims broadcast. The fused op does exactly that (f32 sum,
+    # output in e's dtype), so the two converts belong to the softmax.
+    casts = []
+    denom = _narrowed(g, denom, e.dtype, casts)
     bcast = g.producer.get(denom)
-    red = g.op(bcast.ins[0], "reduce_sum") if bcast is not None and bcast.ins else None
-    if exp is None or red is None or red.ins[0] is not e or len(red.params["axes"]) != 1:
+    if exp is None or bcast is None or not bcast.ins:
+        return None
+    red = g.op(_narrowed(g, bcast.ins[0], e.dtype, casts), "reduce_sum")
+    if red is None or len(red.params["axes"]) != 1 or len(casts) > 1:
+        return None
+    summed = red.ins[0]
+    if summed is not e:
+        up = g.op(summed, "convert_element_type")
+        if up is None or up.ins[0] is not e or not casts or not _widening(up):
+            return None
+        casts.append(up)
+    elif casts:
         return None
     axis = int(red.params["axes"][0])
     kept = _keepdims(g, denom, e.shape, axis)
-    if kept is None or kept[0] is not red.outs[0]:
+    if kept is None or kept[0] is not bcast.ins[0]:
         return None
-    nodes = [node, kept[1], red, exp]
+    nodes = [node, kept[1], red, exp, *casts]
     x = exp.ins[0]
     sub = g.op(x, "sub")
     if sub is not None and sub.ins[0].shape == x.shape:
@@ -166,5 +197,5 @@ def match_softmax_dropout(g, anchor, options):
         key = read(drop.key) if drop is not None else None
         return [ops.softmax_dropout(read(x), rate=rate, key=key)]
 
-    desc = f"scores {shapes(x)}" + (f", dropout rate={rate:g}" if drop else ", no dropout")
+    desc = f"scores {shapes(x)}" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
     return Match(SOFTMAX, anchor, nodes, dict(x=x, key=drop.key if drop else None), build, desc)

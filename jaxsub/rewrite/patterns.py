@@ -10,9 +10,11 @@ match is never claimed again. Patterns register with `register`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsub.rewrite import graph as G
 
@@ -121,6 +123,31 @@ def private_violation(g: G.Graph, nodes, anchor, roles=None):
     return None
 
 
+def narrow(dtype) -> bool:
+    """Whether `dtype` holds fewer digits than float32 (bf16, f16): constants in it are
+    roundings of the values the user wrote."""
+    return jnp.finfo(dtype).eps > jnp.finfo(F32).eps
+
+
+def rounded(value: float, dtype) -> set:
+    """`value` as a constant of `dtype` can hold it: rounded directly, or through float32
+    first (np.float32(v).astype(bf16), or a float32 literal that JAX converts)."""
+    return {float(np.asarray(value, dtype)), float(np.asarray(np.float32(value), dtype))}
+
+
+def same_constant(c: float, value: float, dtype) -> bool:
+    """Whether the constant `c`, held in `dtype`, is `value` as that dtype stores it.
+
+    float32 (and wider) constants must agree to 1e-6, relative; a bf16/f16 constant must be
+    exactly `value` rounded to that dtype, so a value one step away on the dtype's grid
+    (the rounding of another number) is never taken for it."""
+    if c is None or not math.isfinite(c):
+        return False
+    if not narrow(dtype):
+        return abs(c - value) <= 1e-6 * abs(value)
+    return c in rounded(value, dtype)
+
+
 def _nonunit(shape):
     return tuple(d for d in shape if d != 1)
 
@@ -145,15 +172,29 @@ def strip_row(g: G.Graph, ref):
         ref = src
 
 
-def strip_vec(g: G.Graph, ref, n: int):
+def _upcast(node) -> bool:
+    """An exact widening convert: bf16/f16 to float32."""
+    return (node.prim == "convert_element_type" and node.outs[0].dtype == F32
+            and node.ins[0].dtype in ACTIVATION_DTYPES)
+
+
+def strip_vec(g: G.Graph, ref, n: int, upcast: bool = False):
     """The [n] vector behind `ref` when `ref` is that vector reshaped/broadcast along the
-    last axis; None otherwise."""
+    last axis (with `upcast`, also converted from bf16/f16 to float32, which is exact);
+    None otherwise."""
     while True:
-        if ref.shape == (n,):
+        if ref.shape == (n,) and not (upcast and g.op(ref, "convert_element_type")
+                                      and _upcast(g.producer[ref])):
             return ref
-        node = g.op(ref, *G.UNIT_SHAPE_OPS)
+        prims = (*G.UNIT_SHAPE_OPS, "convert_element_type") if upcast else G.UNIT_SHAPE_OPS
+        node = g.op(ref, *prims)
         if node is None or not ref.shape or ref.shape[-1] != n:
-            return None
+            return ref if ref.shape == (n,) else None
+        if node.prim == "convert_element_type":
+            if not _upcast(node):
+                return ref if ref.shape == (n,) else None
+            ref = node.ins[0]
+            continue
         src = node.ins[0]
         if not src.shape or src.shape[-1] != n or _nonunit(src.shape) != (n,):
             return None
@@ -162,7 +203,7 @@ def strip_vec(g: G.Graph, ref, n: int):
         ref = src
 
 
-def split_vec(g: G.Graph, node, n: int):
+def split_vec(g: G.Graph, node, n: int, upcast: bool = False):
     """For a binary `node` with one operand an [n] vector along the last axis and the other
     a full tensor of the node's shape: (full operand, vector). Else None."""
     if len(node.ins) != 2:
@@ -170,7 +211,7 @@ def split_vec(g: G.Graph, node, n: int):
     for full, other in (node.ins, node.ins[::-1]):
         if full.shape != node.outs[0].shape:
             continue
-        vec = strip_vec(g, other, n)
+        vec = strip_vec(g, other, n, upcast)
         if vec is not None and vec is not full:
             return full, vec
     return None

@@ -1,0 +1,166 @@
+"""jaxsub.optimize on the BERT encoder layer in bfloat16 and float16 (CPU).
+
+Low-precision code spells the patterns differently from float32: constants are rounded to
+the activation dtype (the dropout scale 1 / 0.8984375 for rate 0.1 in bf16, sqrt(1/2) as
+0.70703125 in GELU), flax.linen.LayerNorm upcasts x, scale and bias to f32 for its
+statistics, Flax's softmax sums exp(x) in f32 and divides in bf16. Each layer form --
+bench/layers.py's hand-written jnp layer and jaxsub.flax.ReferenceEncoderLayer with
+param_dtype equal to the compute dtype or float32 -- must still be matched whole: one
+attention, two BDRLNs, one bias+GELU+dropout, forward and backward targets in the lowered
+HLO, and the same values and gradients as the original in deterministic mode.
+"""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsub
+from bench import layers as L
+from jaxsub.flax import ReferenceEncoderLayer, to_flax_params
+from jaxsub.testing import assert_close
+
+B, S, E, H, F = 2, 16, 64, 4, 128
+DTYPES = [jnp.bfloat16, jnp.float16]
+FORMS = ["jnp", "flax", "flax_f32_params"]
+TOTALS = {"attention": 1, "bias_dropout_residual_layer_norm": 2, "bias_gelu_dropout": 1}
+# On CPU ops.attention runs the unfused path: a softmax_dropout kernel between XLA matmuls.
+FWD = {"attention_or_softmax": 1, "jaxsub_bdrln_fwd": 2, "jaxsub_bias_gelu_dropout_fwd": 1}
+
+
+def _config(dtype):
+    return L.Config("test", B, S, E, H, F, dtype)
+
+
+def _layer(form, dtype, deterministic):
+    """(f(params, x, key), params, x) for one form of the layer."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, S, E), np.float32), dtype)
+    if form == "jnp":
+        cfg = _config(dtype)
+        return L.ROWS["xla"].forward(cfg, deterministic), L.init_params(cfg, 0), x
+    param_dtype = jnp.float32 if form == "flax_f32_params" else dtype
+    layer = ReferenceEncoderLayer(num_heads=H, mlp_dim=F, dropout_rate=0.1, attention_dropout_rate=0.1,
+                                  dtype=dtype, param_dtype=param_dtype)
+
+    def f(p, x, key):
+        return layer.apply({"params": p}, x, deterministic=deterministic, rngs={"dropout": key})
+
+    # Shared tree with biases and norm parameters off 0 / 1, in the parameter dtype.
+    return f, to_flax_params(L.init_params(_config(param_dtype), 0)), x
+
+
+def _targets(f, *args):
+    text = jax.jit(f).lower(*args).as_text()
+    return collections.Counter(re.findall(r"@(jaxsub_\w+)\(", text))
+
+
+def _fwd_counts(c):
+    return {"attention_or_softmax": c["jaxsub_attention_fwd"] + c["jaxsub_softmax_dropout_fwd"],
+            "jaxsub_bdrln_fwd": c["jaxsub_bdrln_fwd"],
+            "jaxsub_bias_gelu_dropout_fwd": c["jaxsub_bias_gelu_dropout_fwd"]}
+
+
+def _bwd_counts(c):
+    return {"attention_or_softmax": c["jaxsub_attention_bwd"] + c["jaxsub_softmax_dropout_bwd"],
+            "jaxsub_bdrln_bwd": c["jaxsub_bdrln_bwd"],
+            "jaxsub_bias_gelu_dropout_bwd": c["jaxsub_bias_gelu_dropout_bwd"]}
+
+
+def _loss(f, dy):
+    return lambda p, x, key: jnp.sum(f(p, x, key).astype(jnp.float32) * dy)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["dropout", "deterministic"])
+def test_layer_fully_matched(form, dtype, deterministic):
+    f, params, x = _layer(form, dtype, deterministic)
+    key = jax.random.key(1)
+    report = jaxsub.explain(f, params, x, key)
+    assert dict(report.totals) == TOTALS, str(report)
+    assert not report.near_misses, str(report)
+    opt = jaxsub.optimize(f)
+    assert _fwd_counts(_targets(opt, params, x, key)) == FWD
+    dy = jnp.asarray(np.random.default_rng(9).standard_normal((B, S, E), np.float32))
+    grads = _targets(jax.grad(_loss(opt, dy), (0, 1)), params, x, key)
+    assert _bwd_counts(grads) == {"attention_or_softmax": 1, "jaxsub_bdrln_bwd": 2,
+                                  "jaxsub_bias_gelu_dropout_bwd": 1}
+    assert _fwd_counts(grads) == FWD
+    if not deterministic:
+        name = jnp.dtype(dtype).name
+        # The rate is bernoulli's keep probability, not the rounded scale.
+        assert all("dropout rate=0.1 " in m.detail and f"through a {name} constant" in m.detail
+                   for m in report.matches), str(report)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_layer_deterministic_values_and_gradients(form, dtype):
+    f, params, x = _layer(form, dtype, True)
+    key = jax.random.key(1)
+    opt = jaxsub.optimize(f)
+    out, ref = jax.jit(opt)(params, x, key), jax.jit(f)(params, x, key)
+    assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
+    assert_close(out, ref, dtype, reduction=F, what="value")
+    dy = jnp.asarray(np.random.default_rng(9).standard_normal((B, S, E), np.float32))
+    grads = jax.jit(jax.grad(_loss(opt, dy), (0, 1)))(params, x, key)
+    refs = jax.jit(jax.grad(_loss(f, dy), (0, 1)))(params, x, key)
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    for (path, g), r in zip(flat, jax.tree.leaves(refs)):
+        assert g.dtype == r.dtype and g.shape == r.shape, jax.tree_util.keystr(path)
+        assert_close(g, r, dtype, reduction=B * S * F, grad=True, what=jax.tree_util.keystr(path))
+
+
+# ---------------------------------------------------------------------------------------
+# Rounded constants are taken only for what they are the rounding of.
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_dropout_scale_one_step_off_is_not_dropout(dtype):
+    """A scale constant one step of the dtype's grid away from 1 - rate is not 1 - rate."""
+    x, b = (jnp.ones((8, E), dtype), jnp.ones((E,), dtype))
+    keep = jnp.asarray(0.9, dtype)
+    off = jnp.nextafter(keep, jnp.asarray(2.0, dtype))
+
+    def block(scale):
+        def f(x, b, key):
+            h = jax.nn.gelu(x + b, approximate=False)
+            mask = jax.random.bernoulli(key, 0.9, h.shape)
+            return jnp.where(mask, h / scale, jnp.zeros((), dtype))
+        return f
+
+    key = jax.random.key(0)
+    good = jaxsub.explain(block(keep), x, b, key)
+    assert len(good.matches) == 1 and "dropout rate=0.1 " in good.matches[0].detail, str(good)
+    bad = jaxsub.explain(block(off), x, b, key)
+    # bias+GELU is still fused, without the dropout next to it.
+    assert len(bad.matches) == 1 and bad.matches[0].detail.endswith("no dropout"), str(bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_gelu_rounded_constants(dtype):
+    def tanh_gelu(x, b):
+        v = x + b
+        return (v * 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v * v * v)))).astype(dtype)
+
+    def erf_gelu(x, b):
+        v = x + b
+        return (0.5 * v * (1.0 + jax.lax.erf(v / jnp.asarray(np.sqrt(2.0), dtype)))).astype(dtype)
+
+    def wrong_tanh(x, b):  # 0.8 for sqrt(2/pi): the next bf16 value, not its rounding
+        v = x + b
+        return (0.5 * v * (1.0 + jnp.tanh(jnp.asarray(0.8, dtype) * (v + 0.044715 * v ** 3)))).astype(dtype)
+
+    def wrong_erf(x, b):
+        v = x + b
+        return (0.5 * v * (1.0 + jax.lax.erf(v / jnp.asarray(1.4, dtype)))).astype(dtype)
+
+    x, b = jnp.ones((8, E), dtype), jnp.ones((E,), dtype)
+    for fn in (tanh_gelu, erf_gelu, lambda x, b: jax.nn.gelu(x + b, approximate=True),
+               lambda x, b: jax.nn.gelu(x + b, approximate=False)):
+        assert dict(jaxsub.explain(fn, x, b).totals) == {"bias_gelu_dropout": 1}
+    for fn in (wrong_tanh, wrong_erf):
+        assert not jaxsub.explain(fn, x, b).matches
