@@ -238,3 +238,11 @@ def test_encoder_byte_counts_read_every_report_shape(monkeypatch):
 
     monkeypatch.setattr(bench_encoder.jaxsub, "analyze", lambda fn, *args: Report(), raising=False)
     assert bench_encoder.analytic_bytes(None, ()) == (1234.0, {"bytes": 1234, "flops": 5})
+
+
+def test_pass_time_reports_both_stacks(capsys):
+    from bench import pass_time
+
+    assert pass_time.main(["--layers", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2-layer stack" in out and "lax.scan" in out and "unrolled" in out and "match" in out
