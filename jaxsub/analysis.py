@@ -41,14 +41,13 @@ import functools
 import json
 import math
 import os
-import statistics
-import time as _time
 import warnings
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxsub import _timing
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import interpreter
 from jaxsub.rewrite import patterns as P
@@ -388,13 +387,7 @@ def _flat(fn, args, kwargs):
 
 def _median_s(fn, args, repeats: int = 20) -> float:
     """Median wall time of fn(*args) run to completion, after a warm-up call."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = _time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(_time.perf_counter() - start)
-    return statistics.median(samples)
+    return _timing.median_time(fn, args, repeats, warmup=1)
 
 
 @functools.cache

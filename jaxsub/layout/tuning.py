@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from jaxsub import _timing
 from jaxsub.layout.problem import Candidate, Choice, Problem, Selection, atomic_transposes
 from jaxsub.layout.solver import shortest_configuration
 
@@ -131,13 +132,7 @@ def _loop(workload, k: int, n: int | None, result):
     return jax.jit(lambda diffs, auxs, cots: run(diffs, auxs, cots))
 
 
-def _median_time(fn, args, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+_median_time = _timing.median_time
 
 
 def measure(workload, *, repeats: int = 5, n1: int = 2, target_s: float = 0.01, max_n: int = 1000, seed: int = 0,
