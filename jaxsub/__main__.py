@@ -40,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--causal", action="store_true")
     t.add_argument("--padding-mask", action="store_true", help="a boolean key-padding mask [B, S]")
     t.add_argument("--mode", default="auto", choices=("auto", "heuristic", "timed"))
-    t.add_argument("--budget", type=float, default=None, help="seconds of tuning at most (default 600)")
+    t.add_argument("--budget", type=float, default=900.0,
+                   help="seconds of tuning at most (default 900: ahead of time there is no training "
+                        "step waiting; layouts='auto' on a first call uses a shorter budget)")
     t.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
     t.add_argument("--cache-dir", type=pathlib.Path, default=None, help="default: $XDG_CACHE_HOME/jaxsub/layouts")
     t.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
@@ -77,7 +79,7 @@ def tune_command(args) -> int:
     if mode == "heuristic":
         tables, source = tuning.model_tables(problem), "heuristic"
     else:
-        options = layout.Auto(budget_s=args.budget if args.budget is not None else select.DEFAULT_BUDGET_S,
+        options = layout.Auto(budget_s=args.budget,
                               repeats=args.repeats, cache_dir=args.cache_dir, use_cache=not args.no_cache,
                               measure_without_gpu=True, progress=None, refresh=args.refresh)
         tables, source, cache_file = select.timed_tables(problem, options)

@@ -27,7 +27,10 @@ from jaxsub.layout.problem import Problem, Selection, parse_config
 log = logging.getLogger("jaxsub")
 
 MODES = ("auto", "heuristic", "none")
-DEFAULT_BUDGET_S = 600.0
+# A first call should not stall a training script for long: each stage's default is timed
+# whatever the budget, so a cut-short tuning still yields a complete path over the candidates
+# it timed. `python -m jaxsub tune --budget ...` searches further ahead of time.
+DEFAULT_BUDGET_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
