@@ -1,4 +1,4 @@
-"""Flax (linen) modules built on jaxsub's fused ops."""
+"""Flax modules built on jaxsub's fused ops: flax.linen here, flax.nnx in `jaxsub.flax.nnx`."""
 
 from jaxsub.flax.encoder import (
     Encoder,

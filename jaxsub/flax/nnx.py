@@ -1,0 +1,46 @@
+"""flax.nnx versions of the encoder modules.
+
+`EncoderLayer` and `Encoder` here are the linen modules of `jaxsub.flax` run through
+`flax.nnx.bridge.ToNNX`: the same fused ops, fields, parameter tree (under `.module`) and
+numbers, in nnx's object style. The hidden size is a constructor argument because nnx
+creates parameters eagerly::
+
+    layer = jaxsub.flax.nnx.EncoderLayer(1024, num_heads=16, mlp_dim=4096,
+                                         dropout_rate=0.1, rngs=nnx.Rngs(0, dropout=1))
+    y = layer(x, deterministic=False)          # draws from the 'dropout' stream of rngs
+
+Every keyword of the linen module is accepted (see `jaxsub.flax.EncoderLayer`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import bridge
+
+from jaxsub.flax import encoder as _linen
+
+
+class _Bridged(nnx.Module):
+    _linen_cls: type
+
+    def __init__(self, hidden: int, *, rngs: nnx.Rngs, **fields):
+        self.module = bridge.ToNNX(self._linen_cls(**fields), rngs=rngs)
+        # Parameters are created now, for an input of the layer's hidden size and dtype.
+        dtype = fields.get("dtype") or jnp.float32
+        bridge.lazy_init(self.module, jnp.zeros((1, 1, hidden), dtype))
+
+    def __call__(self, x, mask=None, *, deterministic: bool = True):
+        return self.module(x, mask, deterministic=deterministic)
+
+
+class EncoderLayer(_Bridged):
+    """`jaxsub.flax.EncoderLayer` as an nnx module: `EncoderLayer(hidden, *, rngs, **fields)`."""
+
+    _linen_cls = _linen.EncoderLayer
+
+
+class Encoder(_Bridged):
+    """`jaxsub.flax.Encoder` as an nnx module: `Encoder(hidden, *, rngs, **fields)`."""
+
+    _linen_cls = _linen.Encoder
