@@ -6,20 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 
-# `bench` is not part of the installed package; appended (not prepended) so an installed
-# jaxsub still wins over the source tree when tests run from tests/.
-sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
-from bench import attention as bench_attention  # noqa: E402
-from bench import encoder as bench_encoder  # noqa: E402
-from bench import ops as bench_ops  # noqa: E402
+from bench import attention as bench_attention
+from bench import encoder as bench_encoder
+from bench import ops as bench_ops
 
 
 def test_small_run_writes_every_row_with_positive_times(tmp_path):

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
-import sys
 
 import pytest
 
 from jaxsub import layout
 
 # `bench` is not part of the installed package (see test_bench.py).
-sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
-from bench import layout as bench_layout  # noqa: E402
+from bench import layout as bench_layout
 
 
 def test_reduced_space_is_every_consistent_path():

@@ -3,15 +3,12 @@ flax_bert.py's loss goes down in a short tiny run."""
 
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import numpy as np
 
-# `examples` is not part of the installed package; appended (not prepended) so an
-# installed jaxsub still wins over the source tree.
-sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
-from examples import decorate, flax_bert  # noqa: E402
+# `examples` is not part of the installed package: tests/conftest.py puts the repository
+# root on sys.path.
+from examples import decorate, flax_bert
 
 
 def test_decorate_fuses_the_layer_and_matches_the_undecorated_function(capsys):
