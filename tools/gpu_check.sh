@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call: build with CUDA, run the GPU tests, compute-sanitizer on the kernels,
 # and the benchmarks. Prints a short summary last.
-# Usage: tools/gpu_check.sh [steps...]; steps: build test sanitize bench attn (default:
-# build test sanitize bench). Environment:
+# Usage: tools/gpu_check.sh [steps...]; steps: build test sanitize bench attn encoder layout
+# (default: build test sanitize bench). Environment:
 #   PREBUILT=1        skip `build`: use the extension already in jaxsub/ (built elsewhere for
 #                     this Python and carried) with PYTHONPATH=$PWD
 #   GPU_TESTS="..."   test files for `test` (default: every file, -m gpu)
-#   BENCH_ARGS="..."  extra arguments for bench.ops; ATTN_ARGS="..." for bench.attention
+#   BENCH_ARGS="..."  extra arguments for bench.ops; ATTN_ARGS="..." for bench.attention;
+#                     ENCODER_ARGS="..." for bench.encoder; LAYOUT_ARGS="..." for bench.layout
 #   JAXSUB_STAGED_CUDA=1  register the staged CUDA targets (cuda/targets.h) too
 set -uo pipefail
 steps="${*:-build test sanitize bench}"
@@ -41,5 +42,11 @@ if has bench; then
 fi
 if has attn; then
   python3 -m bench.attention --json "$OUT/attention.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -30
+fi
+if has encoder; then
+  python3 -m bench.encoder --json "$OUT/encoder.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/bench_encoder.log" | tail -20
+fi
+if has layout; then
+  python3 -m bench.layout --json "$OUT/layout.json" ${LAYOUT_ARGS:-} 2>&1 | tee "$OUT/bench_layout.log" | tail -20
 fi
 printf '%s\n' "${summary[@]}"
