@@ -234,6 +234,27 @@ def test_fused_targets_in_lowered_hlo():
         assert "jaxsub_softmax_dropout_fwd" in hlo and "jaxsub_softmax_dropout_bwd" in hlo
 
 
+def test_unfused_gemms_stay_in_the_input_dtype_forward_and_backward():
+    """No f32 [B, H, Sq, Sk] tensor and no mixed-precision GEMM in the unfused path's
+    gradient: every dot_general takes and gives bf16 for bf16 inputs."""
+    q, k, v, _ = qkv(43, 2, 7, 9, 3, 8, BF16)
+    loss = lambda q, k, v: op(q, k, v, dropout_rate=0.1, key=jax.random.key(44),
+                              implementation="unfused").astype(F32).sum()
+    dots = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                dots.append([v.aval.dtype for v in (*e.invars, *e.outvars)])
+            for p in e.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v).jaxpr)
+    assert len(dots) == 6 and all(d == BF16 for ds in dots for d in ds), dots
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_fused_and_unfused_agree_with_dropout(dtype):
     b, sq, sk, h, d = 2, 130, 128, 3, 64

@@ -145,10 +145,14 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _unfused(q, k, v, mask4d, kind, causal, scale, rate, key):
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=_F32).astype(q.dtype)
+    # Both GEMMs in the input dtype: the GPU accumulates in f32 and rounds once, as an f32
+    # result cast back would, but autodiff then keeps every cotangent in that dtype too.
+    # (With an f32 result, the backward turned dS into f32 [B, H, Sq, Sk] tensors and ran
+    # mixed f32 x bf16 GEMMs.)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     p = _softmax.softmax_dropout(scores, scale=scale, mask=None if kind == _masks.NONE else mask4d,
                                  causal=causal, rate=rate, key=key)
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=_F32).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def _platform(q) -> str:
