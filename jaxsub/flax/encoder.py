@@ -308,8 +308,8 @@ class _Block(nn.Module):
         return EncoderLayer(**self.layer, name="layer")(x, mask, self.deterministic), None
 
 
-class Encoder(nn.Module):
-    """A stack of `num_layers` EncoderLayers (fields as EncoderLayer's).
+class Encoder(_LayerFields):
+    """A stack of `num_layers` EncoderLayers (fields as EncoderLayer's; `num_layers` by keyword).
 
     Attributes:
       scan_layers: run the layers with nn.scan: one compiled layer body, parameters
@@ -323,19 +323,9 @@ class Encoder(nn.Module):
     stack, as in GPT-style models whose layers leave their output unnormalized.
     """
 
-    num_layers: int
-    num_heads: int
-    mlp_dim: int
-    dropout_rate: float = 0.1
-    attention_dropout_rate: float = 0.1
-    pre_layer_norm: bool = False
-    causal: bool = False
-    epsilon: float = _DEFAULT_EPS
-    approximate_gelu: bool = False
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = nn.initializers.lecun_normal()
-    bias_init: Initializer = nn.initializers.zeros
+    # The layer's fields come from _LayerFields; num_layers is keyword-only because it
+    # follows fields with defaults.
+    num_layers: int = dataclasses.field(kw_only=True)
     scan_layers: bool = True
     remat: bool = False
     layouts: Any = "auto"
