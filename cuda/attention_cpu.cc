@@ -20,33 +20,12 @@ constexpr const char* kFwd = "attention_fwd";
 constexpr const char* kBwd = "attention_bwd";
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-enum MaskKind : int32_t { kNoMask = 0, kBoolMask = 1, kAddMask = 2 };
-
 // ---------------------------------------------------------------------------------------
 // Shapes and checks.
 
 struct Dims {
   int64_t b, sq, sk, h, d;
 };
-
-// A mask [Bm, Hm, Sqm, Skm] read with broadcasting: a dim of size 1 is read at index 0.
-struct Mask {
-  const void* ptr = nullptr;
-  int32_t kind = kNoMask;
-  int64_t bm = 1, hm = 1, sqm = 1, skm = 1;
-
-  // Index of the first element of the row (b, h, i); consecutive j follow with step `step`.
-  int64_t row(int64_t b, int64_t h, int64_t i) const {
-    return ((bm == 1 ? 0 : b) * hm + (hm == 1 ? 0 : h)) * sqm * skm + (sqm == 1 ? 0 : i) * skm;
-  }
-  int64_t step() const { return skm == 1 ? 0 : 1; }
-};
-
-ffi::Error check_like(const char* op, const char* name, const ffi::AnyBuffer& b, ffi::DataType dtype,
-                      size_t count) {
-  if (b.element_type() == dtype && b.element_count() == count) return ffi::Error::Success();
-  return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
-}
 
 // q: T[B, Sq, H, D]; k, v: T[B, Sk, H, D]; seed: u32[2].
 ffi::Error qkv_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -61,25 +40,12 @@ ffi::Error qkv_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffe
   }
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
     return invalid(op, "q, k and v must have one dtype");
-  return check_like(op, "seed", seed, ffi::DataType::U32, 2);
+  return check_buffer(op, "seed", seed, ffi::DataType::U32, 2);
 }
 
-ffi::Error mask_view(const char* op, const ffi::AnyBuffer& m, int32_t kind, const Dims& d, Mask& out) {
-  out = Mask{};
-  out.kind = kind;
-  if (kind == kNoMask) return ffi::Error::Success();
-  if (kind != kBoolMask && kind != kAddMask) return invalid(op, "mask_kind must be 0, 1 or 2");
-  const ffi::DataType want = kind == kBoolMask ? ffi::DataType::PRED : ffi::DataType::F32;
-  if (m.element_type() != want) return invalid(op, "mask must be pred (mask_kind 1) or f32 (mask_kind 2)");
-  auto md = m.dimensions();
+ffi::Error attention_mask(const char* op, const ffi::AnyBuffer& m, int32_t kind, const Dims& d, MaskView& out) {
   const int64_t full[4] = {d.b, d.h, d.sq, d.sk};
-  if (md.size() != 4) return invalid(op, "mask must have rank 4");
-  for (int a = 0; a < 4; ++a) {
-    if (md[a] != 1 && md[a] != full[a]) return invalid(op, "mask dims must be 1 or the full [B, H, Sq, Sk]");
-  }
-  out.ptr = m.untyped_data();
-  out.bm = md[0], out.hm = md[1], out.sqm = md[2], out.skm = md[3];
-  return ffi::Error::Success();
+  return mask_view(op, m, kind, full, out);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -89,7 +55,7 @@ struct RowCtx {
   Dims d;
   float scale;
   bool causal;
-  Mask mask;
+  MaskView mask;
   const uint32_t* seed;
   uint32_t threshold;
   float keep_scale;
@@ -112,15 +78,15 @@ float row_scores(const RowCtx& c, const T* q, const T* k, int64_t b, int64_t h, 
   const Dims& d = c.d;
   const T* qi = q + at(d, b, i, d.sq, h);
   const int64_t last = i + (d.sk - d.sq);  // causal: keys j <= last are visible
-  const int64_t m0 = c.mask.row(b, h, i), ms = c.mask.step();
+  const int64_t m0 = c.mask.row_offset(b, h, i), ms = c.mask.stride[3];
   float mx = kNegInf;
   for (int64_t j = 0; j < d.sk; ++j) {
     bool visible = !c.causal || j <= last;
-    if (visible && c.mask.kind == kBoolMask) visible = static_cast<const bool*>(c.mask.ptr)[m0 + j * ms];
+    if (visible && c.mask.kind == kMaskBool) visible = static_cast<const bool*>(c.mask.data)[m0 + j * ms];
     float v = kNegInf;
     if (visible) {
       v = static_cast<float>(dot(qi, k + at(d, b, j, d.sk, h), d.d)) * c.scale;
-      if (c.mask.kind == kAddMask) v += static_cast<const float*>(c.mask.ptr)[m0 + j * ms];
+      if (c.mask.kind == kMaskAdditive) v += static_cast<const float*>(c.mask.data)[m0 + j * ms];
     }
     s[j] = v;
     if (v > mx) mx = v;
@@ -253,11 +219,11 @@ ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                            float keep_scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   Dims d;
-  Mask m;
+  MaskView m;
   if (auto e = qkv_dims(kFwd, q, k, v, seed, d); e.failure()) return e;
-  if (auto e = mask_view(kFwd, mask, mask_kind, d, m); e.failure()) return e;
-  if (auto e = check_like(kFwd, "out", *out, q.element_type(), q.element_count()); e.failure()) return e;
-  if (auto e = check_like(kFwd, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
+  if (auto e = attention_mask(kFwd, mask, mask_kind, d, m); e.failure()) return e;
+  if (auto e = check_buffer(kFwd, "out", *out, q.element_type(), q.element_count()); e.failure()) return e;
+  if (auto e = check_buffer(kFwd, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(q.element_type(), kFwd, [&](auto tt) {
     using T = typename decltype(tt)::type;
@@ -277,17 +243,17 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
                            ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
   Dims d;
-  Mask m;
+  MaskView m;
   if (auto e = qkv_dims(kBwd, q, k, v, seed, d); e.failure()) return e;
-  if (auto e = mask_view(kBwd, mask, mask_kind, d, m); e.failure()) return e;
+  if (auto e = attention_mask(kBwd, mask, mask_kind, d, m); e.failure()) return e;
   const ffi::DataType t = q.element_type();
   const size_t nq = q.element_count(), nk = k.element_count();
-  if (auto e = check_like(kBwd, "dout", dout, t, nq); e.failure()) return e;
-  if (auto e = check_like(kBwd, "out", out, t, nq); e.failure()) return e;
-  if (auto e = check_like(kBwd, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
-  if (auto e = check_like(kBwd, "dq", *dq, t, nq); e.failure()) return e;
-  if (auto e = check_like(kBwd, "dk", *dk, t, nk); e.failure()) return e;
-  if (auto e = check_like(kBwd, "dv", *dv, t, nk); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "dout", dout, t, nq); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "out", out, t, nq); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "dq", *dq, t, nq); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "dk", *dk, t, nk); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "dv", *dv, t, nk); e.failure()) return e;
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, kBwd, [&](auto tt) {
     using T = typename decltype(tt)::type;

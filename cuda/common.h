@@ -62,6 +62,42 @@ inline ffi::Error check_mask(const char* op, const ffi::AnyBuffer& mask, int32_t
   return ffi::Error::Success();
 }
 
+// The checked mask read with broadcasting (CPU handlers): a dim of size 1 gets stride 0,
+// so a [B, 1, 1, Sk] padding mask is indexed in place, never expanded.
+struct MaskView {
+  int32_t kind = kMaskNone;
+  const void* data = nullptr;
+  int64_t stride[4] = {0, 0, 0, 0};
+
+  // Offset of row (b, h, i) in the mask; column j adds j * stride[3].
+  int64_t row_offset(int64_t b, int64_t h, int64_t i) const {
+    return b * stride[0] + h * stride[1] + i * stride[2];
+  }
+};
+
+inline ffi::Error mask_view(const char* op, const ffi::AnyBuffer& mask, int32_t kind, const int64_t (&full)[4],
+                            MaskView& m) {
+  m = MaskView{};
+  int64_t dims[4];
+  if (auto e = check_mask(op, mask, kind, full, dims); e.failure()) return e;
+  if (kind == kMaskNone) return ffi::Error::Success();
+  int64_t stride = 1;
+  for (int k = 3; k >= 0; --k) {
+    m.stride[k] = dims[k] == 1 ? 0 : stride;
+    stride *= dims[k];
+  }
+  m.kind = kind;
+  m.data = mask.untyped_data();
+  return ffi::Error::Success();
+}
+
+// A buffer bound as AnyBuffer with the dtype and element count it must have.
+inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyBuffer& b, ffi::DataType dtype,
+                               size_t count) {
+  if (b.element_type() == dtype && b.element_count() == count) return ffi::Error::Success();
+  return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
+}
+
 // ---------------------------------------------------------------------------------------
 // Host 16-bit floats for the CPU handlers (the FFI passes them as uint16_t bit patterns).
 

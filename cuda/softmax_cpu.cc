@@ -20,8 +20,6 @@ constexpr const char* kFwd = "softmax_dropout_fwd";
 constexpr const char* kBwd = "softmax_dropout_bwd";
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-enum MaskKind : int32_t { kNoMask = 0, kBoolean = 1, kAdditive = 2 };
-
 // The logical dims of the probability tensor [B, H, Sq, Sk].
 struct Dims {
   int64_t b = 0, h = 0, sq = 0, sk = 0;
@@ -29,21 +27,8 @@ struct Dims {
   size_t count() const { return static_cast<size_t>(rows() * sk); }
 };
 
-// The 4-D mask [Bm, Hm, Sqm, Skm] read with broadcasting: a dim of size 1 gets stride 0,
-// so a [B, 1, 1, Sk] padding mask is indexed in place, never expanded.
-struct MaskView {
-  int32_t kind = kNoMask;
-  const void* data = nullptr;
-  int64_t stride[4] = {0, 0, 0, 0};
-
-  // Offset of row (b, h, i) in the mask; column j adds j * stride[3].
-  int64_t row_offset(int64_t b, int64_t h, int64_t i) const {
-    return b * stride[0] + h * stride[1] + i * stride[2];
-  }
-};
-
 // The scaled, masked score row s' (f32[Sk]) of row (b, h, i): -inf where masked out.
-// scores: T[Sk] (the row); mask: see MaskView.
+// scores: T[Sk] (the row); mask: see MaskView (common.h).
 template <typename T>
 void masked_row(const T* scores, const Dims& d, const MaskView& m, float scale, bool causal, int64_t b,
                 int64_t h, int64_t i, float* out) {
@@ -52,9 +37,9 @@ void masked_row(const T* scores, const Dims& d, const MaskView& m, float scale, 
   const int64_t base = m.row_offset(b, h, i);
   for (int64_t j = 0; j < d.sk; ++j) {
     float v = scale * to_float(scores[j]);
-    if (m.kind == kBoolean) {
+    if (m.kind == kMaskBool) {
       if (!static_cast<const bool*>(m.data)[base + j * m.stride[3]]) v = kNegInf;
-    } else if (m.kind == kAdditive) {
+    } else if (m.kind == kMaskAdditive) {
       v += static_cast<const float*>(m.data)[base + j * m.stride[3]];
     }
     out[j] = j > last_visible ? kNegInf : v;
@@ -90,32 +75,6 @@ ffi::Error scores_dims(const char* op, const ffi::AnyBuffer& scores, Dims& d) {
   return ffi::Error::Success();
 }
 
-ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyBuffer& b, ffi::DataType dtype,
-                        size_t count) {
-  if (b.element_type() == dtype && b.element_count() == count) return ffi::Error::Success();
-  return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
-}
-
-ffi::Error mask_view(const char* op, const ffi::AnyBuffer& mask, int32_t kind, const Dims& d, MaskView& m) {
-  m = MaskView{};
-  if (kind == kNoMask) return ffi::Error::Success();
-  if (kind != kBoolean && kind != kAdditive) return invalid(op, "mask_kind must be 0, 1 or 2");
-  const ffi::DataType want = kind == kBoolean ? ffi::DataType::PRED : ffi::DataType::F32;
-  if (mask.element_type() != want) return invalid(op, "`mask` dtype does not match mask_kind (pred or f32)");
-  auto md = mask.dimensions();
-  const int64_t full[4] = {d.b, d.h, d.sq, d.sk};
-  if (md.size() != 4) return invalid(op, "`mask` must have rank 4 [Bm, Hm, Sqm, Skm]");
-  int64_t stride = 1;
-  for (int k = 3; k >= 0; --k) {
-    if (md[k] != 1 && md[k] != full[k]) return invalid(op, "`mask` dims must each be 1 or the full size");
-    m.stride[k] = md[k] == 1 ? 0 : stride;
-    stride *= md[k];
-  }
-  m.kind = kind;
-  m.data = mask.untyped_data();
-  return ffi::Error::Success();
-}
-
 // ---------------------------------------------------------------------------------------
 // FFI handlers.
 
@@ -127,7 +86,8 @@ ffi::Error SoftmaxDropoutFwdCpu(ffi::AnyBuffer scores, ffi::AnyBuffer mask, ffi:
   Dims d;
   MaskView m;
   if (auto e = scores_dims(kFwd, scores, d); e.failure()) return e;
-  if (auto e = mask_view(kFwd, mask, mask_kind, d, m); e.failure()) return e;
+  const int64_t full[4] = {d.b, d.h, d.sq, d.sk};
+  if (auto e = mask_view(kFwd, mask, mask_kind, full, m); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "seed", seed, ffi::DataType::U32, 2); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "y", *y, scores.element_type(), d.count()); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "lse", *lse, ffi::DataType::F32, d.rows()); e.failure()) return e;
@@ -175,7 +135,8 @@ ffi::Error SoftmaxDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer scores, ffi::A
   Dims d;
   MaskView m;
   if (auto e = scores_dims(kBwd, scores, d); e.failure()) return e;
-  if (auto e = mask_view(kBwd, mask, mask_kind, d, m); e.failure()) return e;
+  const int64_t full[4] = {d.b, d.h, d.sq, d.sk};
+  if (auto e = mask_view(kBwd, mask, mask_kind, full, m); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dy", dy, scores.element_type(), d.count()); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "lse", lse, ffi::DataType::F32, d.rows()); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "seed", seed, ffi::DataType::U32, 2); e.failure()) return e;
