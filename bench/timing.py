@@ -28,6 +28,7 @@ output and every gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -113,9 +114,11 @@ def random_sets(specs: Sequence[tuple[tuple[int, ...], object]], cotangent: tupl
     return jax.jit(draw)(jax.random.key(seed))
 
 
+@functools.cache
 def apply_k(apply: Callable, pass_: str):
     """One jitted function applying `apply(args, key)` to every input set it is given:
-    pass_ "fwd" returns the outputs, "fwd+bwd" the outputs and all gradients."""
+    pass_ "fwd" returns the outputs, "fwd+bwd" the outputs and all gradients. Cached per
+    (apply, pass_), so the slope timing and the kernel trace of a row share one compile."""
 
     def run(sets, keys, cotangents):
         outs = []
