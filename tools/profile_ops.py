@@ -1,6 +1,10 @@
 """Runs each fused op once (after a warm-up call) at BERT-large sizes, bf16, so `ncu` can
 profile the kernels in a small program (ncu cannot profile while XLA compiles a full
-training step). Usage: ncu --kernel-name regex:'norm_|gelu_|column_sum' ... python3 tools/profile_ops.py"""
+training step). Usage: ncu --kernel-name regex:'norm_|gelu_|column_sum' ... python3 tools/profile_ops.py
+[rows|attention] (default rows: the normalization and GELU families; attention: the fused
+attention forward and backward with dropout 0.1, B 8, S 512, H 16, D 64)."""
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +12,21 @@ import jax.numpy as jnp
 import jaxsub
 
 
-def main():
+def attention_cases():
+    kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
+    q, k, v = (jax.random.normal(kk_, (8, 512, 16, 64), jnp.bfloat16) for kk_ in (kq, kk, kv))
+
+    def attn(q, k, v):
+        return jaxsub.ops.attention(q, k, v, dropout_rate=0.1, key=kd, implementation="fused")
+
+    def fwd_bwd(q, k, v):
+        y, vjp = jax.vjp(attn, q, k, v)
+        return y, vjp(y)
+
+    return [(jax.jit(fwd_bwd), (q, k, v))]
+
+
+def row_cases():
     bf = jnp.bfloat16
     k = jax.random.split(jax.random.key(0), 8)
     x = jax.random.normal(k[0], (4096, 1024), bf)
@@ -32,12 +50,17 @@ def main():
         y, vjp = jax.vjp(f, *args)
         return y, vjp(y)
 
-    cases = [
+    return [
         (jax.jit(ln), (x, s, b)),
         (jax.jit(lambda *a: fwd_bwd(ln, *a)), (x, s, b)),
         (jax.jit(lambda *a: fwd_bwd(bdrln, *a)), (x, b, r, s, b)),
         (jax.jit(lambda *a: fwd_bwd(gelu, *a)), (h, hb)),
     ]
+
+
+def main():
+    family = sys.argv[1] if len(sys.argv) > 1 else "rows"
+    cases = {"rows": row_cases, "attention": attention_cases}[family]()
     for f, args in cases:
         jax.block_until_ready(f(*args))
     for f, args in cases:
