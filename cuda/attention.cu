@@ -50,17 +50,29 @@ struct AttnArgs {
 
 __device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// Copies rows [row0, row0 + kTile) of one head of a [B, S, H, D] tensor into shared memory
-// ([kTile][D + kPad]); rows past `rows` are zero.
+// Starts copying rows [row0, row0 + kTile) of one head of a [B, S, H, D] tensor into
+// shared memory ([kTile][D + kPad]) with cp.async (the caller commits and waits); rows
+// past `rows` are zero-filled.
 template <typename T, int D>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, int64_t rows, int64_t row_stride) {
   constexpr int kChunks = D * sizeof(T) / 16;  // 16-byte pieces per row
+#pragma unroll
   for (int c = threadIdx.x; c < kTile * kChunks; c += kThreads) {
     const int r = c / kChunks, part = c % kChunks;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (row0 + r < rows) val = *reinterpret_cast<const uint4*>(src + (row0 + r) * row_stride + part * (16 / sizeof(T)));
-    *reinterpret_cast<uint4*>(dst + r * (D + kPad) + part * (16 / sizeof(T))) = val;
+    const bool full = row0 + r < rows;
+    cp_async16(dst + r * (D + kPad) + part * (16 / sizeof(T)),
+               src + (full ? (row0 + r) * row_stride : 0) + part * (16 / sizeof(T)), full);
   }
+}
+
+// Raises a kernel's dynamic shared-memory limit, once per kernel (needed above 48 KB).
+template <auto Kernel>
+ffi::Error smem_opt_in(const char* op, size_t bytes) {
+  static const cudaError_t status =
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (status != cudaSuccess)
+    return ffi::Error::Internal(std::string(op) + ": shared-memory opt-in failed: " + cudaGetErrorString(status));
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -137,10 +149,22 @@ __device__ __forceinline__ float quad_sum(float x) {
 // dropout decisions are two Philox calls (8 keys each) instead of one per pair. ldmatrix
 // takes one row address per lane, so K and V are read in that order at no cost.
 
+// Forward shared memory: K and V tiles, two stages (the next tile is copied while this
+// one is used).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
-  __shared__ __align__(16) T ks[kTile * (D + kPad)];
-  __shared__ __align__(16) T vs[kTile * (D + kPad)];
+struct FwdSmem {
+  T k[2][kTile * (D + kPad)];
+  T v[2][kTile * (D + kPad)];
+};
+// Blocks per multiprocessor the forward is compiled for (register cap 65536 / (128 * n)):
+// four at D <= 64 (128 registers), two at D = 128.
+template <int D>
+constexpr int fwd_min_blocks() { return D <= 64 ? 4 : 2; }
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_kernel(AttnArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FwdSmem<T, D>& sm = *reinterpret_cast<FwdSmem<T, D>*>(smem_raw);
   constexpr int kRow = D + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
@@ -168,8 +192,8 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
   // (key rows key_of(8 n + r), d columns 16 kc + 8 (m % 2) + 16 (m / 2)). V (transposed, B
   // of P V): (key rows key_of(16 kc + 8 (m % 2) + r), d columns 8 dn + 8 (m / 2)).
   const int lm = lane / 8, lr = lane % 8;
-  const T* k_lane = ks + ((lr / 2) * 16 + lr % 2) * kRow + (lm % 2) * 8 + (lm / 2) * 16;
-  const T* v_lane = vs + ((lr / 2) * 16 + lr % 2 + 2 * (lm % 2)) * kRow + (lm / 2) * 8;
+  const int k_lane = ((lr / 2) * 16 + lr % 2) * kRow + (lm % 2) * 8 + (lm / 2) * 16;
+  const int v_lane = ((lr / 2) * 16 + lr % 2 + 2 * (lm % 2)) * kRow + (lm / 2) * 8;
 
   float o[D / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), sum
@@ -179,11 +203,33 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
     const int64_t last = static_cast<int64_t>(blockIdx.x) * kTile + kTile + a.sk - a.sq;
     key_end = last < a.sk ? last : a.sk;
   }
-  for (int64_t kb = 0; kb < key_end; kb += kTile) {
+  const int tiles = static_cast<int>((key_end + kTile - 1) / kTile);
+  if (tiles > 0) {
+    load_tile<T, D>(sm.k[0], kg, 0, a.sk, row_stride);
+    load_tile<T, D>(sm.v[0], vg, 0, a.sk, row_stride);
+  }
+  cp_async_commit();
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t kb = static_cast<int64_t>(t) * kTile;
+    const int buf = t & 1;
+    // Copy the next tile into the other stage (free: the barrier at the end of the last
+    // iteration saw every warp done with it), then wait for this one.
+    if (t + 1 < tiles) {
+      load_tile<T, D>(sm.k[buf ^ 1], kg, kb + kTile, a.sk, row_stride);
+      load_tile<T, D>(sm.v[buf ^ 1], vg, kb + kTile, a.sk, row_stride);
+    }
+    cp_async_commit();
+    // Keep bits first (while the copy lands): the generator's temporaries are dead before
+    // the scores are live.
+    uint32_t keep[2] = {0xffffu, 0xffffu};
+    if (a.threshold != 0) {
+      keep[0] = keep16(a, seed, bh, q0 + quad, kb + tq * 16);
+      keep[1] = keep16(a, seed, bh, q0 + quad + 8, kb + tq * 16);
+    }
+    cp_async_wait<1>();
     __syncthreads();
-    load_tile<T, D>(ks, kg, kb, a.sk, row_stride);
-    load_tile<T, D>(vs, vg, kb, a.sk, row_stride);
-    __syncthreads();
+    const T* ks = sm.k[buf];
+    const T* vs = sm.v[buf];
 
     float s[8][4];
 #pragma unroll
@@ -192,52 +238,48 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
 #pragma unroll
       for (int kc = 0; kc < D / 16; kc += 2) {
         uint32_t b[4];
-        ldsm(b, k_lane + n * 2 * kRow + kc * 16);
+        ldsm(b, ks + k_lane + n * 2 * kRow + kc * 16);
         mma<T>(s[n], qf[kc], b[0], b[1]);
         mma<T>(s[n], qf[kc + 1], b[2], b[3]);
       }
     }
-    // Scores in log2 units; the common case (no mask, no causal, a full key tile) needs no
-    // per-element test (rows past Sq are never stored).
-    const bool plain = a.mask_kind == kMaskNone && !a.causal && kb + kTile <= a.sk;
+    // The common case (no mask, no causal, a full key tile, scale > 0) needs no
+    // per-element test (rows past Sq are never stored) and keeps the raw scores: the max
+    // is taken raw and scaled once, and each probability is exp2(s * sc - base), one FFMA.
+    // Otherwise the scores are scaled and masked here (log2 units, sc = 1).
+    const bool plain = a.mask_kind == kMaskNone && !a.causal && kb + kTile <= a.sk && a.scale > 0.f;
+    const float sc = plain ? scale_log2 : 1.f;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (plain) {
-          s[n][e] *= scale_log2;
-        } else {
+        if (!plain) {
           const int64_t i = q0 + quad + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
           s[n][e] = score(a, rc, s[n][e], i, j) * kLog2e;
         }
         mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
       }
-    float alpha[2], base[2];
+    float alpha[2], nbase[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m[r], quad_max(mx[r]));
-      alpha[r] = m_new == -INFINITY ? 1.f : exp2f(m[r] - m_new);
+      const float m_new = fmaxf(m[r], quad_max(mx[r]) * sc);
+      alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);
       m[r] = m_new;
-      base[r] = m_new == -INFINITY ? 0.f : m_new;  // exp2(-inf - 0) = 0 for masked entries
+      nbase[r] = m_new == -INFINITY ? 0.f : -m_new;  // exp2(-inf + 0) = 0 for masked entries
       l[r] *= alpha[r];
     }
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[dn][e] *= alpha[e >> 1];
-    uint32_t keep[2] = {0xffffu, 0xffffu};
-    if (a.threshold != 0) {
-      keep[0] = keep16(a, seed, bh, q0 + quad, kb + tq * 16);
-      keep[1] = keep16(a, seed, bh, q0 + quad + 8, kb + tq * 16);
-    }
     uint32_t pf[4][4];  // kept probabilities (unscaled) as A fragments, 16 key slots each
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       float p[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        p[e] = exp2f(s[n][e] - base[e >> 1]);
+        p[e] = fast_exp2(fmaf(s[n][e], sc, nbase[e >> 1]));
         l[e >> 1] += p[e];
         if (!((keep[e >> 1] >> (n * 2 + (e & 1))) & 1u)) p[e] = 0.f;
       }
@@ -249,10 +291,11 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
 #pragma unroll
       for (int dn = 0; dn < D / 8; dn += 2) {
         uint32_t b[4];
-        ldsm_t(b, v_lane + kc * 4 * kRow + dn * 8);
+        ldsm_t(b, vs + v_lane + kc * 4 * kRow + dn * 8);
         mma<T>(o[dn], pf[kc], b[0], b[1]);
         mma<T>(o[dn + 1], pf[kc], b[2], b[3]);
       }
+    __syncthreads();  // every warp is done with this stage before it is refilled
   }
 
   T* og = static_cast<T*>(a.o) + (bb * a.sq * a.h + hh) * D;
@@ -274,41 +317,71 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(AttnArgs a) {
 // ---------------------------------------------------------------------------------------
 // Backward.
 
-// delta[b, h, i] = sum_d dout * out; grid (ceil(B*Sq*H / 4)), block 128: one warp per row.
+// delta[b, h, i] = sum_d dout * out. Each row (b, i, h) is read by D / 8 consecutive lanes
+// in 16-byte pieces and summed with shuffles; grid ceil(B*Sq*H*D/8 / 128), block 128.
 template <typename T, int D>
 __global__ void attention_delta_kernel(AttnArgs a) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // (b, i, h) row-major
-  const int lane = threadIdx.x % 32;
-  if (row >= a.b * a.sq * a.h) return;
-  const T* dog = static_cast<const T*>(a.dout) + row * D;
-  const T* og = static_cast<const T*>(a.out) + row * D;
+  constexpr int kVec = 16 / sizeof(T), kLanes = D / kVec;  // lanes per row: 4, 8 or 16
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = g / kLanes, rows = a.b * a.sq * a.h;  // row: (b, i, h) row-major
+  const int part = static_cast<int>(g % kLanes);
   float acc = 0.f;
-  for (int d = lane; d < D; d += 32) acc += to_float(dog[d]) * to_float(og[d]);
-  acc = warp_sum(acc);
-  if (lane == 0) {
+  if (row < rows) {
+    float x[kVec], y[kVec];
+    load_vec<T, kVec>(static_cast<const T*>(a.dout) + row * D + part * kVec, x);
+    load_vec<T, kVec>(static_cast<const T*>(a.out) + row * D + part * kVec, y);
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) acc += x[t] * y[t];
+  }
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (row < rows && part == 0) {
     const int64_t hh = row % a.h, i = (row / a.h) % a.sq, bb = row / (a.h * a.sq);
     a.delta[(bb * a.h + hh) * a.sq + i] = acc;
   }
 }
 
-// Shared memory of the backward kernel (dynamic: 61 KB at D = 128).
+// Backward stages: two query tiles in flight (Q, dO, lse, delta of the next one are
+// copied while this one is used) where shared memory allows three blocks per
+// multiprocessor; one at D = 128.
+template <int D>
+constexpr int bwd_stages() { return D <= 64 ? 2 : 1; }
+// Blocks per multiprocessor the backward is compiled for: three at D <= 64 (170
+// registers), one at D = 128 (its 116 KB of shared memory allow no more).
+template <int D>
+constexpr int bwd_min_blocks() { return D <= 64 ? 3 : 1; }
+
+// Shared memory of the backward kernel (dynamic; 66 KB at D = 64).
 template <typename T, int D>
 struct BwdSmem {
-  T q[kTile * (D + kPad)];            // query tile
-  T dout[kTile * (D + kPad)];         // dO tile
-  T k[kTile * (D + kPad)];            // the block's 64 keys (B of dQ = dS K)
-  T ds[kTile * (kTile + kPad)];       // dSᵀ of the block: [64 keys][64 queries]
-  float lse2[kTile], delta[kTile];    // per query of the tile: lse (log2 units), delta
-  uint16_t keep[kWarps][kTile];       // per warp and query: keep bits of the warp's 16 keys
+  static constexpr int kStages = bwd_stages<D>();
+  T q[kStages][kTile * (D + kPad)];     // query tile
+  T dout[kStages][kTile * (D + kPad)];  // dO tile
+  T k[kTile * (D + kPad)];              // the block's 64 keys (A of Kᵀ.. and B of dQ = dS K)
+  T v[kTile * (D + kPad)];              // the block's 64 values (A of V dOᵀ)
+  T ds[kTile * (kTile + kPad)];         // dSᵀ of the block: [64 keys][64 queries]
+  float lse[kStages][kTile];            // per query of the tile: lse (-lse in log2 units after the wait)
+  float delta[kStages][kTile];          // per query of the tile: delta
+  uint16_t keep[kWarps][kTile];         // per warp and query: keep bits of the warp's 16 keys
 };
+
+// 4 bytes global -> shared (cp.async); zero-filled when !full.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool full) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(full ? 4 : 0));
+}
 
 // grid (ceil(Sk / 64), B * H), block 128; each warp owns 16 keys. dK, dV accumulate in
 // registers; dQ for the tile's 64 queries is computed once per block from the block's dSᵀ
 // in shared memory (warp w: queries 16 w .. 16 w + 15) and added to the f32 workspace.
+// K and V fragments are read from shared memory per query tile (holding them in
+// registers cost a block per multiprocessor).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
+__global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_kernel(AttnArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdSmem<T, D>& sm = *reinterpret_cast<BwdSmem<T, D>*>(smem_raw);
+  using Smem = BwdSmem<T, D>;
+  constexpr int kStages = Smem::kStages;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   constexpr int kRow = D + kPad, kDsRow = kTile + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
@@ -324,23 +397,37 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
   const float scale_log2 = a.scale * kLog2e;
 
-  load_tile<T, D>(sm.k, kg, kblock, a.sk, row_stride);
-  // K and V fragments (A operands) for the warp's 16 keys.
-  uint32_t kf[D / 16][4], vf[D / 16][4];
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t j = k0 + quad + (r & 1) * 8;
-      const int col = kc * 16 + tq * 2 + (r >> 1) * 8;
-      kf[kc][r] = j < a.sk ? ld32(kg + j * row_stride + col) : 0u;
-      vf[kc][r] = j < a.sk ? ld32(vg + j * row_stride + col) : 0u;
+  // Queries before the block's first visible one are never needed.
+  int64_t q_begin = 0;
+  if (a.causal) {
+    const int64_t first = kblock - (a.sk - a.sq);
+    q_begin = first > 0 ? first / kTile * kTile : 0;
+  }
+  const int tiles = a.sq > q_begin ? static_cast<int>((a.sq - q_begin + kTile - 1) / kTile) : 0;
+  // Starts the copies of query tile t into stage `st`.
+  auto load_query_tile = [&](int t, int st) {
+    const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
+    load_tile<T, D>(sm.q[st], qg, qb, a.sq, row_stride);
+    load_tile<T, D>(sm.dout[st], dog, qb, a.sq, row_stride);
+    if (threadIdx.x < kTile) {
+      const int64_t i = qb + threadIdx.x;
+      const bool in = i < a.sq;
+      cp_async4(&sm.lse[st][threadIdx.x], a.lse + bh * a.sq + (in ? i : 0), in);
+      cp_async4(&sm.delta[st][threadIdx.x], a.delta + bh * a.sq + (in ? i : 0), in);
     }
+  };
+
+  load_tile<T, D>(sm.k, kg, kblock, a.sk, row_stride);
+  load_tile<T, D>(sm.v, vg, kblock, a.sk, row_stride);
+  if (kStages == 2 && tiles > 0) load_query_tile(0, 0);
+  cp_async_commit();
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
 
   // ldmatrix row addresses of this lane (matrix m = lane / 8, row r = lane % 8).
   const int lm = lane / 8, lr = lane % 8;
-  // Plain, B of Kᵀ Q / Vᵀ dO (rows = queries 8 n + r, d columns 16 kc + 8 (m % 2) + 16 (m / 2)).
+  // Plain, A of Kᵀ Q / V dOᵀ (rows = the warp's keys 16 warp + 8 (m % 2) + r, d columns 8 (m / 2)).
+  const int a_off = (warp * 16 + (lm % 2) * 8 + lr) * kRow + (lm / 2) * 8;
+  // Plain, B of Kᵀ Q / V dOᵀ (rows = queries 8 n + r, d columns 16 kc + 8 (m % 2) + 16 (m / 2)).
   const int plain_off = lr * kRow + (lm % 2) * 8 + (lm / 2) * 16;
   // Transposed, B of Pᵀ dO / dSᵀ Q (rows = queries 16 kc + 8 (m % 2) + r, d columns 8 dn + 8 (m / 2)),
   // and of dS K (rows = keys 16 kc + 8 (m % 2) + r).
@@ -348,86 +435,126 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
   // Transposed, A of dS K from dSᵀ (rows = keys 16 kc + 8 (m / 2) + r, query columns 16 warp + 8 (m % 2)).
   const T* ds_lane = sm.ds + ((lm / 2) * 8 + lr) * kDsRow + warp * 16 + (lm % 2) * 8;
 
-  // Queries before the block's first visible one are never needed.
-  int64_t q_begin = 0;
-  if (a.causal) {
-    const int64_t first = kblock - (a.sk - a.sq);
-    q_begin = first > 0 ? first / kTile * kTile : 0;
-  }
-  for (int64_t qb = q_begin; qb < a.sq; qb += kTile) {
-    __syncthreads();
-    load_tile<T, D>(sm.q, qg, qb, a.sq, row_stride);
-    load_tile<T, D>(sm.dout, dog, qb, a.sq, row_stride);
-    if (threadIdx.x < kTile) {
-      const int64_t i = qb + threadIdx.x;
-      const float lse = i < a.sq ? a.lse[bh * a.sq + i] : -INFINITY;
-      sm.lse2[threadIdx.x] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // +inf: p = 0
-      sm.delta[threadIdx.x] = i < a.sq ? a.delta[bh * a.sq + i] : 0.f;
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
+    const int buf = kStages == 2 ? (t & 1) : 0;
+    if (kStages == 2) {
+      if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      load_query_tile(t, 0);  // the barrier ending the last iteration freed the stage
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    if (threadIdx.x < kTile) {  // this thread's own copy has landed: -lse in log2 units, -inf: p = 0
+      const float lse = sm.lse[buf][threadIdx.x];
+      sm.lse[buf][threadIdx.x] = qb + threadIdx.x < a.sq && lse != -INFINITY ? -lse * kLog2e : -INFINITY;
     }
     if (a.threshold != 0) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) sm.keep[warp][lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
     }
     __syncthreads();
+    const T* qs = sm.q[buf];
+    const T* dos = sm.dout[buf];
+    const float* nlse2 = sm.lse[buf];
+    const float* delta = sm.delta[buf];
 
-    // Sᵀ and dPdᵀ for the warp's 16 keys x 64 queries: rows = keys, columns = queries.
-    float st[8][4], dpt[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
-#pragma unroll
-      for (int kc = 0; kc < D / 16; kc += 2) {
-        uint32_t b[4];
-        ldsm(b, sm.q + plain_off + n * 8 * kRow + kc * 16);
-        mma<T>(st[n], kf[kc], b[0], b[1]);
-        mma<T>(st[n], kf[kc + 1], b[2], b[3]);
-        ldsm(b, sm.dout + plain_off + n * 8 * kRow + kc * 16);
-        mma<T>(dpt[n], vf[kc], b[0], b[1]);
-        mma<T>(dpt[n], vf[kc + 1], b[2], b[3]);
-      }
-    }
+    // Per query tile, in an order that keeps few tiles live: Sᵀ = K Qᵀ -> probabilities (in
+    // place) -> dV += Pdᵀ dO -> dPdᵀ = V dOᵀ -> dSᵀ (in place) -> dK += dSᵀ Q. Rows = the
+    // warp's 16 keys, columns = the tile's 64 queries.
     const bool plain = a.mask_kind == kMaskNone && !a.causal && k0 + 16 <= a.sk;
-    uint32_t pdf[4][4], dsf[4][4];  // kept Pᵀ (unscaled) and dSᵀ as A fragments (16 queries each)
+    float p[8][4];
+    {
+      uint32_t kf[D / 16][4];
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      float pd[4], ds[4];
+      for (int kc = 0; kc < D / 16; ++kc) ldsm(kf[kc], sm.k + a_off + kc * 16);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int il = n * 8 + tq * 2 + (e & 1), jl = quad + (e >> 1) * 8;  // query in tile, key in warp
-        float x;
-        if (plain) {
-          x = st[n][e] * scale_log2;
-        } else {
-          x = score(a, rc, st[n][e], qb + il, k0 + jl) * kLog2e;
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[n][e] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < D / 16; kc += 2) {
+          uint32_t b[4];
+          ldsm(b, qs + plain_off + n * 8 * kRow + kc * 16);
+          mma<T>(p[n], kf[kc], b[0], b[1]);
+          mma<T>(p[n], kf[kc + 1], b[2], b[3]);
         }
-        const float p = exp2f(x - sm.lse2[il]);  // 0 for masked scores and empty rows
-        const bool keep = a.threshold == 0 || ((sm.keep[warp][il] >> jl) & 1u);
-        pd[e] = keep ? p : 0.f;
-        ds[e] = p * ((keep ? dpt[n][e] * a.keep_scale : 0.f) - sm.delta[il]);
       }
-      pdf[n / 2][(n & 1) * 2 + 0] = pack2<T>(pd[0], pd[1]);
-      pdf[n / 2][(n & 1) * 2 + 1] = pack2<T>(pd[2], pd[3]);
-      dsf[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
-      dsf[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
-      // dSᵀ to shared memory for dQ = dS K.
-      T* w = sm.ds + (warp * 16 + quad) * kDsRow + n * 8 + tq * 2;
-      *reinterpret_cast<uint32_t*>(w) = dsf[n / 2][(n & 1) * 2 + 0];
-      *reinterpret_cast<uint32_t*>(w + 8 * kDsRow) = dsf[n / 2][(n & 1) * 2 + 1];
     }
-    // dV += Pdᵀ dO and dK += dSᵀ Q over the tile's 64 queries.
+    // The keep bit of entry (n, e): query il(n, e) of the tile, key jl(e) of the warp.
+    auto il_of = [&](int n, int e) { return n * 8 + tq * 2 + (e & 1); };
+    auto kept = [&](int n, int e) {
+      return a.threshold == 0 || ((sm.keep[warp][il_of(n, e)] >> (quad + (e >> 1) * 8)) & 1u);
+    };
+    {
+      uint32_t pdf[4][4];  // kept Pᵀ (unscaled) as A fragments, 16 queries each
 #pragma unroll
-    for (int kc = 0; kc < 4; ++kc)
+      for (int n = 0; n < 8; ++n) {
+        float pd[4];
 #pragma unroll
-      for (int dn = 0; dn < D / 8; dn += 2) {
-        uint32_t b[4];
-        ldsm_t(b, sm.dout + trans_off + kc * 16 * kRow + dn * 8);
-        mma<T>(dv[dn], pdf[kc], b[0], b[1]);
-        mma<T>(dv[dn + 1], pdf[kc], b[2], b[3]);
-        ldsm_t(b, sm.q + trans_off + kc * 16 * kRow + dn * 8);
-        mma<T>(dk[dn], dsf[kc], b[0], b[1]);
-        mma<T>(dk[dn + 1], dsf[kc], b[2], b[3]);
+        for (int e = 0; e < 4; ++e) {
+          const int il = il_of(n, e), jl = quad + (e >> 1) * 8;
+          const float x = plain ? fmaf(p[n][e], scale_log2, nlse2[il])
+                                : score(a, rc, p[n][e], qb + il, k0 + jl) * kLog2e + nlse2[il];
+          p[n][e] = fast_exp2(x);  // 0 for masked scores and empty rows
+          pd[e] = kept(n, e) ? p[n][e] : 0.f;
+        }
+        pdf[n / 2][(n & 1) * 2 + 0] = pack2<T>(pd[0], pd[1]);
+        pdf[n / 2][(n & 1) * 2 + 1] = pack2<T>(pd[2], pd[3]);
       }
+#pragma unroll
+      for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn += 2) {
+          uint32_t b[4];
+          ldsm_t(b, dos + trans_off + kc * 16 * kRow + dn * 8);
+          mma<T>(dv[dn], pdf[kc], b[0], b[1]);
+          mma<T>(dv[dn + 1], pdf[kc], b[2], b[3]);
+        }
+    }
+    {
+      float dpt[8][4];
+      uint32_t vf[D / 16][4];
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) ldsm(vf[kc], sm.v + a_off + kc * 16);
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[n][e] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < D / 16; kc += 2) {
+          uint32_t b[4];
+          ldsm(b, dos + plain_off + n * 8 * kRow + kc * 16);
+          mma<T>(dpt[n], vf[kc], b[0], b[1]);
+          mma<T>(dpt[n], vf[kc + 1], b[2], b[3]);
+        }
+      }
+      uint32_t dsf[4][4];  // dSᵀ as A fragments (16 queries each)
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        float ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          ds[e] = p[n][e] * ((kept(n, e) ? dpt[n][e] * a.keep_scale : 0.f) - delta[il_of(n, e)]);
+        dsf[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
+        dsf[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
+        // dSᵀ to shared memory for dQ = dS K.
+        T* w = sm.ds + (warp * 16 + quad) * kDsRow + n * 8 + tq * 2;
+        *reinterpret_cast<uint32_t*>(w) = dsf[n / 2][(n & 1) * 2 + 0];
+        *reinterpret_cast<uint32_t*>(w + 8 * kDsRow) = dsf[n / 2][(n & 1) * 2 + 1];
+      }
+#pragma unroll
+      for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn += 2) {
+          uint32_t b[4];
+          ldsm_t(b, qs + trans_off + kc * 16 * kRow + dn * 8);
+          mma<T>(dk[dn], dsf[kc], b[0], b[1]);
+          mma<T>(dk[dn + 1], dsf[kc], b[2], b[3]);
+        }
+    }
     __syncthreads();
     // dQ[16 queries of this warp, D] += dS[those queries, 64 keys] K[64 keys, D].
     float c[D / 8][4] = {};
@@ -450,7 +577,9 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_kernel(AttnArgs a) {
         const int64_t i = qb + warp * 16 + quad + (e >> 1) * 8;
         if (i < a.sq) atomicAdd(dqg + i * row_stride + dn * 8 + tq * 2 + (e & 1), c[dn][e] * a.scale);
       }
+    __syncthreads();  // sm.ds, sm.keep and this stage are free for the next iteration
   }
+  cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
 
   T* dkg = static_cast<T*>(a.dk) + (bb * a.sk * a.h + hh) * D;
   T* dvg = static_cast<T*>(a.dv) + (bb * a.sk * a.h + hh) * D;
@@ -531,7 +660,9 @@ ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t m
     using T = typename decltype(tt)::type;
     constexpr int D = decltype(dd)::value;
     const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
-    attention_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(a);
+    constexpr size_t smem = sizeof(FwdSmem<T, D>);
+    if (auto e = smem_opt_in<attention_fwd_kernel<T, D>>(op, smem); e.failure()) return e;
+    attention_fwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(a);
     return launch_status(op);
   });
 }
@@ -564,13 +695,12 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
     constexpr int D = decltype(dd)::value;
     const int64_t rows = a.b * a.sq * a.h;
     cudaMemsetAsync(a.dq_acc, 0, sizeof(float) * rows * D, stream);
-    attention_delta_kernel<T, D><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(a);
+    constexpr int kLanes = D * static_cast<int>(sizeof(T)) / 16;
+    attention_delta_kernel<T, D>
+        <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     constexpr size_t smem = sizeof(BwdSmem<T, D>);
-    static const cudaError_t opt_in =
-        cudaFuncSetAttribute(attention_bwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (opt_in != cudaSuccess) return ffi::Error::Internal(std::string(op) + ": shared-memory opt-in failed: " +
-                                                         cudaGetErrorString(opt_in));
+    if (auto e = smem_opt_in<attention_bwd_kernel<T, D>>(op, smem); e.failure()) return e;
     attention_bwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(a);
     const int64_t n = rows * D;
     attention_dq_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(

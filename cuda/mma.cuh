@@ -1,6 +1,6 @@
 // Tensor-core building blocks for sm_80+ kernels (used by attention.cu): mma.sync
-// m16n8k16 with f32 accumulators, ldmatrix (plain and transposed), and packing two floats
-// into a 16-bit pair.
+// m16n8k16 with f32 accumulators, ldmatrix (plain and transposed), packing two floats
+// into a 16-bit pair, asynchronous global-to-shared copies (cp.async) and exp2.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -58,6 +58,28 @@ __device__ __forceinline__ void ldsm_t(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// 16 bytes global -> shared without passing through registers; with `full` false the
+// destination is zero-filled and nothing is read (src must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// 2^x on the special-function unit, subnormal results flushed to zero (a probability
+// below 2^-126 is zero after rounding to the 16-bit operand anyway); exp2f adds a
+// range fix-up of three instructions per call for those.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 }  // namespace jaxsub

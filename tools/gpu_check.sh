@@ -8,6 +8,7 @@
 #   GPU_TESTS="..."   test files for `test` (default: every file, -m gpu)
 #   BENCH_ARGS="..."  extra arguments for bench.ops; ATTN_ARGS="..." for bench.attention;
 #                     ENCODER_ARGS="..." for bench.encoder; LAYOUT_ARGS="..." for bench.layout
+#   SANITIZE_FAMILIES="attention" (or "rows"): the op families `sanitize` runs (default both)
 #   JAXSUB_STAGED_CUDA=1  register the staged CUDA targets (cuda/targets.h) too
 set -uo pipefail
 steps="${*:-build test sanitize bench}"
@@ -33,7 +34,7 @@ if has sanitize; then
     # Only jaxsub's kernels are instrumented; XLA's autotuning is off (its compiles under
     # the sanitizer crashed it now and then).
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 240 \
-      compute-sanitizer --tool $tool --kernel-name kns=jaxsub python3 -u tools/sanitize_ops.py >"$OUT/sanitize_$tool.log" 2>&1
+      compute-sanitizer --tool $tool --kernel-name kns=jaxsub python3 -u tools/sanitize_ops.py ${SANITIZE_FAMILIES:-} >"$OUT/sanitize_$tool.log" 2>&1
     summary+=("sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_ops|FAILED' "$OUT/sanitize_$tool.log" | head -5 | tr '\n' ' ')")
   done
 fi

@@ -1,8 +1,8 @@
 """Runs every CUDA kernel of the op families once, fwd and bwd, at odd and vector-aligned
 sizes, with dropout, and compares with the CPU handlers (the row ops, softmax_dropout, and
-fused attention when its CUDA target is registered: JAXSUB_STAGED_CUDA=1 while staged). Meant to run under
-`compute-sanitizer` (memcheck, racecheck): small sizes, one pass. Exits non-zero on a
-mismatch."""
+fused attention). Meant to run under `compute-sanitizer` (memcheck, racecheck): small
+sizes, one pass. Exits non-zero on a mismatch. Arguments: the families to run, `attention`
+and/or `rows` (default both)."""
 
 import sys
 
@@ -51,7 +51,8 @@ def attention_ops(shape, d, dtype, key):
         if jnp.dtype(dtype) != jnp.float32 and d in (32, 64, 128):
             o = jaxsub.ops.attention(q, k, v, mask=pad, causal=True, dropout_rate=0.1, key=key,
                                      implementation="fused")
-            total = total + (o.astype(jnp.float32) ** 2).sum()
+            o2 = jaxsub.ops.attention(q, k, v, dropout_rate=0.1, key=key, implementation="fused")  # plain path
+            total = total + (o.astype(jnp.float32) ** 2).sum() + (o2.astype(jnp.float32) ** 2).sum()
         return total
 
     return f, (scores, q, k, v)
@@ -70,14 +71,16 @@ def compare(f, args, dtype, reduction, what):
         return 1
 
 
-def main():
+def main(families):
     failures = 0
     key = jax.random.key(3)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        for shape, d in (((2, 3, 5, 7), 32), ((2, 2, 70, 130), 64), ((1, 2, 129, 64), 128)):
+    for dtype in (jnp.bfloat16, jnp.float32) if "attention" in families else ():
+        # Key and query tiles of 64: one, two, three and five tiles (the copy pipelines).
+        for shape, d in (((2, 3, 5, 7), 32), ((2, 2, 70, 130), 64), ((1, 2, 129, 64), 128),
+                         ((1, 1, 300, 260), 64)):
             f, args = attention_ops(shape, d, dtype, key)
             failures += compare(f, args, dtype, max(shape[-2:]), f"attention {jnp.dtype(dtype).name} {shape} d={d}")
-    for dtype in (jnp.bfloat16, jnp.float32):
+    for dtype in (jnp.bfloat16, jnp.float32) if "rows" in families else ():
         for rows, n in ((3, 1), (5, 130), (9, 1024), (3, 4096), (2, 6000)):
             for p32 in (True, False):
                 x = jax.random.normal(jax.random.key(rows * n), (rows, n)).astype(dtype)
@@ -88,4 +91,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:] or ["attention", "rows"]))
