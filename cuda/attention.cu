@@ -109,6 +109,17 @@ __device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, floa
   return x;
 }
 
+// The score of raw s at (i, j) in log2 units: the full rule with kMasked, else only the
+// bounds (the kernels launched for calls without mask and causal carry no mask code).
+template <bool kMasked>
+__device__ __forceinline__ float score_log2(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j) {
+  if constexpr (kMasked) {
+    return score(a, rc, s, i, j) * kLog2e;
+  } else {
+    return i < a.sq && j < a.sk ? s * a.scale * kLog2e : -INFINITY;
+  }
+}
+
 // Keep bits of 16 consecutive keys j0 .. j0 + 15 of query i (bit t: key j0 + t), from the
 // Philox lanes of the logical [B, H, Sq, Sk] element index (philox.h); 0 outside the
 // tensor. Two Philox calls when the 16 keys are two aligned groups of eight.
@@ -161,7 +172,7 @@ struct FwdSmem {
 template <int D>
 constexpr int fwd_min_blocks() { return D <= 64 ? 4 : 2; }
 
-template <typename T, int D>
+template <typename T, int D, bool kMasked>
 __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_kernel(AttnArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   FwdSmem<T, D>& sm = *reinterpret_cast<FwdSmem<T, D>*>(smem_raw);
@@ -247,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
     // per-element test (rows past Sq are never stored) and keeps the raw scores: the max
     // is taken raw and scaled once, and each probability is exp2(s * sc - base), one FFMA.
     // Otherwise the scores are scaled and masked here (log2 units, sc = 1).
-    const bool plain = a.mask_kind == kMaskNone && !a.causal && kb + kTile <= a.sk && a.scale > 0.f;
+    const bool plain = !kMasked && kb + kTile <= a.sk && a.scale > 0.f;
     const float sc = plain ? scale_log2 : 1.f;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -256,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
       for (int e = 0; e < 4; ++e) {
         if (!plain) {
           const int64_t i = q0 + quad + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
-          s[n][e] = score(a, rc, s[n][e], i, j) * kLog2e;
+          s[n][e] = score_log2<kMasked>(a, rc, s[n][e], i, j);
         }
         mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
       }
@@ -376,7 +387,7 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool full)
 // in shared memory (warp w: queries 16 w .. 16 w + 15) and added to the f32 workspace.
 // K and V fragments are read from shared memory per query tile (holding them in
 // registers cost a block per multiprocessor).
-template <typename T, int D>
+template <typename T, int D, bool kMasked>
 __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_kernel(AttnArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using Smem = BwdSmem<T, D>;
@@ -464,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     // Per query tile, in an order that keeps few tiles live: Sᵀ = K Qᵀ -> probabilities (in
     // place) -> dV += Pdᵀ dO -> dPdᵀ = V dOᵀ -> dSᵀ (in place) -> dK += dSᵀ Q. Rows = the
     // warp's 16 keys, columns = the tile's 64 queries.
-    const bool plain = a.mask_kind == kMaskNone && !a.causal && k0 + 16 <= a.sk;
+    const bool plain = !kMasked && k0 + 16 <= a.sk;
     float p[8][4];
     {
       uint32_t kf[D / 16][4];
@@ -483,11 +494,22 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
         }
       }
     }
-    // The keep bit of entry (n, e): query il(n, e) of the tile, key jl(e) of the warp.
+    // The keep bits of this thread's 32 entries, gathered once per tile: bit 4 n + e is
+    // entry (n, e) = (query il(n, e) of the tile, key quad + 8 (e / 2) of the warp).
     auto il_of = [&](int n, int e) { return n * 8 + tq * 2 + (e & 1); };
-    auto kept = [&](int n, int e) {
-      return a.threshold == 0 || ((sm.keep[warp][il_of(n, e)] >> (quad + (e >> 1) * 8)) & 1u);
-    };
+    uint32_t kbits = 0xffffffffu;
+    if (a.threshold != 0) {
+      kbits = 0u;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const uint32_t w = sm.keep[warp][il_of(n, c)] >> quad;
+          kbits |= (w & 1u) << (4 * n + c);
+          kbits |= ((w >> 8) & 1u) << (4 * n + 2 + c);
+        }
+    }
+    auto kept = [&](int n, int e) { return ((kbits >> (4 * n + e)) & 1u) != 0u; };
     {
       uint32_t pdf[4][4];  // kept Pᵀ (unscaled) as A fragments, 16 queries each
 #pragma unroll
@@ -497,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
         for (int e = 0; e < 4; ++e) {
           const int il = il_of(n, e), jl = quad + (e >> 1) * 8;
           const float x = plain ? fmaf(p[n][e], scale_log2, nlse2[il])
-                                : score(a, rc, p[n][e], qb + il, k0 + jl) * kLog2e + nlse2[il];
+                                : score_log2<kMasked>(a, rc, p[n][e], qb + il, k0 + jl) + nlse2[il];
           p[n][e] = fast_exp2(x);  // 0 for masked scores and empty rows
           pd[e] = kept(n, e) ? p[n][e] : 0.f;
         }
@@ -571,12 +593,16 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
       }
     }
 #pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn)
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = qb + warp * 16 + quad + r * 8;
+      if (i >= a.sq) continue;
+      float* dq_row = dqg + i * row_stride + tq * 2;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t i = qb + warp * 16 + quad + (e >> 1) * 8;
-        if (i < a.sq) atomicAdd(dqg + i * row_stride + dn * 8 + tq * 2 + (e & 1), c[dn][e] * a.scale);
+      for (int dn = 0; dn < D / 8; ++dn) {
+        atomicAdd(dq_row + dn * 8, c[dn][2 * r] * a.scale);
+        atomicAdd(dq_row + dn * 8 + 1, c[dn][2 * r + 1] * a.scale);
       }
+    }
     __syncthreads();  // sm.ds, sm.keep and this stage are free for the next iteration
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
@@ -627,6 +653,13 @@ ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// A kernel as a type (for generic launch lambdas); whether a call needs the masked kernels.
+template <auto K>
+struct KernelC {
+  static constexpr auto value = K;
+};
+bool masked(const AttnArgs& a) { return a.mask_kind != kMaskNone || a.causal; }
+
 // Calls f(TypeTag<T>, IntC<D>) for the 16-bit dtypes and head dims the kernels support.
 template <typename F>
 ffi::Error dispatch_attention(const char* op, ffi::DataType t, int d, F&& f) {
@@ -661,8 +694,15 @@ ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t m
     constexpr int D = decltype(dd)::value;
     const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     constexpr size_t smem = sizeof(FwdSmem<T, D>);
-    if (auto e = smem_opt_in<attention_fwd_kernel<T, D>>(op, smem); e.failure()) return e;
-    attention_fwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(a);
+    auto launch = [&](auto kernel_tag) -> ffi::Error {
+      constexpr auto kernel = decltype(kernel_tag)::value;
+      if (auto e = smem_opt_in<kernel>(op, smem); e.failure()) return e;
+      kernel<<<grid, kThreads, smem, stream>>>(a);
+      return ffi::Error::Success();
+    };
+    const ffi::Error e = masked(a) ? launch(KernelC<attention_fwd_kernel<T, D, true>>{})
+                                   : launch(KernelC<attention_fwd_kernel<T, D, false>>{});
+    if (e.failure()) return e;
     return launch_status(op);
   });
 }
@@ -700,8 +740,16 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
         <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     constexpr size_t smem = sizeof(BwdSmem<T, D>);
-    if (auto e = smem_opt_in<attention_bwd_kernel<T, D>>(op, smem); e.failure()) return e;
-    attention_bwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(a);
+    auto launch = [&](auto kernel_tag) -> ffi::Error {
+      constexpr auto kernel = decltype(kernel_tag)::value;
+      if (auto e = smem_opt_in<kernel>(op, smem); e.failure()) return e;
+      kernel<<<grid, kThreads, smem, stream>>>(a);
+      return ffi::Error::Success();
+    };
+    if (const ffi::Error e = masked(a) ? launch(KernelC<attention_bwd_kernel<T, D, true>>{})
+                                       : launch(KernelC<attention_bwd_kernel<T, D, false>>{});
+        e.failure())
+      return e;
     const int64_t n = rows * D;
     attention_dq_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(
         a.dq_acc, static_cast<T*>(a.o), n);
