@@ -4,7 +4,6 @@ are rejected in Python and by the handlers, the attributes reach the lowered HLO
 `jaxsub.ops.config.use` supplies them. `-m gpu` runs every configuration on CUDA."""
 
 import itertools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import jaxsub
 from jaxsub import ops
 from jaxsub.ops import config, gelu, norm
 from jaxsub.ops.config import KernelConfig
-from jaxsub.testing import assert_close
+from jaxsub.testing import assert_close, ffi_attributes
 
 LN, BDRLN, GELU = "layer_norm", "bias_dropout_residual_layer_norm", "bias_gelu_dropout"
 OPS = (LN, BDRLN, GELU)
@@ -93,13 +92,14 @@ def test_every_configuration_matches_the_default(name):
     _assert_all_match_default(name, _inputs((5, 130), jnp.bfloat16, seed=OPS.index(name)), CONFIGS)
 
 
-def _attrs(text, target):
-    """The attributes of every custom call of `target` in lowered HLO text, as dicts."""
-    found = re.findall(rf"@{target}\(.*?mhlo\.backend_config = \{{([^}}]*)\}}", text)
-    return [dict(re.findall(r"(\w+) = (-?\w+)", attrs)) for attrs in found]
-
-
 TARGETS = {LN: "jaxsub_layer_norm", BDRLN: "jaxsub_bdrln", GELU: "jaxsub_bias_gelu_dropout"}
+
+
+def _launch(text, name):
+    """((block_threads, max_elems) of the forward call, same of the backward) of op `name`
+    in lowered HLO text with one call of each."""
+    (fwd,), (bwd,) = (ffi_attributes(text, TARGETS[name] + d) for d in ("_fwd", "_bwd"))
+    return (int(fwd["block_threads"]), int(fwd["max_elems"])), (int(bwd["block_threads"]), int(bwd["max_elems"]))
 
 
 def _lowered_grad(name, inp, **kw):
@@ -112,32 +112,21 @@ def _lowered_grad(name, inp, **kw):
 def test_configuration_reaches_the_lowered_hlo(name):
     inp = _inputs((4, 64), jnp.float32)
     cfg = dict(fwd_threads=128, fwd_elems=8, bwd_threads=1024, bwd_elems=4)
-    text = _lowered_grad(name, inp, kernel_config=cfg)
-    fwd, = _attrs(text, TARGETS[name] + "_fwd")
-    bwd, = _attrs(text, TARGETS[name] + "_bwd")
-    assert (fwd["block_threads"], fwd["max_elems"]) == ("128", "8")
-    assert (bwd["block_threads"], bwd["max_elems"]) == ("1024", "4")
-    # A missing key (or None, outside any configuration block) is 0: the kernel's default.
-    fwd, = _attrs(_lowered_grad(name, inp, kernel_config={"bwd_elems": 16}), TARGETS[name] + "_fwd")
-    assert (fwd["block_threads"], fwd["max_elems"]) == ("0", "0")
+    assert _launch(_lowered_grad(name, inp, kernel_config=cfg), name) == ((128, 8), (1024, 4))
+    # A missing key is 0 (the kernel's default), as is None outside any configuration block.
+    assert _launch(_lowered_grad(name, inp, kernel_config={"bwd_elems": 16}), name) == ((0, 0), (0, 16))
+    assert _launch(_lowered_grad(name, inp), name) == ((0, 0), (0, 0))
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_configuration_in_effect_reaches_the_op(name):
     inp = _inputs((4, 64), jnp.float32)
-    with config.use({name: {"kernel_config": {"fwd_threads": 512, "bwd_elems": 32}}}):
-        text = _lowered_grad(name, inp)
-        explicit = _lowered_grad(name, inp, kernel_config={})
-    fwd, = _attrs(text, TARGETS[name] + "_fwd")
-    bwd, = _attrs(text, TARGETS[name] + "_bwd")
-    assert (fwd["block_threads"], fwd["max_elems"], bwd["block_threads"], bwd["max_elems"]) == ("512", "0", "0", "32")
-    # An explicit kernel_config wins over the block; other ops are not affected.
-    fwd, = _attrs(explicit, TARGETS[name] + "_fwd")
-    assert fwd["block_threads"] == "0"
     other = OPS[(OPS.index(name) + 1) % 3]
-    with config.use({name: {"kernel_config": {"fwd_threads": 512}}}):
-        fwd, = _attrs(_lowered_grad(other, inp), TARGETS[other] + "_fwd")
-    assert fwd["block_threads"] == "0"
+    with config.use({name: {"kernel_config": {"fwd_threads": 512, "bwd_elems": 32}}}):
+        assert _launch(_lowered_grad(name, inp), name) == ((512, 0), (0, 32))
+        # An explicit kernel_config wins over the block; other ops are not affected.
+        assert _launch(_lowered_grad(name, inp, kernel_config={}), name) == ((0, 0), (0, 0))
+        assert _launch(_lowered_grad(other, inp), other) == ((0, 0), (0, 0))
 
 
 def test_row_ops_ask_for_their_signature():
