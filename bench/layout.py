@@ -16,7 +16,8 @@ For each case:
 2. Exhaustive search over a reduced space: every full configuration (a path through
    the stages with matching layouts, no transposes) whose layouts are in REDUCED — all
    q/k/v layouts, both attention outputs, every attention implementation the platform
-   has, both FFN activation layouts, [B·S, E] everywhere else — timed as a whole layer.
+   has, both FFN activation layouts, [B·S, E] everywhere else, the row ops' default
+   kernel configurations — timed as a whole layer.
 3. Rows, each the whole layer forward + backward (`jax.vjp` with a random cotangent;
    gradients of x and every parameter) timed by the same method as tuning (slope over
    two loop lengths of one jitted fori_loop, median of repeats; jaxsub/layout/tuning.py):
@@ -46,7 +47,8 @@ from bench import report
 from jaxsub import layout, testing
 from jaxsub.layout import encoder as enc
 from jaxsub.layout import solver, tuning
-from jaxsub.layout.problem import Selection, parse_label
+from jaxsub.layout.problem import Selection, parse_config, parse_label
+from jaxsub.ops.config import KERNEL_CONFIG_KEYS
 
 DEFAULT_JSON = pathlib.Path("bench/results/layout.json")
 BERT = dict(hidden=1024, heads=16, mlp_dim=4096, dtype="bfloat16", dropout_rate=0.1, attention_dropout_rate=0.1)
@@ -71,15 +73,19 @@ SMALL = Size(cases={"tiny": dict(BERT, batch=2, seq=8, hidden=16, heads=2, mlp_d
 
 
 def reduced_paths(problem, allowed: dict) -> list[list]:
-    """Every path of candidates with each label's layouts in `allowed` and consecutive
-    labels equal."""
+    """Every path of candidates with each label's layouts in `allowed`, consecutive labels
+    equal and no row-op kernel configuration (each would multiply the paths by 5)."""
     def ok(lab):
         return all(axes in allowed[name] for name, axes in parse_label(lab).items())
+
+    def default_kernel(cand):
+        return not set(parse_config(cand.config)) & set(KERNEL_CONFIG_KEYS)
 
     paths = [[]]
     for stage in problem.stages:
         paths = [p + [c] for p in paths for c in stage.candidates
-                 if ok(c.in_layout) and ok(c.out_layout) and (not p or p[-1].out_layout == c.in_layout)]
+                 if ok(c.in_layout) and ok(c.out_layout) and default_kernel(c)
+                 and (not p or p[-1].out_layout == c.in_layout)]
     return paths
 
 

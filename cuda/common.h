@@ -98,6 +98,27 @@ inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyB
   return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
 }
 
+// A row op's kernel configuration: the attributes `block_threads` and `max_elems`
+// (ABI.md), 0 meaning the kernel's built-in default.
+struct KernelConfig {
+  int32_t block_threads = 0;  // threads per block: 0, or a multiple of 32 in [32, 1024]
+  int32_t max_elems = 0;      // elements per thread at most: 0, 4, 8, 16 or 32
+
+  int threads_or(int fallback) const { return block_threads != 0 ? block_threads : fallback; }
+  int elems_or(int fallback) const { return max_elems != 0 ? max_elems : fallback; }
+};
+
+// The one check of a kernel configuration, for the CPU handlers (which then ignore it)
+// and the CUDA handlers alike, so a bad one fails the same way on every platform.
+inline ffi::Error check_kernel_config(const char* op, const KernelConfig& k) {
+  const int32_t t = k.block_threads, e = k.max_elems;
+  if (t != 0 && (t < 32 || t > 1024 || t % 32 != 0))
+    return invalid(op, "`block_threads` must be 0 or a multiple of 32 in [32, 1024], got " + std::to_string(t));
+  if (e != 0 && e != 4 && e != 8 && e != 16 && e != 32)
+    return invalid(op, "`max_elems` must be 0, 4, 8, 16 or 32, got " + std::to_string(e));
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------
 // Host 16-bit floats for the CPU handlers (the FFI passes them as uint16_t bit patterns).
 

@@ -76,17 +76,18 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
 template <bool kBackward>
 ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi::DataType prm, const Rows& rc,
                        const GeluPtrs& p, bool approximate, uint32_t threshold, float keep_scale,
-                       int64_t workspace_rows, void* dbias) {
+                       const KernelConfig& kernel, int64_t workspace_rows, void* dbias) {
+  if (auto e = check_kernel_config(op, kernel); e.failure()) return e;
   if (rc.rows == 0 || rc.cols == 0) return ffi::Error::Success();
   if (prm != t && prm != ffi::DataType::F32) return invalid(op, "bias must have the activation dtype or float32");
   const bool pf32 = prm == ffi::DataType::F32;
   return dispatch_float<DeviceTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const bool aligned = aligned16(p.x) && aligned16(p.bias) && aligned16(p.out) && (!kBackward || aligned16(p.dy));
-    // No row reductions here: forward up to 16 elements per thread, backward 8 (16-bit) /
-    // 16 (f32), since the column partials stay live beside x and dy.
-    const RowConfig c =
-        choose_rows(rc.cols, sizeof(T), aligned, kBackward && sizeof(T) < 4 ? 8 : 16, kBackward ? 512 : 256);
+    // Defaults. No row reductions here: forward up to 16 elements per thread, backward 8
+    // (16-bit) / 16 (f32), since the column partials stay live beside x and dy.
+    const int max_elems = kernel.elems_or(kBackward && sizeof(T) < 4 ? 8 : 16);
+    const RowConfig c = choose_rows(rc.cols, sizeof(T), aligned, max_elems, kernel.threads_or(kBackward ? 512 : 256));
     if (!c.ok) return invalid(op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
     ffi::Error status = invalid(op, "no kernel for this row length");
@@ -115,21 +116,21 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
 
 // x: [R, N]; bias: [N]; seed: [2] -> y: [R, N].
 ffi::Error BiasGeluDropoutFwd(cudaStream_t stream, bool approximate, uint32_t threshold, float keep_scale,
-                              ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
-                              ffi::Result<ffi::AnyBuffer> y) {
+                              int32_t block_threads, int32_t max_elems, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                              ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> y) {
   const char* op = "bias_gelu_dropout_fwd";
   const Rows rc = as_rows(x);
   if (static_cast<int64_t>(bias.element_count()) != rc.cols) return invalid(op, "bias length != last dim");
   GeluPtrs p{nullptr, x.untyped_data(), bias.untyped_data(), seed.typed_data(), y->untyped_data(), nullptr};
   return launch_gelu<false>(stream, op, x.element_type(), bias.element_type(), rc, p, approximate, threshold,
-                            keep_scale, 0, nullptr);
+                            keep_scale, {block_threads, max_elems}, 0, nullptr);
 }
 
 // dy, x: [R, N]; bias: [N]; seed: [2] -> dx: [R, N]; dbias: [N]; workspace: [C, 1, N].
 ffi::Error BiasGeluDropoutBwd(cudaStream_t stream, bool approximate, uint32_t threshold, float keep_scale,
-                              ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
-                              ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
-                              ffi::Result<ffi::AnyBuffer> workspace) {
+                              int32_t block_threads, int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                              ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
+                              ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
   const char* op = "bias_gelu_dropout_bwd";
   const Rows rc = as_rows(x);
   if (static_cast<int64_t>(bias.element_count()) != rc.cols) return invalid(op, "bias length != last dim");
@@ -138,7 +139,7 @@ ffi::Error BiasGeluDropoutBwd(cudaStream_t stream, bool approximate, uint32_t th
              data<float>(workspace)};
   const int64_t ws_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   return launch_gelu<true>(stream, op, x.element_type(), bias.element_type(), rc, p, approximate, threshold,
-                           keep_scale, ws_rows, dbias->untyped_data());
+                           keep_scale, {block_threads, max_elems}, ws_rows, dbias->untyped_data());
 }
 
 }  // namespace
@@ -152,6 +153,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bias_gelu_dropout_fwd, jaxsub::BiasGelu
                                   .Attr<bool>("approximate")
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
@@ -164,6 +167,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bias_gelu_dropout_bwd, jaxsub::BiasGelu
                                   .Attr<bool>("approximate")
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

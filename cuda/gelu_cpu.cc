@@ -95,10 +95,12 @@ ffi::Error check_like(const char* op, const char* name, const ffi::AnyBuffer& b,
   return invalid(op, std::string(name) + " must match " + like_name + " in dtype and size");
 }
 
-// x: T[R, N]; bias: P[N]; seed: u32[2]; y: T[R, N].
+// x: T[R, N]; bias: P[N]; seed: u32[2]; y: T[R, N]. block_threads and max_elems (a GPU
+// launch shape) are checked and otherwise unused, here and in the backward.
 ffi::Error BiasGeluDropoutFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
-                                 bool approximate, uint32_t threshold, float keep_scale,
-                                 ffi::Result<ffi::AnyBuffer> y) {
+                                 bool approximate, uint32_t threshold, float keep_scale, int32_t block_threads,
+                                 int32_t max_elems, ffi::Result<ffi::AnyBuffer> y) {
+  if (auto e = check_kernel_config(kFwd, {block_threads, max_elems}); e.failure()) return e;
   if (auto e = check_common(kFwd, x, bias, seed); e.failure()) return e;
   if (auto e = check_like(kFwd, "y", *y, "x", x); e.failure()) return e;
   const Rows d = as_rows(x);
@@ -120,8 +122,10 @@ ffi::Error BiasGeluDropoutFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buf
 // dx: T[R, N]; dbias: P[N]; workspace: f32[C, 1, N] (GPU scratch, untouched here).
 ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                                  ffi::Buffer<ffi::U32> seed, bool approximate, uint32_t threshold,
-                                 float keep_scale, ffi::Result<ffi::AnyBuffer> dx,
-                                 ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
+                                 float keep_scale, int32_t block_threads, int32_t max_elems,
+                                 ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
+                                 ffi::Result<ffi::AnyBuffer> workspace) {
+  if (auto e = check_kernel_config(kBwd, {block_threads, max_elems}); e.failure()) return e;
   if (auto e = check_common(kBwd, x, bias, seed); e.failure()) return e;
   if (auto e = check_like(kBwd, "dy", dy, "x", x); e.failure()) return e;
   if (auto e = check_like(kBwd, "dx", *dx, "x", x); e.failure()) return e;
@@ -160,6 +164,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_fwd, jaxsub::BiasGeluD
                                   .Attr<bool>("approximate")
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Ret<xla::ffi::AnyBuffer>());               // y
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_bwd, jaxsub::BiasGeluDropoutBwdCpu,
@@ -171,6 +177,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_bwd, jaxsub::BiasGeluD
                                   .Attr<bool>("approximate")
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Ret<xla::ffi::AnyBuffer>()                 // dx
                                   .Ret<xla::ffi::AnyBuffer>()                 // dbias
                                   .Ret<xla::ffi::AnyBuffer>());               // workspace

@@ -178,6 +178,7 @@ struct NormArgs {
   uint32_t threshold = 0;
   float keep_scale = 1.f;
   int64_t workspace_rows = 0;  // backward only
+  KernelConfig kernel;         // 0s: the defaults in launch_norm
   void* grads[3] = {nullptr, nullptr, nullptr};  // backward: column-sum outputs, in partial order
 };
 
@@ -189,6 +190,7 @@ bool all_aligned(std::initializer_list<const void*> ptrs) {
 
 template <bool kResidual, bool kBackward>
 ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
+  if (auto e = check_kernel_config(a.op, a.kernel); e.failure()) return e;
   if (a.rows == 0 || a.cols == 0) return ffi::Error::Success();
   const NormPtrs& p = a.p;
   if (a.prm != a.t && a.prm != ffi::DataType::F32)
@@ -197,12 +199,12 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
   return dispatch_float<DeviceTypes>(a.t, a.op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const bool aligned = all_aligned({p.dy, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual});
-    // Forward: up to 32 elements per thread (a 16-bit row of 1024 is one warp, 4 vectors per
-    // thread). Backward: 8 (16-bit) / 16 (f32) as before; four or five [NV][VEC] f32 tiles
-    // (column partials, xhat, dy) stay live, and at 16 16-bit elements ptxas needed 120-128
-    // registers (no more rows in flight per SM than at 8 elements and 64).
-    const RowConfig c =
-        choose_rows(a.cols, sizeof(T), aligned, kBackward ? (sizeof(T) == 4 ? 16 : 8) : 32, kBackward ? 512 : 256);
+    // Defaults. Forward: up to 32 elements per thread (a 16-bit row of 1024 is one warp, 4
+    // vectors per thread). Backward: 8 (16-bit) / 16 (f32) as before; four or five [NV][VEC]
+    // f32 tiles (column partials, xhat, dy) stay live, and at 16 16-bit elements ptxas needed
+    // 120-128 registers (no more rows in flight per SM than at 8 elements and 64).
+    const int max_elems = a.kernel.elems_or(kBackward ? (sizeof(T) == 4 ? 16 : 8) : 32);
+    const RowConfig c = choose_rows(a.cols, sizeof(T), aligned, max_elems, a.kernel.threads_or(kBackward ? 512 : 256));
     if (!c.ok) return invalid(a.op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
     ffi::Error status = invalid(a.op, "no kernel for this row length");
@@ -238,24 +240,24 @@ ffi::Error check_rows(const char* op, const Rows& rc, std::initializer_list<cons
 }
 
 // x: [R, N]; scale, bias: [N] -> y: [R, N], mean, rstd: [R].
-ffi::Error LayerNormFwd(cudaStream_t stream, float eps, ffi::AnyBuffer x, ffi::AnyBuffer scale,
-                        ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                        ffi::Result<ffi::AnyBuffer> rstd) {
+ffi::Error LayerNormFwd(cudaStream_t stream, float eps, int32_t block_threads, int32_t max_elems, ffi::AnyBuffer x,
+                        ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd) {
   const char* op = "layer_norm_fwd";
   const Rows rc = as_rows(x);
   if (auto e = check_rows(op, rc, {}, {&scale, &bias}); e.failure()) return e;
   NormArgs<false> a{op, x.element_type(), scale.element_type(), rc.rows, rc.cols};
   a.p = NormPtrs{nullptr, x.untyped_data(), nullptr, nullptr, scale.untyped_data(), bias.untyped_data(),
                  nullptr, y->untyped_data(), nullptr, data<float>(mean), data<float>(rstd), nullptr};
-  a.eps = eps;
+  a.eps = eps, a.kernel = {block_threads, max_elems};
   return launch_norm<false, false>(stream, a);
 }
 
 // dy, x: [R, N]; scale: [N]; mean, rstd: [R] -> dx: [R, N]; dscale, dbias: [N]; workspace: [C, 2, N].
-ffi::Error LayerNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer scale,
-                        ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
-                        ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
-                        ffi::Result<ffi::AnyBuffer> workspace) {
+ffi::Error LayerNormBwd(cudaStream_t stream, int32_t block_threads, int32_t max_elems, ffi::AnyBuffer dy,
+                        ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
+                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
   const char* op = "layer_norm_bwd";
   const Rows rc = as_rows(x);
   if (auto e = check_rows(op, rc, {&dy}, {&scale}); e.failure()) return e;
@@ -264,14 +266,15 @@ ffi::Error LayerNormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x
                  dx->untyped_data(), nullptr, data<float>(mean), data<float>(rstd), data<float>(workspace)};
   a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   a.grads[0] = dscale->untyped_data(), a.grads[1] = dbias->untyped_data();
+  a.kernel = {block_threads, max_elems};
   return launch_norm<false, true>(stream, a);
 }
 
 // x, residual: [R, N]; bias, scale, ln_bias: [N]; seed: [2] -> y: [R, N]; mean, rstd: [R].
-ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float keep_scale, ffi::AnyBuffer x,
-                    ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer ln_bias,
-                    ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                    ffi::Result<ffi::AnyBuffer> rstd) {
+ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float keep_scale, int32_t block_threads,
+                    int32_t max_elems, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+                    ffi::AnyBuffer scale, ffi::AnyBuffer ln_bias, ffi::Buffer<ffi::U32> seed,
+                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd) {
   const char* op = "bdrln_fwd";
   const Rows rc = as_rows(x);
   if (auto e = check_rows(op, rc, {&residual}, {&bias, &scale, &ln_bias}); e.failure()) return e;
@@ -282,15 +285,16 @@ ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float ke
   a.p = NormPtrs{nullptr, x.untyped_data(), bias.untyped_data(), residual.untyped_data(), scale.untyped_data(),
                  ln_bias.untyped_data(), seed.typed_data(), y->untyped_data(), nullptr, data<float>(mean),
                  data<float>(rstd), nullptr};
-  a.eps = eps, a.threshold = threshold, a.keep_scale = keep_scale;
+  a.eps = eps, a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = {block_threads, max_elems};
   return launch_norm<true, false>(stream, a);
 }
 
 // dy, x, residual: [R, N]; bias, scale: [N]; mean, rstd: [R]; seed: [2]
 //   -> dx: [R, N]; dbias: [N]; dresidual: [R, N]; dscale, dln_bias: [N]; workspace: [C, 3, N].
-ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                    ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean,
-                    ffi::AnyBuffer rstd, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, int32_t block_threads,
+                    int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                    ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                    ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
                     ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dresidual,
                     ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dln_bias,
                     ffi::Result<ffi::AnyBuffer> workspace) {
@@ -302,7 +306,7 @@ ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, f
   a.p = NormPtrs{dy.untyped_data(), x.untyped_data(), bias.untyped_data(), residual.untyped_data(),
                  scale.untyped_data(), nullptr, seed.typed_data(), dx->untyped_data(), dresidual->untyped_data(),
                  data<float>(mean), data<float>(rstd), data<float>(workspace)};
-  a.threshold = threshold, a.keep_scale = keep_scale;
+  a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = {block_threads, max_elems};
   a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   a.grads[0] = dbias->untyped_data(), a.grads[1] = dscale->untyped_data(), a.grads[2] = dln_bias->untyped_data();
   return launch_norm<true, true>(stream, a);
@@ -319,6 +323,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_layer_norm_fwd, jaxsub::LayerNormFwd,
                               ffi::Ffi::Bind()
                                   .Ctx<Stream>()
                                   .Attr<float>("eps")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -330,6 +336,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_layer_norm_fwd, jaxsub::LayerNormFwd,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_layer_norm_bwd, jaxsub::LayerNormBwd,
                               ffi::Ffi::Bind()
                                   .Ctx<Stream>()
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -347,6 +355,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bdrln_fwd, jaxsub::BdrlnFwd,
                                   .Attr<float>("eps")
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -363,6 +373,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bdrln_bwd, jaxsub::BdrlnBwd,
                                   .Ctx<Stream>()
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -162,13 +162,15 @@ struct BdrlnRow {
 };
 
 // ---------------------------------------------------------------------------------------
-// FFI handlers.
+// FFI handlers. Each checks its kernel configuration (block_threads, max_elems: a GPU
+// launch shape) and otherwise ignores it.
 
 // x: T[R, N]; scale, bias: P[N] -> y: T[R, N]; mean, rstd: f32[R].
-ffi::Error LayerNormFwdCpu(float eps, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                           ffi::Result<ffi::AnyBuffer> rstd) {
+ffi::Error LayerNormFwdCpu(float eps, int32_t block_threads, int32_t max_elems, ffi::AnyBuffer x,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                           ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd) {
   constexpr const char* op = "layer_norm_fwd";
+  if (auto e = check_kernel_config(op, {block_threads, max_elems}); e.failure()) return e;
   const NormShape s = norm_shape(x, scale);
   const ffi::DataType f32 = ffi::DataType::F32;
   if (auto e = check(op, {{"scale", scale, s.p, s.cols}, {"bias", bias, s.p, s.cols}, {"y", *y, s.t, s.count},
@@ -188,10 +190,12 @@ ffi::Error LayerNormFwdCpu(float eps, ffi::AnyBuffer x, ffi::AnyBuffer scale, ff
 
 // dy, x: T[R, N]; scale: P[N]; mean, rstd: f32[R]
 //   -> dx: T[R, N]; dscale, dbias: P[N]; workspace: f32[C, 2, N] (unused on CPU).
-ffi::Error LayerNormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer mean,
-                           ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
+ffi::Error LayerNormBwdCpu(int32_t block_threads, int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   constexpr const char* op = "layer_norm_bwd";
+  if (auto e = check_kernel_config(op, {block_threads, max_elems}); e.failure()) return e;
   const NormShape s = norm_shape(x, scale);
   const ffi::DataType f32 = ffi::DataType::F32;
   if (auto e = check(op, {{"dy", dy, s.t, s.count}, {"scale", scale, s.p, s.cols}, {"mean", mean, f32, s.rows},
@@ -216,11 +220,12 @@ ffi::Error LayerNormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer s
 
 // x: T[R, N]; bias: P[N]; residual: T[R, N]; scale, ln_bias: P[N]; seed: u32[2]
 //   -> y: T[R, N]; mean, rstd: f32[R] (statistics of h = residual + dropout(x + bias)).
-ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, ffi::AnyBuffer x, ffi::AnyBuffer bias,
-                       ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer ln_bias, ffi::AnyBuffer seed,
-                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                       ffi::Result<ffi::AnyBuffer> rstd) {
+ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, int32_t block_threads, int32_t max_elems,
+                       ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale,
+                       ffi::AnyBuffer ln_bias, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd) {
   constexpr const char* op = "bdrln_fwd";
+  if (auto e = check_kernel_config(op, {block_threads, max_elems}); e.failure()) return e;
   const NormShape s = norm_shape(x, scale);
   const ffi::DataType f32 = ffi::DataType::F32;
   if (auto e = check(op, {{"bias", bias, s.p, s.cols}, {"residual", residual, s.t, s.count},
@@ -244,12 +249,14 @@ ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, ffi::Any
 // dy, x: T[R, N]; bias: P[N]; residual: T[R, N]; scale: P[N]; mean, rstd: f32[R]; seed: u32[2]
 //   -> dx: T[R, N]; dbias: P[N]; dresidual: T[R, N]; dscale, dln_bias: P[N];
 //      workspace: f32[C, 3, N] (unused on CPU).
-ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
-                       ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                       ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
+ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threads, int32_t max_elems,
+                       ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+                       ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer seed,
+                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
                        ffi::Result<ffi::AnyBuffer> dresidual, ffi::Result<ffi::AnyBuffer> dscale,
                        ffi::Result<ffi::AnyBuffer> dln_bias, ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   constexpr const char* op = "bdrln_bwd";
+  if (auto e = check_kernel_config(op, {block_threads, max_elems}); e.failure()) return e;
   const NormShape s = norm_shape(x, scale);
   const ffi::DataType f32 = ffi::DataType::F32;
   if (auto e = check(op, {{"dy", dy, s.t, s.count}, {"bias", bias, s.p, s.cols}, {"residual", residual, s.t, s.count},
@@ -296,6 +303,8 @@ ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, ffi::AnyBuffer dy, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_layer_norm_fwd, jaxsub::LayerNormFwdCpu,
                               xla::ffi::Ffi::Bind()
                                   .Attr<float>("eps")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<xla::ffi::AnyBuffer>()   // x
                                   .Arg<xla::ffi::AnyBuffer>()   // scale
                                   .Arg<xla::ffi::AnyBuffer>()   // bias
@@ -305,6 +314,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_layer_norm_fwd, jaxsub::LayerNormFwdCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_layer_norm_bwd, jaxsub::LayerNormBwdCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<xla::ffi::AnyBuffer>()   // dy
                                   .Arg<xla::ffi::AnyBuffer>()   // x
                                   .Arg<xla::ffi::AnyBuffer>()   // scale
@@ -320,6 +331,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bdrln_fwd, jaxsub::BdrlnFwdCpu,
                                   .Attr<float>("eps")
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<xla::ffi::AnyBuffer>()   // x
                                   .Arg<xla::ffi::AnyBuffer>()   // bias
                                   .Arg<xla::ffi::AnyBuffer>()   // residual
@@ -334,6 +347,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bdrln_bwd, jaxsub::BdrlnBwdCpu,
                               xla::ffi::Ffi::Bind()
                                   .Attr<uint32_t>("threshold")
                                   .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
                                   .Arg<xla::ffi::AnyBuffer>()   // dy
                                   .Arg<xla::ffi::AnyBuffer>()   // x
                                   .Arg<xla::ffi::AnyBuffer>()   // bias

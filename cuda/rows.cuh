@@ -6,67 +6,16 @@
 // Because a thread's columns never change, per-column parameters are loaded once and
 // per-column gradient partial sums stay in registers across rows; they are reduced over
 // the block in shared memory, written as one row of a workspace per block, and summed
-// over blocks by `column_sum_kernel` (deterministic: no atomics).
+// over blocks by `column_sum_kernel` (deterministic: no atomics). Launch shapes: row_config.h.
 #pragma once
 
 #include <algorithm>
 
 #include "common.h"
 #include "philox.h"
+#include "row_config.h"
 
 namespace jaxsub {
-
-// Launch shape for one [R, N] problem.
-struct RowConfig {
-  int vec = 1;  // elements per vector access (16 bytes on the fast path, 1 on the general path)
-  int nv = 1;   // vectors per thread per row
-  int tx = 32;  // threads per row
-  int ty = 1;   // rows per block
-  bool ok = false;
-};
-
-// Vectors per thread the kernels are compiled for: fast path {1, 2, 4} with up to 512
-// threads per row (16-bit N <= 16384, f32 N <= 8192); general path {4, 16} with up to 1024
-// (N <= 16384).
-constexpr int kMaxBlockRows = 16;  // rows per block at most (512 threads / 32)
-JAXSUB_HD constexpr int max_threads_for(int vec, int nv) { return vec == 1 && nv == 16 ? 1024 : 512; }
-
-// Fast path when N is a multiple of the 16-byte vector and every pointer is 16-byte
-// aligned; otherwise scalar accesses.
-//
-// Fast path: one warp per row whenever the row fits in 32 threads with at most
-// `max_elems` elements each (the fewest vectors that cover it: shuffle-only reductions,
-// no barriers); a longer row takes the most vectors per thread within `max_elems` (fewest
-// warps per row), relaxing to 4 vectors only when the row needs it. General path: the most
-// elements per thread within `max_elems`, relaxed likewise.
-inline RowConfig choose_rows(int64_t n, int itemsize, bool aligned, int max_elems, int block_threads) {
-  RowConfig c;
-  const int vmax = 16 / itemsize;
-  c.vec = (aligned && n % vmax == 0 && n / vmax <= 4 * 512) ? vmax : 1;
-  const int64_t nvec = (n + c.vec - 1) / c.vec;
-  auto threads = [&](int nv) { return ((nvec + nv - 1) / nv + 31) / 32 * 32; };
-  auto pick = [&](int nv) {
-    c.nv = nv, c.tx = static_cast<int>(threads(nv)), c.ok = true;
-  };
-  if (c.vec > 1) {
-    for (int nv : {1, 2, 4})
-      if (!c.ok && threads(nv) == 32 && nv * c.vec <= max_elems) pick(nv);
-    for (int nv : {4, 2, 1})
-      if (!c.ok && nv * c.vec <= max_elems && threads(nv) <= max_threads_for(c.vec, nv)) pick(nv);
-    if (!c.ok && threads(4) <= max_threads_for(c.vec, 4)) pick(4);
-  } else {
-    for (int pass = 0; pass < 2 && !c.ok; ++pass)
-      for (int nv : {16, 4})
-        if (!c.ok && threads(nv) <= max_threads_for(c.vec, nv) && (pass == 1 || nv * c.vec <= max_elems)) pick(nv);
-  }
-  // Rows per block, with the backward's partial-sum buffer (tx * ty * nv * vec floats)
-  // kept within 32 KB so no kernel needs the shared-memory opt-in. Row groups of more
-  // than one warp synchronize on named barrier 1 + threadIdx.y, so then ty <= 15 (it is
-  // at most 512 / 64 = 8 anyway).
-  c.ty = std::max(1, std::min({kMaxBlockRows, block_threads / c.tx, 8192 / (c.tx * c.nv * c.vec)}));
-  if (c.tx > 32) c.ty = std::min(c.ty, 15);
-  return c;
-}
 
 inline int sm_count() {
   static int cached = 0;

@@ -1,8 +1,10 @@
-"""The one tolerance table and assert_close, shared by tests/ and bench/."""
+"""The one tolerance table and assert_close, shared by tests/ and bench/; and reading the
+attributes of jaxsub's custom calls from lowered HLO."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +59,11 @@ def assert_vmap_matches_loop(f, keys):
         for g, w in zip(got, jax.jit(f)(keys[i])):
             np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
     assert not np.array_equal(np.asarray(got[0][0]), np.asarray(got[0][1]))
+
+
+def ffi_attributes(hlo_text: str, target: str) -> list[dict]:
+    """The attributes of each custom call of `target` (e.g. "jaxsub_layer_norm_fwd") in
+    lowered StableHLO text (`jax.jit(f).lower(...).as_text()`), in program order, values
+    as written there: [{"block_threads": "128", "eps": "9.99999974E-6", ...}, ...]."""
+    calls = re.findall(rf"@{re.escape(target)}\(.*?mhlo\.backend_config = \{{([^}}]*)\}}", hlo_text)
+    return [{k: v.strip() for k, v in re.findall(r"(\w+) = ([^,:]+)", attrs)} for attrs in calls]

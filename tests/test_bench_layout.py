@@ -15,8 +15,9 @@ from bench import layout as bench_layout
 
 def test_reduced_space_is_every_consistent_path():
     spec = layout.LayerSpec(**bench_layout.FULL.cases["b8s512"])
-    for platform, impls in (("cpu", 2), ("tpu", 1)):   # the fused kernel: a candidate only where it runs
-        problem = layout.EncoderProblem(spec, platform=platform)
+    # The fused kernel is a candidate only where it runs; kernel configurations are left out.
+    for platform, impls, configs in (("cpu", 2, False), ("tpu", 1, False), ("cpu", 2, True)):
+        problem = layout.EncoderProblem(spec, platform=platform, kernel_configs=configs)
         paths = bench_layout.reduced_paths(problem, bench_layout.FULL.reduced)
         # 3 q/k/v layouts x impls x 2 context layouts x 2 FFN layouts.
         assert len(paths) == 3 * impls * 2 * 2

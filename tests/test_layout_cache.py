@@ -1,5 +1,6 @@
 """The layout cache (round trip, keys, corrupt files, concurrent writers), the timed
-"auto" path on CPU at a tiny size, and what optimize(layouts=...) applies."""
+"auto" path on CPU at a tiny size, and what optimize(layouts=...) applies (the attention
+algorithm, the row ops' kernel configurations)."""
 
 import json
 import os
@@ -12,8 +13,9 @@ import pytest
 
 import jaxsub
 from jaxsub import layout
-from jaxsub.layout import cache, tuning
+from jaxsub.layout import cache, select, tuning
 from jaxsub.layout.problem import Selection
+from jaxsub.testing import ffi_attributes
 
 SPEC = dict(batch=1, seq=4, hidden=8, heads=2, mlp_dim=8, dtype="float32")
 
@@ -194,3 +196,54 @@ def test_optimize_layouts_choose_the_attention_algorithm(tmp_path):
     assert [p for p in os.listdir(tmp_path) if p.startswith("attention-") and p.endswith(".json")]
     # Outside optimize, ops.attention keeps its default.
     assert _targets(lambda q, k, v: jaxsub.ops.attention(q, k, v), q, k, v) == unfused
+
+
+def _ln(x, s, b):
+    m = jnp.mean(x, -1, keepdims=True)
+    v = jnp.mean((x - m) ** 2, -1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(v + 1e-5) * s + b
+
+
+def _block(x, b, r, s, lb, w):
+    """BDRLN without dropout, then bias + GELU: two row ops for the rewrite."""
+    return jax.nn.gelu(_ln(r + (x + b), s, lb) @ w + b)
+
+
+def _launches(f, target, *args):
+    """[(block_threads, max_elems)] of the forward, then the backward call of `target`."""
+    text = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a)))).lower(*args).as_text()
+    return [(int(a["block_threads"]), int(a["max_elems"])) for d in ("_fwd", "_bwd")
+            for a in ffi_attributes(text, target + d)]
+
+
+def _choose(pre_layer_norm, **chosen):
+    """A Selection of the default path with kernel configurations for some row stages."""
+    problem = layout.EncoderProblem(layout.LayerSpec(**SPEC, pre_layer_norm=pre_layer_norm), platform="cpu",
+                                    kernel_configs=True)
+    return Selection.of(problem, [next(c for c in st.candidates if c.config == chosen[st.name])
+                                  if st.name in chosen else st.candidates[0] for st in problem.stages])
+
+
+def test_optimize_applies_a_selections_kernel_configurations():
+    n = SPEC["hidden"]
+    x, b, r, s, lb = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.float32)
+                      for i, shape in enumerate([(6, n), (n,), (6, n), (n,), (n,)]))
+    w = jnp.eye(n)
+    sel = _choose(False, bdrln2="bwd_threads=1024,fwd_threads=128", bias_gelu_dropout="bwd_threads=256,fwd_threads=512")
+    # BDRLN takes bdrln2's configuration (bdrln1 kept the default); GELU its own.
+    ops_configs = select.selection_op_configs(sel)
+    assert ops_configs["bias_dropout_residual_layer_norm"] == {"kernel_config": {"fwd_threads": 128, "bwd_threads": 1024}}
+    assert ops_configs["attention"] == {"impl": "unfused"}
+    fast = jaxsub.optimize(_block, layouts=sel)
+    assert _launches(fast, "jaxsub_bdrln", x, b, r, s, lb, w) == [(128, 0), (1024, 0)]
+    assert _launches(fast, "jaxsub_bias_gelu_dropout", x, b, r, s, lb, w) == [(512, 0), (256, 0)]
+    plain = jaxsub.optimize(_block, layouts="none")
+    assert _launches(plain, "jaxsub_bdrln", x, b, r, s, lb, w) == [(0, 0), (0, 0)]
+    np.testing.assert_array_equal(jax.jit(fast)(x, b, r, s, lb, w), jax.jit(plain)(x, b, r, s, lb, w))
+    # Both BDRLN stages configured: the first one's configuration applies.
+    both = _choose(False, bdrln1="bwd_threads=256,fwd_threads=512", bdrln2="bwd_threads=1024,fwd_threads=128")
+    assert select.selection_op_configs(both)["bias_dropout_residual_layer_norm"] == {
+        "kernel_config": {"fwd_threads": 512, "bwd_threads": 256}}
+    # Pre-LN: bdrln1's configuration is the layer norm's.
+    pre = _choose(True, bdrln1="bwd_threads=256,fwd_threads=128")
+    assert _launches(jaxsub.optimize(_ln, layouts=pre), "jaxsub_layer_norm", x, s, lb) == [(128, 0), (256, 0)]

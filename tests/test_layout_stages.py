@@ -1,6 +1,7 @@
-"""Every layout/algorithm candidate of every encoder-layer stage computes what the default
-candidate computes (outputs and gradients, dropout on and off), and whole layers built
-from non-default selections equal the default layer."""
+"""Every layout/algorithm/kernel-configuration candidate of every encoder-layer stage
+computes what the default candidate computes (outputs and gradients, dropout on and off),
+whole layers built from non-default selections equal the default layer, and a selected
+kernel configuration reaches the kernels."""
 
 import itertools
 
@@ -11,9 +12,10 @@ import pytest
 
 import jaxsub
 from jaxsub import layout
-from jaxsub.layout.encoder import STAGE_NAMES
+from jaxsub.layout import tuning
+from jaxsub.layout.encoder import ROW_KERNEL_CONFIGS, STAGE_NAMES
 from jaxsub.layout.problem import Selection, relayout
-from jaxsub.testing import assert_close
+from jaxsub.testing import assert_close, ffi_attributes
 
 B, S, E, H, F = 2, 6, 16, 2, 24
 
@@ -52,16 +54,20 @@ CASES = [(False, True, i) for i in range(len(STAGE_NAMES))] + [
 @pytest.mark.parametrize("pre_layer_norm,training,stage", CASES,
                          ids=[f"{'pre' if p else 'post'}-{'train' if t else 'eval'}-{STAGE_NAMES[i]}" for p, t, i in CASES])
 def test_every_candidate_matches_the_default(pre_layer_norm, training, stage):
-    # platform "cpu" offers the fused attention candidate (its CPU handler is real).
-    problem = layout.EncoderProblem(_spec(pre_layer_norm, training), platform="cpu")
+    # platform "cpu" offers the fused attention candidate (its CPU handler is real), and
+    # kernel_configs=True the row stages' kernel configurations (the CPU handlers check
+    # and ignore them). All candidates of the stage run in one compiled function.
+    problem = layout.EncoderProblem(_spec(pre_layer_norm, training), platform="cpu", kernel_configs=True)
     candidates = problem.stages[stage].candidates
     default = candidates[0]
     diff, aux = problem.stage_workload(stage, default).make(seed=stage)
-    want_out, want_grad = jax.jit(lambda d, a: _fwd_bwd(_stage_fn(problem, stage, default, default), d, a))(diff, aux)
+    results = jax.jit(lambda d, a: [_fwd_bwd(_stage_fn(problem, stage, c, default), d, a) for c in candidates])(diff, aux)
+    (want_out, want_grad), results = results[0], results[1:]
     assert len(candidates) > 1
-    for cand in candidates[1:]:
-        fn = _stage_fn(problem, stage, cand, default)
-        out, grad = jax.jit(lambda d, a, fn=fn: _fwd_bwd(fn, d, a))(diff, aux)
+    if problem.stages[stage].name in ("bdrln1", "bias_gelu_dropout") or (
+            problem.stages[stage].name == "bdrln2" and not pre_layer_norm):
+        assert any(c.config for c in candidates)   # the kernel configurations are among them
+    for cand, (out, grad) in zip(candidates[1:], results):
         for path, w in jax.tree_util.tree_leaves_with_path(want_out):
             g = out
             for k in path:
@@ -92,7 +98,7 @@ def test_encoder_layer_with_any_selection_matches_default(pre_layer_norm):
     base = jaxsub.flax.EncoderLayer(num_heads=H, mlp_dim=F, dropout_rate=0.25, attention_dropout_rate=0.25,
                                     pre_layer_norm=pre_layer_norm, layouts="none")
     params = jax.jit(base.init)(jax.random.key(1), x)
-    problem = layout.EncoderProblem(base._spec(x, mask), platform="cpu")
+    problem = layout.EncoderProblem(base._spec(x, mask), platform="cpu", kernel_configs=True)
     rngs = {"dropout": jax.random.key(2)}
 
     def loss(layer, p, x):
@@ -123,3 +129,61 @@ def test_selection_that_does_not_fit_is_rejected():
         pre.check(sel)
     with pytest.raises(ValueError, match="not a candidate"):
         Selection.of(problem, [problem.stages[0].candidates[0]] * len(problem.stages))
+
+
+ROW_STAGES = ("bdrln1", "bias_gelu_dropout", "bdrln2")
+
+
+@pytest.mark.parametrize("pre_layer_norm", [False, True])
+def test_kernel_configurations_are_offered_after_each_default_and_the_heuristic_picks_defaults(pre_layer_norm):
+    problem = layout.EncoderProblem(_spec(pre_layer_norm), platform="cpu", kernel_configs=True)
+    tables = tuning.model_tables(problem)
+    for stage, table in zip(problem.stages, tables.stages):
+        if stage.name not in ROW_STAGES:
+            continue
+        pairs = [c for c in stage.candidates if not c.config]
+        configs = ROW_KERNEL_CONFIGS if not (pre_layer_norm and stage.name == "bdrln2") else ()
+        assert [c.config for c in stage.candidates] == [""] * len(pairs) + [k for k in configs for _ in pairs]
+        for c in stage.candidates[len(pairs):]:
+            # Same layouts, same modelled cost: the default (listed first) wins the tie.
+            assert table[c.key] == table[(c.in_layout, c.out_layout, "")]
+    sel = tuning.solve(problem, tables, "heuristic")
+    assert all(not sel.candidate(name).config for name in ROW_STAGES)
+    # Without a CUDA build (or on CPU) the configurations are not offered: nothing to time.
+    if not jaxsub.cuda_available():
+        for platform in ("cpu", "gpu"):
+            assert not any(c.config for name in ROW_STAGES
+                           for c in layout.EncoderProblem(_spec(pre_layer_norm), platform=platform).stages[
+                               STAGE_NAMES.index(name)].candidates)
+
+
+def _launches(text, target):
+    return sorted((int(a["block_threads"]), int(a["max_elems"])) for a in ffi_attributes(text, target))
+
+
+@pytest.mark.parametrize("pre_layer_norm", [False, True])
+def test_encoder_layer_applies_the_selected_kernel_configurations(pre_layer_norm):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, S, E)), jnp.float32)
+    base = jaxsub.flax.EncoderLayer(num_heads=H, mlp_dim=F, dropout_rate=0.25, attention_dropout_rate=0.25,
+                                    pre_layer_norm=pre_layer_norm, layouts="none")
+    params = jax.jit(base.init)(jax.random.key(1), x)
+    problem = layout.EncoderProblem(base._spec(x, None), platform="cpu", kernel_configs=True)
+    chosen = {"bdrln1": "bwd_threads=256,fwd_threads=128", "bias_gelu_dropout": "bwd_threads=1024,fwd_threads=512"}
+    if not pre_layer_norm:  # pre-LN's bdrln2 runs no row op, so it has no configurations
+        chosen["bdrln2"] = "bwd_threads=1024,fwd_threads=128"
+    # The default layouts (the first candidate with a config has the first layout pair).
+    path = [next(c for c in st.candidates if c.config == chosen[st.name]) if st.name in chosen else st.candidates[0]
+            for st in problem.stages]
+    assert [c.in_layout for c in path] == [c.in_layout for c in problem.default()]
+    layer = base.clone(layouts=Selection.of(problem, path))
+    loss = lambda p, x: jnp.sum(layer.apply(p, x, deterministic=False, rngs={"dropout": jax.random.key(2)}))  # noqa: E731
+    text = jax.jit(jax.value_and_grad(loss)).lower(params, x).as_text()
+    assert _launches(text, "jaxsub_bias_gelu_dropout_fwd") == [(512, 0)]
+    assert _launches(text, "jaxsub_bias_gelu_dropout_bwd") == [(1024, 0)]
+    if pre_layer_norm:
+        # bdrln1 is the MLP's layer norm; the attention block's (in qkv) and bdrln2 have none.
+        assert _launches(text, "jaxsub_layer_norm_fwd") == [(0, 0), (128, 0)]
+        assert _launches(text, "jaxsub_layer_norm_bwd") == [(0, 0), (256, 0)]
+    else:
+        assert _launches(text, "jaxsub_bdrln_fwd") == [(128, 0), (128, 0)]
+        assert _launches(text, "jaxsub_bdrln_bwd") == [(256, 0), (1024, 0)]

@@ -312,7 +312,8 @@ def test_handler_rejects_mixed_parameter_dtypes():
     stats = jax.ShapeDtypeStruct((2,), f32)
     with pytest.raises(Exception, match="layer_norm_fwd: parameters must be float32"):
         _ffi.call("jaxsub_layer_norm_fwd", (jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats),
-                  x, jnp.ones((8,), jnp.float16), jnp.ones((8,), jnp.float16), eps=np.float32(1e-5))
+                  x, jnp.ones((8,), jnp.float16), jnp.ones((8,), jnp.float16), eps=np.float32(1e-5),
+                  block_threads=np.int32(0), max_elems=np.int32(0))
 
 
 @pytest.mark.parametrize("op", [LN, BDRLN])

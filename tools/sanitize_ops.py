@@ -1,8 +1,8 @@
 """Runs every CUDA kernel of the op families once, fwd and bwd, at odd and vector-aligned
-sizes, with dropout, and compares with the CPU handlers (the row ops, softmax_dropout, and
-fused attention). Meant to run under `compute-sanitizer` (memcheck, racecheck): small
-sizes, one pass. Exits non-zero on a mismatch. Arguments: the families to run, `attention`
-and/or `rows` (default both)."""
+sizes, with dropout, and compares with the CPU handlers (the row ops, also at the extreme
+kernel configuration EXTREME; softmax_dropout; fused attention). Meant to run under
+`compute-sanitizer` (memcheck, racecheck): small sizes, one pass. Exits non-zero on a
+mismatch. Arguments: the families to run, `attention` and/or `rows` (default both)."""
 
 import sys
 
@@ -14,9 +14,11 @@ import jaxsub
 from jaxsub.testing import assert_close
 
 CPU = jax.devices("cpu")[0]
+# The row ops' most threads per row and most rows per block (kernel_config).
+EXTREME = dict(fwd_threads=1024, bwd_threads=1024, fwd_elems=4, bwd_elems=4)
 
 
-def ops(x, key, p32):
+def ops(x, key, p32, kernel_config=None):
     n = x.shape[-1]
     pdt = jnp.float32 if p32 else x.dtype
     k1, k2, k3, k4 = jax.random.split(jax.random.key(7), 4)
@@ -26,9 +28,10 @@ def ops(x, key, p32):
     b2 = (0.1 * jax.random.normal(k4, (n,))).astype(pdt)
 
     def f(x, scale, bias, res, b2):
-        a = jaxsub.ops.layer_norm(x, scale, bias)
-        b = jaxsub.ops.bias_dropout_residual_layer_norm(x, b2, res, scale, bias, rate=0.1, key=key)
-        c = jaxsub.ops.bias_gelu_dropout(x, b2, rate=0.1, key=key)
+        kc = kernel_config
+        a = jaxsub.ops.layer_norm(x, scale, bias, kernel_config=kc)
+        b = jaxsub.ops.bias_dropout_residual_layer_norm(x, b2, res, scale, bias, rate=0.1, key=key, kernel_config=kc)
+        c = jaxsub.ops.bias_gelu_dropout(x, b2, rate=0.1, key=key, kernel_config=kc)
         return (a.astype(jnp.float32).sum() + b.astype(jnp.float32).sum() * 0.5
                 + (c.astype(jnp.float32) ** 2).sum() * 0.1)
 
@@ -82,10 +85,11 @@ def main(families):
             failures += compare(f, args, dtype, max(shape[-2:]), f"attention {jnp.dtype(dtype).name} {shape} d={d}")
     for dtype in (jnp.bfloat16, jnp.float32) if "rows" in families else ():
         for rows, n in ((3, 1), (5, 130), (9, 1024), (3, 4096), (2, 6000)):
-            for p32 in (True, False):
+            for p32, kc in ((True, None), (False, None), (True, EXTREME)):
                 x = jax.random.normal(jax.random.key(rows * n), (rows, n)).astype(dtype)
-                f, args = ops(x, key, p32)
-                failures += compare(f, args, dtype, max(rows, n), f"{jnp.dtype(dtype).name} [{rows},{n}] p32={p32}")
+                f, args = ops(x, key, p32, kc)
+                failures += compare(f, args, dtype, max(rows, n),
+                                    f"{jnp.dtype(dtype).name} [{rows},{n}] p32={p32} kernel_config={kc}")
     print("sanitize_ops:", "FAILED" if failures else "ok")
     return 1 if failures else 0
 

@@ -22,6 +22,13 @@ mask by row-major position, so an [S,B,N] candidate of a row op with dropout act
 transposes to [B,S,N] around the kernel (without dropout it runs in place). Every
 candidate therefore computes the same numbers as the default; kernel-level support for a
 row map would add a cheaper candidate, nothing else.
+
+Kernel configurations: where the CUDA row kernels run, bdrln1, bias_gelu_dropout and
+bdrln2 (the stages that call a fused row op: BDRLN, or pre-LN layer_norm, and GELU) also
+offer each layout pair with the launch shapes of ROW_KERNEL_CONFIGS (config
+"bwd_threads=...,fwd_threads=...", passed to the op as `kernel_config`); "" is the
+op's default. They change the rows per block of the forward and the backward kernel
+(defaults 256 and 512 threads), never the numbers beyond the order of f32 sums.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsub import ops
+from jaxsub import _ffi, ops
 from jaxsub.layout.problem import (
     Candidate, Problem, Selection, Stage, Workload, config_str, parse_config, parse_label, relayout, transpose)
 from jaxsub.ops import attn as _attn
@@ -49,6 +56,26 @@ PARAM_AXES = {"qkv_kernel": "E3HD", "qkv_bias": "3HD", "out_kernel": "HDE", "out
               "attn_scale": "E", "attn_bias": "E", "in_kernel": "EF", "in_bias": "F",
               "ffn_kernel": "FE", "ffn_bias": "E", "mlp_scale": "E", "mlp_bias": "E"}
 PARAMS = tuple(PARAM_AXES)
+# The row stages' kernel configurations besides the default: threads per block of the
+# forward kernel (default 256) x of the backward kernel (default 512).
+ROW_KERNEL_CONFIGS = tuple(config_str(fwd_threads=f, bwd_threads=b)
+                           for f, b in itertools.product((128, 512), (256, 1024)))
+BDRLN = "bias_dropout_residual_layer_norm"
+
+
+def row_op(stage: str, cand: Candidate) -> str | None:
+    """The fused row op whose kernel configuration candidate `cand` of `stage` chooses
+    (None for the other stages). Pre-LN's bdrln1 (it hands on "a") runs layer_norm."""
+    if stage == "bias_gelu_dropout":
+        return "bias_gelu_dropout"
+    if stage == "bdrln1" and "a" in parse_label(cand.out_layout):
+        return "layer_norm"
+    return BDRLN if stage in ("bdrln1", "bdrln2") else None
+
+
+def kernel_config(cand: Candidate) -> dict:
+    """A row stage candidate's `kernel_config` for the op ({}: the defaults)."""
+    return {k: int(v) for k, v in parse_config(cand.config).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,31 +153,47 @@ def _residual(x, y, bias, rate, key):
 class EncoderProblem(Problem):
     kind = "encoder_layer"
 
-    def __init__(self, spec: LayerSpec, platform: str | None = None):
+    def __init__(self, spec: LayerSpec, platform: str | None = None, *, kernel_configs: bool | None = None):
+        """`kernel_configs`: offer the row stages' kernel configurations (ROW_KERNEL_CONFIGS).
+        None: where the CUDA row kernels run (on CPU they would be timed for nothing: the
+        handlers ignore them); True also elsewhere (tests), False nowhere."""
         self.spec = spec
         self.platform = platform or jax.default_backend()
+        if kernel_configs is None:
+            kernel_configs = self.platform == "gpu" and _ffi.has_cuda_target("jaxsub_bdrln_fwd")
+        self.kernel_configs = bool(kernel_configs)
         s = spec
         # The fused attention kernel is a candidate only where it runs as itself.
         impls = ["unfused"]
         if _attn.fused_unsupported(self.platform, s.dtype, s.hidden // s.heads) is None:
             impls.append("fused")
         h = self.h_label
+        rows = self._with_kernel_configs
         self.stages = (
             Stage("qkv", tuple(Candidate(IN_LABEL, f"qkv:{q}") for q in QKV_LAYOUTS)),
             Stage("attention", tuple(Candidate(f"qkv:{q}", f"ctx:{c}", config_str(impl=i))
                                      for q, c, i in itertools.product(QKV_LAYOUTS, CTX_LAYOUTS, impls))),
             Stage("out_proj", tuple(Candidate(f"ctx:{c}", f"proj:{p}")
                                     for c, p in itertools.product(CTX_LAYOUTS, TOKEN_LAYOUTS))),
-            Stage("bdrln1", tuple(Candidate(f"proj:{p}", h(p)) for p in TOKEN_LAYOUTS)),
+            Stage("bdrln1", rows(s.hidden, [Candidate(f"proj:{p}", h(p)) for p in TOKEN_LAYOUTS])),
             Stage("ffn_in", tuple(Candidate(h(p), f"ffn:{f};h:{p}")
                                   for p, f in itertools.product(TOKEN_LAYOUTS, FFN_LAYOUTS))),
-            Stage("bias_gelu_dropout", tuple(Candidate(f"ffn:{f};h:{p}", f"ffn:{f};h:{p}")
-                                             for p, f in itertools.product(TOKEN_LAYOUTS, FFN_LAYOUTS))),
+            Stage("bias_gelu_dropout", rows(s.mlp_dim, [Candidate(f"ffn:{f};h:{p}", f"ffn:{f};h:{p}")
+                                                        for p, f in itertools.product(TOKEN_LAYOUTS, FFN_LAYOUTS)])),
             Stage("ffn_out", tuple(Candidate(f"ffn:{f};h:{p}", f"out:{r};h:{p}")
                                    for p, f, r in itertools.product(TOKEN_LAYOUTS, FFN_LAYOUTS, TOKEN_LAYOUTS))),
-            Stage("bdrln2", tuple(Candidate(f"out:{r};h:{p}", OUT_LABEL)
-                                  for p, r in itertools.product(TOKEN_LAYOUTS, TOKEN_LAYOUTS))),
+            Stage("bdrln2", rows(0 if s.pre_layer_norm else s.hidden,
+                                 [Candidate(f"out:{r};h:{p}", OUT_LABEL)
+                                  for p, r in itertools.product(TOKEN_LAYOUTS, TOKEN_LAYOUTS)])),
         )
+
+    def _with_kernel_configs(self, cols: int, cands: list) -> tuple:
+        """A row stage's candidates: the layout pairs with the default kernel configuration
+        first (each is listed before its other configurations, so it wins their ties), then
+        each pair with every other configuration where the fused kernel runs (kernel
+        configurations offered, rows of 1 to MAX_COLS; cols 0: the stage has no row op)."""
+        extra = ROW_KERNEL_CONFIGS if self.kernel_configs and 0 < cols <= _ffi.MAX_COLS else ()
+        return tuple(cands) + tuple(dataclasses.replace(c, config=k) for k in extra for c in cands)
 
     def h_label(self, p: str) -> str:
         return f"a:{p};h:{p}" if self.spec.pre_layer_norm else f"h:{p}"
@@ -170,7 +213,7 @@ class EncoderProblem(Problem):
         s = self.spec
         a = v["x"]
         if s.pre_layer_norm:
-            a = ops.layer_norm(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon)
+            a = ops.layer_norm(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon, kernel_config={})
         q = parse_label(cand.out_layout)["qkv"]
         out = jnp.einsum(f"bse,ethd->{_ein(q)}", a, p["qkv_kernel"]) + _place(p["qkv_bias"], "3HD", q)
         return {"qkv": out}
@@ -198,15 +241,16 @@ class EncoderProblem(Problem):
         lay = parse_label(cand.in_layout)["proj"]
         key, det = ext["keys"]["drop1"], ext["deterministic"]
         x = transpose(ext["x"], "BSE", lay)
+        kc = kernel_config(cand)
         if s.pre_layer_norm:
             h = _rowwise(lay, "BSE", key is not None,
                          lambda y, r: _residual(r, y, p["out_bias"], s.dropout_rate, key), v["proj"], x)
-            return {"a": ops.layer_norm(h, p["mlp_scale"], p["mlp_bias"], eps=s.epsilon), "h": h}
+            return {"a": ops.layer_norm(h, p["mlp_scale"], p["mlp_bias"], eps=s.epsilon, kernel_config=kc), "h": h}
 
         def bdrln(y, r):
             return ops.bias_dropout_residual_layer_norm(y, p["out_bias"], r, p["attn_scale"], p["attn_bias"],
                                                         rate=s.dropout_rate, key=key, eps=s.epsilon,
-                                                        deterministic=det)
+                                                        deterministic=det, kernel_config=kc)
 
         return {"h": _rowwise(lay, "BSE", key is not None, bdrln, v["proj"], x)}
 
@@ -223,7 +267,8 @@ class EncoderProblem(Problem):
 
         def gelu(f):
             return ops.bias_gelu_dropout(f, p["in_bias"], rate=s.dropout_rate, key=key,
-                                         approximate=s.approximate_gelu, deterministic=det)
+                                         approximate=s.approximate_gelu, deterministic=det,
+                                         kernel_config=kernel_config(cand))
 
         return {"ffn": _rowwise(lay, "BSF", key is not None, gelu, v["ffn"]), "h": v["h"]}
 
@@ -245,7 +290,7 @@ class EncoderProblem(Problem):
             def bdrln(o, r):
                 return ops.bias_dropout_residual_layer_norm(o, p["ffn_bias"], r, p["mlp_scale"], p["mlp_bias"],
                                                             rate=s.dropout_rate, key=key, eps=s.epsilon,
-                                                            deterministic=det)
+                                                            deterministic=det, kernel_config=kernel_config(cand))
 
             y = _rowwise(lay, "BSE", key is not None, bdrln, v["out"], h)
         return {"y": transpose(y, lay, "BSE")}

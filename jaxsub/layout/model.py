@@ -15,6 +15,8 @@ cost one permutation of its output; the fused attention kernel reads and writes
 slices, copied for either; an E- or F-wide matmul keeps the row order of its input
 (BSE -> BSF, SBE -> SBF) and pays a copy to change it; the output projection contracts
 (H, D) in place only from BSHD; row ops run in place unless dropout makes them transpose.
+A row op's kernel configuration moves the same bytes as its default, so it costs the
+same and the default, listed first, wins the tie (solver.shortest_configuration).
 """
 
 from __future__ import annotations

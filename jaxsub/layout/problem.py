@@ -6,8 +6,8 @@
   solver and the cache never look inside them; `relayout` converts a value between two
   labels of the same tensors by transposing.
 - A *candidate* of an operator is (input label, output label, config): the config string
-  ("impl=fused", "" for none; later "impl=fused,block_q=64") is the algorithm and kernel
-  configuration. New kernel-level layouts or kernel parameters are new candidates: the
+  ("impl=fused", "bwd_threads=1024,fwd_threads=128", "" for none) is the algorithm and
+  kernel configuration. New kernel-level layouts or kernel parameters are new candidates: the
   solver, the cache and the tuner stay as they are.
 - A *Problem* lists its stages' candidates and, for each candidate and each label change,
   a `Workload` (a function and its example inputs) that the tuner times forward and

@@ -20,7 +20,7 @@ import logging
 
 import jax
 
-from jaxsub.layout import cache, tuning
+from jaxsub.layout import cache, encoder, tuning
 from jaxsub.layout.attention import AttentionProblem
 from jaxsub.layout.problem import Problem, Selection, parse_config
 
@@ -89,8 +89,10 @@ def check_layouts(layouts, where: str = "jaxsub.optimize"):
 
 
 def _memo_key(mode: str, problem: Problem, extra=()) -> str:
-    return json.dumps([mode, problem.key(), getattr(problem, "platform", None), *extra], sort_keys=True,
-                      default=str)
+    # The candidates offered depend on the platform and, for the encoder layer, on whether
+    # kernel configurations are (key() describes the workload, the same for both).
+    offered = (getattr(problem, "platform", None), getattr(problem, "kernel_configs", None))
+    return json.dumps([mode, problem.key(), *offered, *extra], sort_keys=True, default=str)
 
 
 def default_selection(problem: Problem) -> Selection:
@@ -153,18 +155,33 @@ def resolve(layouts, problem: Problem, where: str = "jaxsub.layout") -> Selectio
     return timed_selection(problem, options)
 
 
+def selection_op_configs(selection: Selection) -> dict:
+    """{op: {option: value}} that a Selection gives every call of an op: the config of the
+    stage of that name (the attention stage's impl), and for a fused row op the
+    `kernel_config` of the first row stage running it that chose one (BDRLN: bdrln1, else
+    bdrln2)."""
+    table = {}
+    for c in selection.choices:
+        op = encoder.row_op(c.stage, c.candidate) if selection.kind == encoder.EncoderProblem.kind else None
+        if op is None:
+            table[c.stage] = parse_config(c.candidate.config)
+        elif c.candidate.config and op not in table:
+            table[op] = {"kernel_config": encoder.kernel_config(c.candidate)}
+    return table
+
+
 def op_resolver(layouts):
     """For `jaxsub.ops.config.use`: per-op configurations from `layouts`. A Selection
-    gives every call of an op the config of its stage of that name (e.g. the attention
-    stage's impl); a mode resolves each attention call's signature as a one-stage problem."""
+    gives every call of an op what `selection_op_configs` says; a mode resolves each
+    attention call's signature as a one-stage problem (the row ops keep their defaults)."""
     layouts = check_layouts(layouts)
     if layouts == "none":
         return None
     if isinstance(layouts, Selection):
-        table = {c.stage: c.candidate.config for c in layouts.choices}
+        table = selection_op_configs(layouts)
 
         def from_selection(op, signature):
-            return parse_config(table[op]) if op in table else {}
+            return table.get(op, {})
 
         return from_selection
 

@@ -1,11 +1,11 @@
 """The kernel configuration in effect for ops called without an explicit choice.
 
-An op whose behaviour has a tunable choice (today: `attention`'s `implementation`) asks
-`lookup(op, signature)` when the caller leaves the choice at None. Outside any `use`
-block the answer is {} and the op keeps its built-in default. `jaxsub.optimize(fn,
-layouts=...)` evaluates fn inside `use(...)` with a resolver that picks per signature
-(timed, cached or modelled; see jaxsub.layout), so matched ops get the selected
-configuration without the user's code changing.
+An op whose behaviour has a tunable choice (`attention`'s `implementation`; the row ops'
+`kernel_config`) asks `lookup(op, signature)` when the caller leaves the choice at None.
+Outside any `use` block the answer is {} and the op keeps its built-in default.
+`jaxsub.optimize(fn, layouts=...)` evaluates fn inside `use(...)` with a resolver that
+picks per signature (timed, cached or modelled; see jaxsub.layout), so matched ops get
+the selected configuration without the user's code changing.
 
 The context is a `contextvars.ContextVar`: it follows the Python call stack, so it holds
 while a function is traced (jit, grad, vmap all trace in the caller's context) and never
@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import numbers
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import numpy as np
 
 # A resolver: (op name, signature) -> {option: value}. The signature is a tuple of
 # (name, value) pairs describing the call (shapes, dtype, static options).
@@ -48,3 +52,78 @@ def use(resolver: Resolver | Mapping | None):
         yield
     finally:
         _CURRENT.reset(token)
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel configurations of the row ops (layer_norm, bias_dropout_residual_layer_norm,
+# bias_gelu_dropout): the launch shape of their CUDA kernels, forward and backward each
+# (cuda/ABI.md: the attributes block_threads and max_elems; 0 = the built-in default).
+
+KERNEL_CONFIG_KEYS = ("fwd_threads", "fwd_elems", "bwd_threads", "bwd_elems")
+_ELEMS = (4, 8, 16, 32)
+
+
+class KernelConfig(NamedTuple):
+    """The launch shape of a row op's CUDA kernels, the checked form of its `kernel_config`
+    argument (a mapping with any of these keys; missing keys and 0 keep the built-in
+    defaults, cuda/ABI.md).
+
+    fwd_threads, bwd_threads: threads per block of the forward / backward kernel, a
+      multiple of 32 in [32, 1024] (rows per block = threads / threads per row).
+    fwd_elems, bwd_elems: elements per thread at most, 4, 8, 16 or 32 (fewer means more
+      threads per row).
+
+    The kernels relax a value a row cannot use (a row wider than the block gets a block of
+    its own; a long row takes more elements per thread). A configuration changes speed and
+    the order of the f32 sums (results agree within the testing tolerances), never the
+    dropout mask; the CPU handlers check it and ignore it. Being a NamedTuple it is static
+    and hashable, so it passes through custom_vjp as a non-differentiable argument.
+    """
+
+    fwd_threads: int = 0
+    fwd_elems: int = 0
+    bwd_threads: int = 0
+    bwd_elems: int = 0
+
+    def attrs(self, direction: str) -> dict:
+        """The FFI attributes of the "fwd" or "bwd" call."""
+        return {"block_threads": np.int32(getattr(self, direction + "_threads")),
+                "max_elems": np.int32(getattr(self, direction + "_elems"))}
+
+
+def _check_kernel_config(op: str, value, origin: str = "") -> KernelConfig:
+    what = f"jaxsub.{op}: `kernel_config`{origin}"
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{what} must be None or a mapping with keys among {KERNEL_CONFIG_KEYS}, got {value!r}")
+    unknown = sorted(set(value) - set(KERNEL_CONFIG_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"{what} has unknown keys {unknown}; expected any of {KERNEL_CONFIG_KEYS}")
+    for key, v in value.items():
+        if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"{what} {key!r} must be an int, got {v!r}")
+        if key.endswith("_threads") and not (v == 0 or (32 <= v <= 1024 and v % 32 == 0)):
+            raise ValueError(f"{what} {key!r} (threads per block) must be 0 (the default) or a multiple of 32 "
+                             f"in [32, 1024], got {v}")
+        if key.endswith("_elems") and v not in (0, *_ELEMS):
+            raise ValueError(f"{what} {key!r} (elements per thread) must be 0 (the default) or one of {_ELEMS}, "
+                             f"got {v}")
+    return KernelConfig(**{k: int(v) for k, v in value.items()})
+
+
+def kernel_config(op: str, value, signature: tuple) -> KernelConfig:
+    """The kernel configuration a row op runs with: `value` (the op's `kernel_config`
+    argument) when given, else the "kernel_config" entry of `lookup(op, signature)`, else
+    the defaults. TypeError/ValueError naming the op and `kernel_config` when it is bad."""
+    if value is not None:
+        return _check_kernel_config(op, value)
+    value = lookup(op, signature).get("kernel_config")
+    if value is None:
+        return KernelConfig()
+    return _check_kernel_config(op, value, " from the configuration in effect")
+
+
+def row_signature(x, param_dtype, **static) -> tuple:
+    """What a row op's kernel configuration may depend on: the key under which it asks
+    `lookup` (x's shape and dtype, the parameters' dtype, the op's static options)."""
+    return (("shape", tuple(int(n) for n in x.shape)), ("dtype", np.dtype(x.dtype).name),
+            ("param_dtype", np.dtype(param_dtype).name), *sorted(static.items()))

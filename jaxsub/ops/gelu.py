@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import _ffi
+from jaxsub.ops import config as _config
 from jaxsub.ops import dropout as _dropout
 
 _OP = "bias_gelu_dropout"
@@ -36,20 +37,22 @@ def reference_bias_gelu_dropout(x, bias, *, keep, rate, approximate=False):
 
 
 # ---------------------------------------------------------------------------------------
-# FFI calls.
+# FFI calls. `kernel` is the checked KernelConfig (jaxsub.ops.config); each direction passes
+# its own half.
 
 
-def _fwd_call(x, bias, seed, *, approximate, rate):
+def _fwd_call(x, bias, seed, *, approximate, rate, kernel):
     return _ffi.call(
         "jaxsub_bias_gelu_dropout_fwd",
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         x, bias, seed,
         approximate=approximate,
         **_dropout.attrs(rate),
+        **kernel.attrs("fwd"),
     )
 
 
-def _bwd_call(dy, x, bias, seed, *, approximate, rate):
+def _bwd_call(dy, x, bias, seed, *, approximate, rate, kernel):
     dx, dbias, _ = _ffi.call(
         "jaxsub_bias_gelu_dropout_bwd",
         (
@@ -60,27 +63,29 @@ def _bwd_call(dy, x, bias, seed, *, approximate, rate):
         dy, x, bias, seed,
         approximate=approximate,
         **_dropout.attrs(rate),
+        **kernel.attrs("bwd"),
     )
     return dx, dbias
 
 
 # ---------------------------------------------------------------------------------------
 # custom_vjp. The seed is an ordinary (integer, hence non-differentiable) primal so that it
-# may be traced (jit, grad, vmap over keys); `approximate` and `rate` are static.
+# may be traced (jit, grad, vmap over keys); `approximate`, `rate` and the kernel
+# configuration are static.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(x, bias, seed, approximate, rate):
-    return _fwd_call(x, bias, seed, approximate=approximate, rate=rate)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(x, bias, seed, approximate, rate, kernel):
+    return _fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel)
 
 
-def _fused_fwd(x, bias, seed, approximate, rate):
-    return _fwd_call(x, bias, seed, approximate=approximate, rate=rate), (x, bias, seed)
+def _fused_fwd(x, bias, seed, approximate, rate, kernel):
+    return _fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel), (x, bias, seed)
 
 
-def _fused_bwd(approximate, rate, res, dy):
+def _fused_bwd(approximate, rate, kernel, res, dy):
     x, bias, seed = res
-    dx, dbias = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate)
+    dx, dbias = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate, kernel=kernel)
     return dx, dbias, None
 
 
@@ -112,7 +117,7 @@ def _check_inputs(x, bias):
     return x, bias
 
 
-def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=False):
+def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=False, kernel_config=None):
     """dropout(gelu(x + bias)), fused into one kernel per pass.
 
     Args:
@@ -123,6 +128,11 @@ def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=Fa
         active (rate > 0 and not deterministic). It may be traced (jit, grad, vmap).
       approximate: tanh GELU when True, exact (erf) GELU otherwise, as `jax.nn.gelu`.
       deterministic: when True (or rate == 0), no dropout and `key` is not needed.
+      kernel_config: the launch shape of the CUDA kernels, a mapping with any of the keys
+        fwd_threads, bwd_threads (threads per block) and fwd_elems, bwd_elems (elements
+        per thread at most); missing keys keep the defaults
+        (`jaxsub.ops.config.KernelConfig`). None: the configuration in effect
+        (`jaxsub.ops.config.use`), else the defaults.
 
     Returns:
       An array of x's shape and dtype. Arithmetic is fp32, rounded once.
@@ -141,6 +151,8 @@ def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=Fa
     if deterministic:
         rate = 0.0
     seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
+    kernel = _config.kernel_config(_OP, kernel_config, _config.row_signature(
+        x, bias.dtype, approximate=approximate, dropout_rate=rate))
 
     n = x.shape[-1]
     if n > _ffi.MAX_COLS or x.size == 0:
@@ -148,4 +160,4 @@ def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=Fa
         _ffi.fallback(_OP, reason)
         keep = _dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 and x.size else None
         return reference_bias_gelu_dropout(x, bias, keep=keep, rate=rate, approximate=approximate)
-    return _fused(x, bias, seed, approximate, rate)
+    return _fused(x, bias, seed, approximate, rate, kernel)

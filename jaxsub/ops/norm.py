@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import _ffi
+from jaxsub.ops import config as _config
 from jaxsub.ops import dropout
 
 _F32 = jnp.dtype(jnp.float32)
@@ -60,7 +61,8 @@ def reference_bdrln(x, bias, residual, scale, ln_bias, *, keep, rate, eps=1e-5):
 
 
 # ---------------------------------------------------------------------------------------
-# ffi_call wrappers, argument for argument as cuda/ABI.md lists them.
+# ffi_call wrappers, argument for argument as cuda/ABI.md lists them. `kernel` is the
+# checked KernelConfig (jaxsub.ops.config); each direction passes its own half.
 
 
 def _like(a):
@@ -73,67 +75,68 @@ def _row_stats(x):
     return s, s
 
 
-def _layer_norm_fwd_call(x, scale, bias, eps):
+def _layer_norm_fwd_call(x, scale, bias, eps, kernel):
     return _ffi.call("jaxsub_layer_norm_fwd", (_like(x), *_row_stats(x)), x, scale, bias,
-                     eps=np.float32(eps))
+                     eps=np.float32(eps), **kernel.attrs("fwd"))
 
 
-def _layer_norm_bwd_call(dy, x, scale, mean, rstd):
+def _layer_norm_bwd_call(dy, x, scale, mean, rstd, kernel):
     dx, dscale, dbias, _ = _ffi.call(
         "jaxsub_layer_norm_bwd", (_like(x), _like(scale), _like(scale), _ffi.workspace(x, 2)),
-        dy, x, scale, mean, rstd)
+        dy, x, scale, mean, rstd, **kernel.attrs("bwd"))
     return dx, dscale, dbias
 
 
-def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate):
+def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel):
     return _ffi.call("jaxsub_bdrln_fwd", (_like(x), *_row_stats(x)), x, bias, residual, scale,
-                     ln_bias, seed, eps=np.float32(eps), **dropout.attrs(rate))
+                     ln_bias, seed, eps=np.float32(eps), **dropout.attrs(rate), **kernel.attrs("fwd"))
 
 
-def _bdrln_bwd_call(dy, x, bias, residual, scale, mean, rstd, seed, rate):
+def _bdrln_bwd_call(dy, x, bias, residual, scale, mean, rstd, seed, rate, kernel):
     *grads, _ = _ffi.call(
         "jaxsub_bdrln_bwd",
         (_like(x), _like(bias), _like(x), _like(scale), _like(scale), _ffi.workspace(x, 3)),
-        dy, x, bias, residual, scale, mean, rstd, seed, **dropout.attrs(rate))
+        dy, x, bias, residual, scale, mean, rstd, seed, **dropout.attrs(rate), **kernel.attrs("bwd"))
     return grads
 
 
 # ---------------------------------------------------------------------------------------
-# custom_vjp rules. eps and rate are static; the seed is an integer primal whose cotangent
-# is None, so it may be traced (a key under jit, vmap or grad).
+# custom_vjp rules. eps, rate and the kernel configuration are static; the seed is an
+# integer primal whose cotangent is None, so it may be traced (a key under jit, vmap or
+# grad).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _layer_norm(x, scale, bias, eps):
-    return _layer_norm_fwd_call(x, scale, bias, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _layer_norm(x, scale, bias, eps, kernel):
+    return _layer_norm_fwd_call(x, scale, bias, eps, kernel)[0]
 
 
-def _layer_norm_fwd(x, scale, bias, eps):
-    y, mean, rstd = _layer_norm_fwd_call(x, scale, bias, eps)
+def _layer_norm_fwd(x, scale, bias, eps, kernel):
+    y, mean, rstd = _layer_norm_fwd_call(x, scale, bias, eps, kernel)
     return y, (x, scale, mean, rstd)
 
 
-def _layer_norm_bwd(eps, residuals, dy):
+def _layer_norm_bwd(eps, kernel, residuals, dy):
     del eps
-    return _layer_norm_bwd_call(dy, *residuals)
+    return _layer_norm_bwd_call(dy, *residuals, kernel)
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate):
-    return _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel):
+    return _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)[0]
 
 
-def _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate):
-    y, mean, rstd = _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate)
+def _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel):
+    y, mean, rstd = _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)
     return y, (x, bias, residual, scale, mean, rstd, seed)
 
 
-def _bdrln_bwd(eps, rate, residuals, dy):
+def _bdrln_bwd(eps, rate, kernel, residuals, dy):
     del eps
-    dx, dbias, dresidual, dscale, dln_bias = _bdrln_bwd_call(dy, *residuals, rate)
+    dx, dbias, dresidual, dscale, dln_bias = _bdrln_bwd_call(dy, *residuals, rate, kernel)
     return dx, dbias, dresidual, dscale, dln_bias, None
 
 
@@ -198,27 +201,33 @@ def _fallback_reason(x):
 # Public functions.
 
 
-def layer_norm(x, scale, bias, *, eps=1e-5):
+def layer_norm(x, scale, bias, *, eps=1e-5, kernel_config=None):
     """Layer norm over the last axis, fused.
 
     y = (x - mean) / sqrt(var + eps) * scale + bias, with mean and (biased) variance over
     the last axis computed in f32. x: [..., N] float32/bfloat16/float16; scale, bias: [N]
     in x's dtype or float32, or None (ones / zeros, no gradient). y has x's dtype;
     gradients come back in the inputs' dtypes.
+
+    kernel_config: the launch shape of the CUDA kernels, a mapping with any of the keys
+    fwd_threads, bwd_threads (threads per block) and fwd_elems, bwd_elems (elements per
+    thread at most); missing keys keep the defaults (`jaxsub.ops.config.KernelConfig`).
+    None: the configuration in effect (`jaxsub.ops.config.use`), else the defaults.
     """
     op = "layer_norm"
     x = _check_activation(op, "x", x)
     eps = _check_eps(op, eps)
     scale, bias = _check_params(op, x, [("scale", scale, 1.0), ("bias", bias, 0.0)])
+    kernel = _config.kernel_config(op, kernel_config, _config.row_signature(x, scale.dtype))
     reason = _fallback_reason(x)
     if reason is not None:
         _ffi.fallback(op, reason)
         return reference_layer_norm(x, scale, bias, eps=eps)
-    return _layer_norm(x, scale, bias, eps)
+    return _layer_norm(x, scale, bias, eps, kernel)
 
 
 def bias_dropout_residual_layer_norm(x, bias, residual, scale, ln_bias, *, rate, key, eps=1e-5,
-                                     deterministic=False):
+                                     deterministic=False, kernel_config=None):
     """y = layer_norm(residual + dropout(x + bias), scale, ln_bias), fused (paper: BDRLN).
 
     The epilogue of a post-LN transformer sublayer. x, residual: [..., N], same shape and
@@ -229,6 +238,8 @@ def bias_dropout_residual_layer_norm(x, bias, residual, scale, ln_bias, *, rate,
     1 / (1 - rate). The mask is generated in the kernel from `key` and is exactly
     `jaxsub.ops.dropout_mask(key, x.shape, rate)`; backward regenerates it. With rate 0 or
     deterministic=True there is no dropout and `key` may be None.
+
+    kernel_config: the launch shape of the CUDA kernels, as for `layer_norm`.
     """
     op = "bias_dropout_residual_layer_norm"
     x = _check_activation(op, "x", x)
@@ -246,9 +257,10 @@ def bias_dropout_residual_layer_norm(x, bias, residual, scale, ln_bias, *, rate,
     bias, scale, ln_bias = _check_params(
         op, x, [("bias", bias, 0.0), ("scale", scale, 1.0), ("ln_bias", ln_bias, 0.0)])
     seed = dropout.seed_from_key(op, key) if rate > 0.0 else jnp.asarray(dropout.NO_SEED)
+    kernel = _config.kernel_config(op, kernel_config, _config.row_signature(x, scale.dtype, dropout_rate=rate))
     reason = _fallback_reason(x)
     if reason is not None:
         _ffi.fallback(op, reason)
         keep = dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 else None
         return reference_bdrln(x, bias, residual, scale, ln_bias, keep=keep, rate=rate, eps=eps)
-    return _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate)
+    return _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)

@@ -166,12 +166,15 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
     timing of the candidates before the first run of those shapes; without a GPU the
     byte-count heuristic), "heuristic", "none" (each op's built-in default),
     `jaxsub.layout.Auto(...)` or a `jaxsub.layout.Selection`. What it can change in an
-    arbitrary function is only what the ops leave open: today the attention algorithm
-    (fused or unfused, read by `ops.attention(implementation=None)` from the
-    `jaxsub.ops.config` context this function runs in), later kernel configurations. The
-    layouts of your tensors are your code's: the full per-operator layout choice applies
-    to `jaxsub.flax.EncoderLayer`, which builds its operators from a Selection. A
-    Selection passed here gives every attention call its "attention" stage's config.
+    arbitrary function is only what the ops leave open, read from the `jaxsub.ops.config`
+    context this function runs in: the attention algorithm (fused or unfused,
+    `ops.attention(implementation=None)`; tuned per call signature) and the row ops'
+    kernel configurations (`kernel_config=None`; only a Selection sets them, the modes
+    keep the defaults). The layouts of your tensors are your code's: the full
+    per-operator layout choice applies to `jaxsub.flax.EncoderLayer`, which builds its
+    operators from a Selection. A Selection passed here gives every attention call its
+    "attention" stage's config, and every layer norm, BDRLN and bias-GELU call the kernel
+    configuration its encoder stage chose (`jaxsub.layout.select.selection_op_configs`).
     """
     layouts = _select.check_layouts(layouts)
     if fn is None:
