@@ -247,3 +247,17 @@ def test_optimize_applies_a_selections_kernel_configurations():
     # Pre-LN: bdrln1's configuration is the layer norm's.
     pre = _choose(True, bdrln1="bwd_threads=256,fwd_threads=128")
     assert _launches(jaxsub.optimize(_ln, layouts=pre), "jaxsub_layer_norm", x, s, lb) == [(128, 0), (256, 0)]
+
+
+def test_tuning_order_defaults_layouts_transposes_then_kernel_configurations():
+    # The row ops' launch shapes come last: under a budget, the layouts and the transposes
+    # that make them usable are timed first.
+    problem = layout.EncoderProblem(_problem().spec, platform="cpu", kernel_configs=True)
+    whats = []
+    tuning.tune(problem, measure_fn=lambda w, repeats, seed: 1e-6,
+                progress=lambda done, total, what: whats.append(what))
+    kinds = ["transpose" if w.startswith("transpose") else "config" if "threads=" in w else "stage" for w in whats]
+    assert "config" not in kinds[:len(problem.stages)]
+    first_transpose, first_config = kinds.index("transpose"), kinds.index("config")
+    assert "stage" not in kinds[first_transpose:] and "transpose" not in kinds[first_config:]
+    assert kinds.count("config") == sum("threads=" in c.config for st in problem.stages for c in st.candidates)

@@ -25,7 +25,8 @@ row map would add a cheaper candidate, nothing else.
 
 Kernel configurations: where the CUDA row kernels run, bdrln1, bias_gelu_dropout and
 bdrln2 (the stages that call a fused row op: BDRLN, or pre-LN layer_norm, and GELU) also
-offer each layout pair with the launch shapes of ROW_KERNEL_CONFIGS (config
+offer each layout pair whose token tensors are row-major with the launch shapes of
+ROW_KERNEL_CONFIGS (config
 "bwd_threads=...,fwd_threads=...", passed to the op as `kernel_config`); "" is the
 op's default. They change the rows per block of the forward and the backward kernel
 (defaults 256 and 512 threads), never the numbers beyond the order of f32 sums.
@@ -61,6 +62,13 @@ PARAMS = tuple(PARAM_AXES)
 ROW_KERNEL_CONFIGS = tuple(config_str(fwd_threads=f, bwd_threads=b)
                            for f, b in itertools.product((128, 512), (256, 1024)))
 BDRLN = "bias_dropout_residual_layer_norm"
+
+
+def _token_row_major(cand: Candidate) -> bool:
+    """Whether every token tensor a candidate reads or hands on is [B, S, E] (the FFN
+    activation's own layout may be either)."""
+    labels = {**parse_label(cand.in_layout), **parse_label(cand.out_layout)}
+    return all(v == TOKEN_LAYOUTS[0] for k, v in labels.items() if k in ("proj", "h", "a", "out"))
 
 
 def row_op(stage: str, cand: Candidate) -> str | None:
@@ -189,11 +197,14 @@ class EncoderProblem(Problem):
 
     def _with_kernel_configs(self, cols: int, cands: list) -> tuple:
         """A row stage's candidates: the layout pairs with the default kernel configuration
-        first (each is listed before its other configurations, so it wins their ties), then
-        each pair with every other configuration where the fused kernel runs (kernel
-        configurations offered, rows of 1 to MAX_COLS; cols 0: the stage has no row op)."""
+        first (each is listed before its other configurations, so it wins their ties), then,
+        where the fused kernel runs (kernel configurations offered, rows of 1 to MAX_COLS;
+        cols 0: the stage has no row op), every other configuration of the pairs whose token
+        tensors are row-major [B, S, E] (TOKEN_LAYOUTS[0]) — the layouts the kernels are
+        tuned for; offering them for every pair would triple the row stages' tuning time."""
         extra = ROW_KERNEL_CONFIGS if self.kernel_configs and 0 < cols <= _ffi.MAX_COLS else ()
-        return tuple(cands) + tuple(dataclasses.replace(c, config=k) for k in extra for c in cands)
+        row_major = [c for c in cands if _token_row_major(c)]
+        return tuple(cands) + tuple(dataclasses.replace(c, config=k) for k in extra for c in row_major)
 
     def h_label(self, p: str) -> str:
         return f"a:{p};h:{p}" if self.spec.pre_layer_norm else f"h:{p}"

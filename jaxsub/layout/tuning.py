@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxsub import _timing
-from jaxsub.layout.problem import Candidate, Choice, Problem, Selection, atomic_transposes
+from jaxsub.layout.problem import Candidate, Choice, Problem, Selection, atomic_transposes, parse_config
+from jaxsub.ops.config import KERNEL_CONFIG_KEYS
 from jaxsub.layout.solver import shortest_configuration
 
 _L2_BYTES = 256 << 20     # input sets span at least this much (an H200's L2 is 60 MB)
@@ -211,7 +212,8 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
     """Time every candidate of every stage and every needed transpose, forward and
     backward. Entries in `known` are reused, not timed again. Order: each stage's default
     candidate first, always timed (so a complete default path exists whatever the
-    budget), then the other candidates stage by stage, then the transposes. Once
+    budget), then the other layout and algorithm candidates stage by stage, then the
+    transposes, then the row ops' kernel configurations. Once
     `budget_s` is exceeded the rest is skipped and the tables are marked incomplete. A candidate that fails to
     run gets None (not selectable) and its error is kept. `progress`: None (a bar on an
     interactive stderr), True, False, or a callable (done, total, what). `measure_fn`
@@ -222,14 +224,20 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
     transposes = dict(known.transposes) if known else {}
     errors = dict(known.errors) if known else {}
     todo = []          # (kind, ..., required): the defaults are timed whatever the budget
-    for rank in (0, 1):
+    # Order: each stage's default; the other layouts and algorithms; the transposes (which
+    # make those usable); last the kernel configurations of the row ops.
+    for rank in (0, 1, 2):
+        if rank == 2:
+            todo += [("transpose", a, b, False) for a, b in needed_transposes(problem) if (a, b) not in transposes]
         for i, st in enumerate(problem.stages):
-            for c in (st.candidates[:1] if rank == 0 else st.candidates[1:]):
+            for j, c in enumerate(st.candidates):
+                launch_shape = any(k in KERNEL_CONFIG_KEYS for k in parse_config(c.config))
+                if (0 if j == 0 else 2 if launch_shape else 1) != rank:
+                    continue
                 if known is not None and c.key in known.stages[i]:
                     stages[i][c.key] = known.stages[i][c.key]
                 else:
                     todo.append(("stage", i, c, rank == 0))
-    todo += [("transpose", a, b, False) for a, b in needed_transposes(problem) if (a, b) not in transposes]
     bar = _Progress(problem.kind, len(todo), progress)
     complete = True
     try:
