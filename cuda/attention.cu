@@ -8,148 +8,18 @@
 // Block: 4 warps. Forward: 64 query rows per block (16 per warp), key tiles of 64 in
 // shared memory. Backward: 64 keys per block (16 per warp), query tiles of 64 in shared
 // memory; dK, dV accumulate in registers, dQ in an f32 workspace through atomics (one per
-// element per block and query tile). Operands reach the tensor cores through ldmatrix.
+// element per block and query tile). Tiles are copied one ahead with cp.async (two
+// shared-memory stages) where shared memory allows. Operands reach the tensor cores
+// through ldmatrix. Calls without mask and causal run kernels instantiated without the
+// mask code (kMasked = false).
 // Probabilities enter the P V products unscaled (kept or zero); the dropout scale
 // multiplies the output and dV once, in f32.
 #include <cmath>
 
-#include "common.h"
-#include "mma.cuh"
-#include "philox.h"
+#include "attention.cuh"
 
 namespace jaxsub {
 namespace {
-
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kTile = 64;  // rows per block and per shared-memory tile
-constexpr int kPad = 8;    // 16 bytes of padding per shared-memory row: conflict-free pair reads
-
-struct AttnArgs {
-  const void* q;         // [B, Sq, H, D] T
-  const void* k;         // [B, Sk, H, D] T
-  const void* v;         // [B, Sk, H, D] T
-  const void* out;       // [B, Sq, H, D] T (backward: forward output)
-  const void* dout;      // [B, Sq, H, D] T (backward)
-  const void* mask;      // [Bm, Hm, Sqm, Skm] pred or f32
-  const uint32_t* seed;  // [2]
-  void* o;               // forward: out [B, Sq, H, D]; backward: dq [B, Sq, H, D]
-  void* dk;              // [B, Sk, H, D] T (backward)
-  void* dv;              // [B, Sk, H, D] T (backward)
-  float* lse;            // [B, H, Sq]
-  float* delta;          // [B, H, Sq] workspace (backward): rowsum(dout * out)
-  float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
-  int64_t b, h, sq, sk;
-  int64_t bm, hm, sqm, skm;
-  int mask_kind;
-  float scale;
-  bool causal;
-  uint32_t threshold;
-  float keep_scale;
-};
-
-__device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// Starts copying rows [row0, row0 + kTile) of one head of a [B, S, H, D] tensor into
-// shared memory ([kTile][D + kPad]) with cp.async (the caller commits and waits); rows
-// past `rows` are zero-filled.
-template <typename T, int D>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, int64_t rows, int64_t row_stride) {
-  constexpr int kChunks = D * sizeof(T) / 16;  // 16-byte pieces per row
-#pragma unroll
-  for (int c = threadIdx.x; c < kTile * kChunks; c += kThreads) {
-    const int r = c / kChunks, part = c % kChunks;
-    const bool full = row0 + r < rows;
-    cp_async16(dst + r * (D + kPad) + part * (16 / sizeof(T)),
-               src + (full ? (row0 + r) * row_stride : 0) + part * (16 / sizeof(T)), full);
-  }
-}
-
-// Raises a kernel's dynamic shared-memory limit, once per kernel (needed above 48 KB).
-template <auto Kernel>
-ffi::Error smem_opt_in(const char* op, size_t bytes) {
-  static const cudaError_t status =
-      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (status != cudaSuccess)
-    return ffi::Error::Internal(std::string(op) + ": shared-memory opt-in failed: " + cudaGetErrorString(status));
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------------------
-// Scores: scale, mask, causal, bounds. -inf marks an entry that takes no probability.
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-struct RowCtx {
-  int64_t bb, hh;
-  int64_t mask_head;  // offset of (bb, hh) in the mask, before the query and key terms
-};
-
-__device__ __forceinline__ RowCtx row_ctx(const AttnArgs& a, int64_t bb, int64_t hh) {
-  RowCtx r;
-  r.bb = bb, r.hh = hh;
-  r.mask_head = ((a.bm == 1 ? 0 : bb) * a.hm + (a.hm == 1 ? 0 : hh)) * a.sqm;
-  return r;
-}
-
-// The scaled, masked score of raw s = q_i . k_j (natural-log units).
-__device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j) {
-  if (i >= a.sq || j >= a.sk) return -INFINITY;
-  if (a.causal && j > i + a.sk - a.sq) return -INFINITY;
-  float x = s * a.scale;
-  if (a.mask_kind != kMaskNone) {
-    const int64_t m = (rc.mask_head + (a.sqm == 1 ? 0 : i)) * a.skm + (a.skm == 1 ? 0 : j);
-    if (a.mask_kind == kMaskBool) {
-      if (!static_cast<const bool*>(a.mask)[m]) return -INFINITY;
-    } else {
-      x += static_cast<const float*>(a.mask)[m];
-    }
-  }
-  return x;
-}
-
-// The score of raw s at (i, j) in log2 units: the full rule with kMasked, else only the
-// bounds (the kernels launched for calls without mask and causal carry no mask code).
-template <bool kMasked>
-__device__ __forceinline__ float score_log2(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j) {
-  if constexpr (kMasked) {
-    return score(a, rc, s, i, j) * kLog2e;
-  } else {
-    return i < a.sq && j < a.sk ? s * a.scale * kLog2e : -INFINITY;
-  }
-}
-
-// Keep bits of 16 consecutive keys j0 .. j0 + 15 of query i (bit t: key j0 + t), from the
-// Philox lanes of the logical [B, H, Sq, Sk] element index (philox.h); 0 outside the
-// tensor. Two Philox calls when the 16 keys are two aligned groups of eight.
-__device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
-                                           int64_t j0) {
-  if (i >= a.sq) return 0u;
-  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
-  uint32_t bits = 0;
-  if ((idx & 7) == 0 && j0 + 16 <= a.sk) {
-    const U32x4 w0 = dropout_words(seed, idx >> 3), w1 = dropout_words(seed, (idx >> 3) + 1);
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      bits |= static_cast<uint32_t>(lane16(w0, t) >= a.threshold) << t;
-      bits |= static_cast<uint32_t>(lane16(w1, t) >= a.threshold) << (t + 8);
-    }
-  } else {
-    for (int t = 0; t < 16 && j0 + t < a.sk; ++t)
-      bits |= static_cast<uint32_t>(dropout_keep(seed, idx + t, a.threshold)) << t;
-  }
-  return bits;
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // ---------------------------------------------------------------------------------------
 // Forward. grid (ceil(Sq / 64), B * H), block 128.
@@ -376,10 +246,42 @@ struct BwdSmem {
   uint16_t keep[kWarps][kTile];         // per warp and query: keep bits of the warp's 16 keys
 };
 
-// 4 bytes global -> shared (cp.async); zero-filled when !full.
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool full) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(full ? 4 : 0));
+// The backward's two warp-tile products (rows = the warp's 16 keys):
+// acc[16 keys][64 queries] = A[16 keys][D] · B[64 queries][D]ᵀ, with A's rows at `a`
+// (ldmatrix lane addresses, plain) and B's at `b` (plain); and
+// acc[16 keys][D] += frag[16 keys][64 queries] · B[64 queries][D], B's rows at `b`
+// (transposed lane addresses).
+template <typename T, int D>
+__device__ __forceinline__ void keys_by_queries(float (&acc)[8][4], const T* a, const T* b) {
+  constexpr int kRow = D + kPad;
+  uint32_t af[D / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) ldsm(af[kc], a + kc * 16);
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc += 2) {
+      uint32_t bf[4];
+      ldsm(bf, b + n * 8 * kRow + kc * 16);
+      mma<T>(acc[n], af[kc], bf[0], bf[1]);
+      mma<T>(acc[n], af[kc + 1], bf[2], bf[3]);
+    }
+  }
+}
+template <typename T, int D>
+__device__ __forceinline__ void add_keys_by_d(float (&acc)[D / 8][4], const uint32_t (&frag)[4][4], const T* b) {
+  constexpr int kRow = D + kPad;
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn += 2) {
+      uint32_t bf[4];
+      ldsm_t(bf, b + kc * 16 * kRow + dn * 8);
+      mma<T>(acc[dn], frag[kc], bf[0], bf[1]);
+      mma<T>(acc[dn + 1], frag[kc], bf[2], bf[3]);
+    }
 }
 
 // grid (ceil(Sk / 64), B * H), block 128; each warp owns 16 keys. dK, dV accumulate in
@@ -477,23 +379,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     // warp's 16 keys, columns = the tile's 64 queries.
     const bool plain = !kMasked && k0 + 16 <= a.sk;
     float p[8][4];
-    {
-      uint32_t kf[D / 16][4];
-#pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) ldsm(kf[kc], sm.k + a_off + kc * 16);
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[n][e] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < D / 16; kc += 2) {
-          uint32_t b[4];
-          ldsm(b, qs + plain_off + n * 8 * kRow + kc * 16);
-          mma<T>(p[n], kf[kc], b[0], b[1]);
-          mma<T>(p[n], kf[kc + 1], b[2], b[3]);
-        }
-      }
-    }
+    keys_by_queries<T, D>(p, sm.k + a_off, qs + plain_off);
     // The keep bits of this thread's 32 entries, gathered once per tile: bit 4 n + e is
     // entry (n, e) = (query il(n, e) of the tile, key quad + 8 (e / 2) of the warp).
     auto il_of = [&](int n, int e) { return n * 8 + tq * 2 + (e & 1); };
@@ -526,33 +412,11 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
         pdf[n / 2][(n & 1) * 2 + 0] = pack2<T>(pd[0], pd[1]);
         pdf[n / 2][(n & 1) * 2 + 1] = pack2<T>(pd[2], pd[3]);
       }
-#pragma unroll
-      for (int kc = 0; kc < 4; ++kc)
-#pragma unroll
-        for (int dn = 0; dn < D / 8; dn += 2) {
-          uint32_t b[4];
-          ldsm_t(b, dos + trans_off + kc * 16 * kRow + dn * 8);
-          mma<T>(dv[dn], pdf[kc], b[0], b[1]);
-          mma<T>(dv[dn + 1], pdf[kc], b[2], b[3]);
-        }
+      add_keys_by_d<T, D>(dv, pdf, dos + trans_off);
     }
     {
       float dpt[8][4];
-      uint32_t vf[D / 16][4];
-#pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) ldsm(vf[kc], sm.v + a_off + kc * 16);
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dpt[n][e] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < D / 16; kc += 2) {
-          uint32_t b[4];
-          ldsm(b, dos + plain_off + n * 8 * kRow + kc * 16);
-          mma<T>(dpt[n], vf[kc], b[0], b[1]);
-          mma<T>(dpt[n], vf[kc + 1], b[2], b[3]);
-        }
-      }
+      keys_by_queries<T, D>(dpt, sm.v + a_off, dos + plain_off);
       uint32_t dsf[4][4];  // dSᵀ as A fragments (16 queries each)
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
@@ -567,15 +431,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
         *reinterpret_cast<uint32_t*>(w) = dsf[n / 2][(n & 1) * 2 + 0];
         *reinterpret_cast<uint32_t*>(w + 8 * kDsRow) = dsf[n / 2][(n & 1) * 2 + 1];
       }
-#pragma unroll
-      for (int kc = 0; kc < 4; ++kc)
-#pragma unroll
-        for (int dn = 0; dn < D / 8; dn += 2) {
-          uint32_t b[4];
-          ldsm_t(b, qs + trans_off + kc * 16 * kRow + dn * 8);
-          mma<T>(dk[dn], dsf[kc], b[0], b[1]);
-          mma<T>(dk[dn + 1], dsf[kc], b[2], b[3]);
-        }
+      add_keys_by_d<T, D>(dk, dsf, qs + trans_off);
     }
     __syncthreads();
     // dQ[16 queries of this warp, D] += dS[those queries, 64 keys] K[64 keys, D].
@@ -653,12 +509,15 @@ ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// A kernel as a type (for generic launch lambdas); whether a call needs the masked kernels.
-template <auto K>
-struct KernelC {
-  static constexpr auto value = K;
-};
+// Whether a call needs the masked kernels; launching a tile kernel (block kThreads,
+// `smem` bytes of dynamic shared memory, raised past 48 KB once per kernel).
 bool masked(const AttnArgs& a) { return a.mask_kind != kMaskNone || a.causal; }
+template <auto Kernel>
+ffi::Error launch_tile_kernel(const char* op, dim3 grid, size_t smem, cudaStream_t stream, const AttnArgs& a) {
+  if (auto e = smem_opt_in<Kernel>(op, smem); e.failure()) return e;
+  Kernel<<<grid, kThreads, smem, stream>>>(a);
+  return ffi::Error::Success();
+}
 
 // Calls f(TypeTag<T>, IntC<D>) for the 16-bit dtypes and head dims the kernels support.
 template <typename F>
@@ -694,14 +553,8 @@ ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t m
     constexpr int D = decltype(dd)::value;
     const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     constexpr size_t smem = sizeof(FwdSmem<T, D>);
-    auto launch = [&](auto kernel_tag) -> ffi::Error {
-      constexpr auto kernel = decltype(kernel_tag)::value;
-      if (auto e = smem_opt_in<kernel>(op, smem); e.failure()) return e;
-      kernel<<<grid, kThreads, smem, stream>>>(a);
-      return ffi::Error::Success();
-    };
-    const ffi::Error e = masked(a) ? launch(KernelC<attention_fwd_kernel<T, D, true>>{})
-                                   : launch(KernelC<attention_fwd_kernel<T, D, false>>{});
+    const ffi::Error e = masked(a) ? launch_tile_kernel<attention_fwd_kernel<T, D, true>>(op, grid, smem, stream, a)
+                                   : launch_tile_kernel<attention_fwd_kernel<T, D, false>>(op, grid, smem, stream, a);
     if (e.failure()) return e;
     return launch_status(op);
   });
@@ -740,14 +593,8 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
         <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     constexpr size_t smem = sizeof(BwdSmem<T, D>);
-    auto launch = [&](auto kernel_tag) -> ffi::Error {
-      constexpr auto kernel = decltype(kernel_tag)::value;
-      if (auto e = smem_opt_in<kernel>(op, smem); e.failure()) return e;
-      kernel<<<grid, kThreads, smem, stream>>>(a);
-      return ffi::Error::Success();
-    };
-    if (const ffi::Error e = masked(a) ? launch(KernelC<attention_bwd_kernel<T, D, true>>{})
-                                       : launch(KernelC<attention_bwd_kernel<T, D, false>>{});
+    if (const ffi::Error e = masked(a) ? launch_tile_kernel<attention_bwd_kernel<T, D, true>>(op, grid, smem, stream, a)
+                                       : launch_tile_kernel<attention_bwd_kernel<T, D, false>>(op, grid, smem, stream, a);
         e.failure())
       return e;
     const int64_t n = rows * D;

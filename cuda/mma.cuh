@@ -73,6 +73,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// 4 bytes global -> shared (cp.async); zero-filled when !full.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool full) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(full ? 4 : 0));
+}
+
 // 2^x on the special-function unit, subnormal results flushed to zero (a probability
 // below 2^-126 is zero after rounding to the 16-bit operand anyway); exp2f adds a
 // range fix-up of three instructions per call for those.

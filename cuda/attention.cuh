@@ -1,0 +1,148 @@
+// The attention kernels' shared pieces (attention.cu only): launch constants, the
+// argument block, tile copies, the score rule (scale, mask, causal, bounds), the dropout
+// keep bits of 16 keys, quad reductions. Contract: ABI.md ("Attention family").
+#pragma once
+
+#include <cmath>
+#include <string>
+
+#include "common.h"
+#include "mma.cuh"
+#include "philox.h"
+
+namespace jaxsub {
+namespace {  // private to attention.cu, the one file that includes this header
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTile = 64;  // rows per block and per shared-memory tile
+constexpr int kPad = 8;    // 16 bytes of padding per shared-memory row: conflict-free pair reads
+
+struct AttnArgs {
+  const void* q;         // [B, Sq, H, D] T
+  const void* k;         // [B, Sk, H, D] T
+  const void* v;         // [B, Sk, H, D] T
+  const void* out;       // [B, Sq, H, D] T (backward: forward output)
+  const void* dout;      // [B, Sq, H, D] T (backward)
+  const void* mask;      // [Bm, Hm, Sqm, Skm] pred or f32
+  const uint32_t* seed;  // [2]
+  void* o;               // forward: out [B, Sq, H, D]; backward: dq [B, Sq, H, D]
+  void* dk;              // [B, Sk, H, D] T (backward)
+  void* dv;              // [B, Sk, H, D] T (backward)
+  float* lse;            // [B, H, Sq]
+  float* delta;          // [B, H, Sq] workspace (backward): rowsum(dout * out)
+  float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
+  int64_t b, h, sq, sk;
+  int64_t bm, hm, sqm, skm;
+  int mask_kind;
+  float scale;
+  bool causal;
+  uint32_t threshold;
+  float keep_scale;
+};
+
+__device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Starts copying rows [row0, row0 + kTile) of one head of a [B, S, H, D] tensor into
+// shared memory ([kTile][D + kPad]) with cp.async (the caller commits and waits); rows
+// past `rows` are zero-filled.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, int64_t rows, int64_t row_stride) {
+  constexpr int kChunks = D * sizeof(T) / 16;  // 16-byte pieces per row
+#pragma unroll
+  for (int c = threadIdx.x; c < kTile * kChunks; c += kThreads) {
+    const int r = c / kChunks, part = c % kChunks;
+    const bool full = row0 + r < rows;
+    cp_async16(dst + r * (D + kPad) + part * (16 / sizeof(T)),
+               src + (full ? (row0 + r) * row_stride : 0) + part * (16 / sizeof(T)), full);
+  }
+}
+
+// Raises a kernel's dynamic shared-memory limit, once per kernel (needed above 48 KB).
+template <auto Kernel>
+ffi::Error smem_opt_in(const char* op, size_t bytes) {
+  static const cudaError_t status =
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (status != cudaSuccess)
+    return ffi::Error::Internal(std::string(op) + ": shared-memory opt-in failed: " + cudaGetErrorString(status));
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------
+// Scores: scale, mask, causal, bounds. -inf marks an entry that takes no probability.
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct RowCtx {
+  int64_t bb, hh;
+  int64_t mask_head;  // offset of (bb, hh) in the mask, before the query and key terms
+};
+
+__device__ __forceinline__ RowCtx row_ctx(const AttnArgs& a, int64_t bb, int64_t hh) {
+  RowCtx r;
+  r.bb = bb, r.hh = hh;
+  r.mask_head = ((a.bm == 1 ? 0 : bb) * a.hm + (a.hm == 1 ? 0 : hh)) * a.sqm;
+  return r;
+}
+
+// The scaled, masked score of raw s = q_i . k_j (natural-log units).
+__device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j) {
+  if (i >= a.sq || j >= a.sk) return -INFINITY;
+  if (a.causal && j > i + a.sk - a.sq) return -INFINITY;
+  float x = s * a.scale;
+  if (a.mask_kind != kMaskNone) {
+    const int64_t m = (rc.mask_head + (a.sqm == 1 ? 0 : i)) * a.skm + (a.skm == 1 ? 0 : j);
+    if (a.mask_kind == kMaskBool) {
+      if (!static_cast<const bool*>(a.mask)[m]) return -INFINITY;
+    } else {
+      x += static_cast<const float*>(a.mask)[m];
+    }
+  }
+  return x;
+}
+
+// The score of raw s at (i, j) in log2 units: the full rule with kMasked, else only the
+// bounds (the kernels launched for calls without mask and causal carry no mask code).
+template <bool kMasked>
+__device__ __forceinline__ float score_log2(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j) {
+  if constexpr (kMasked) {
+    return score(a, rc, s, i, j) * kLog2e;
+  } else {
+    return i < a.sq && j < a.sk ? s * a.scale * kLog2e : -INFINITY;
+  }
+}
+
+// Keep bits of 16 consecutive keys j0 .. j0 + 15 of query i (bit t: key j0 + t), from the
+// Philox lanes of the logical [B, H, Sq, Sk] element index (philox.h); 0 outside the
+// tensor. Two Philox calls when the 16 keys are two aligned groups of eight.
+__device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+                                           int64_t j0) {
+  if (i >= a.sq) return 0u;
+  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
+  uint32_t bits = 0;
+  if ((idx & 7) == 0 && j0 + 16 <= a.sk) {
+    const U32x4 w0 = dropout_words(seed, idx >> 3), w1 = dropout_words(seed, (idx >> 3) + 1);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      bits |= static_cast<uint32_t>(lane16(w0, t) >= a.threshold) << t;
+      bits |= static_cast<uint32_t>(lane16(w1, t) >= a.threshold) << (t + 8);
+    }
+  } else {
+    for (int t = 0; t < 16 && j0 + t < a.sk; ++t)
+      bits |= static_cast<uint32_t>(dropout_keep(seed, idx + t, a.threshold)) << t;
+  }
+  return bits;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace
+}  // namespace jaxsub
