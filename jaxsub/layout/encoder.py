@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxsub import _ffi, ops
 from jaxsub.layout.problem import (
-    Candidate, Problem, Selection, Stage, Workload, config_str, parse_config, parse_label, relayout, transpose)
+    Candidate, host_normal, Problem, Selection, Stage, Workload, config_str, parse_config, parse_label, relayout, transpose)
 from jaxsub.ops import attn as _attn
 
 QKV_LAYOUTS = ("BS3HD", "3BSHD", "3BHSD")
@@ -340,9 +340,7 @@ class EncoderProblem(Problem):
     # What the tuner times.
 
     def label_value(self, lab: str, rng) -> dict:
-        dtype = jnp.dtype(self.spec.dtype)
-        return {n: jnp.asarray(rng.standard_normal(self.spec.shape(axes), np.float32), dtype)
-                for n, axes in parse_label(lab).items()}
+        return {n: host_normal(rng, self.spec.shape(axes), self.spec.dtype) for n, axes in parse_label(lab).items()}
 
     def stage_params(self, i: int) -> tuple[str, ...]:
         """The parameters stage i reads (only these are differentiated when it is timed:
@@ -360,9 +358,9 @@ class EncoderProblem(Problem):
         }[STAGE_NAMES[i]]
 
     def random_params(self, rng, names=PARAMS) -> dict:
-        s, dt = self.spec, jnp.dtype(self.spec.dtype)
-        return {n: jnp.asarray(rng.standard_normal(s.shape(PARAM_AXES[n]), np.float32)
-                               / np.sqrt(s.shape(PARAM_AXES[n])[0]), dt) for n in names}
+        s = self.spec
+        return {n: host_normal(rng, s.shape(PARAM_AXES[n]), s.dtype, 1 / np.sqrt(s.shape(PARAM_AXES[n])[0]))
+                for n in names}
 
     def random_ext(self, rng) -> tuple[dict, object]:
         """(keys, mask) for a training step of this spec."""
@@ -420,7 +418,7 @@ class EncoderProblem(Problem):
         """Transposing one array laid out as `src` (axis letters) to `dst`."""
         def make(seed):
             rng = np.random.default_rng(seed)
-            return (jnp.asarray(rng.standard_normal(self.spec.shape(src), np.float32), jnp.dtype(self.spec.dtype)),), ()
+            return (host_normal(rng, self.spec.shape(src), self.spec.dtype),), ()
 
         return Workload(lambda diff, aux: transpose(diff[0], src, dst), make)
 
