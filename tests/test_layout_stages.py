@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxsub
-from jaxsub import layout
+from jaxsub import _ffi, layout
 from jaxsub.layout import tuning
 from jaxsub.layout.encoder import ROW_KERNEL_CONFIGS, STAGE_NAMES
 from jaxsub.layout.problem import Selection, relayout
@@ -154,12 +154,13 @@ def test_kernel_configurations_are_offered_after_each_default_and_the_heuristic_
             assert table[c.key] == table[(c.in_layout, c.out_layout, "")]
     sel = tuning.solve(problem, tables, "heuristic")
     assert all(not sel.candidate(name).config for name in ROW_STAGES)
-    # Without a CUDA build (or on CPU) the configurations are not offered: nothing to time.
-    if not jaxsub.cuda_available():
-        for platform in ("cpu", "gpu"):
-            assert not any(c.config for name in ROW_STAGES
-                           for c in layout.EncoderProblem(_spec(pre_layer_norm), platform=platform).stages[
-                               STAGE_NAMES.index(name)].candidates)
+    # By default the configurations are offered only where the CUDA row kernels run: on a
+    # GPU platform with the CUDA targets built (on CPU, or without them, nothing to time).
+    for platform in ("cpu", "gpu"):
+        offered = any(c.config for name in ROW_STAGES
+                      for c in layout.EncoderProblem(_spec(pre_layer_norm), platform=platform).stages[
+                          STAGE_NAMES.index(name)].candidates)
+        assert offered == (platform == "gpu" and _ffi.has_cuda_target("jaxsub_bdrln_fwd"))
 
 
 def _launches(text, target):
