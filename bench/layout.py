@@ -141,7 +141,8 @@ def run_case(name: str, spec: layout.LayerSpec, size: Size, args) -> dict:
     print(f"\n== {name}: {spec.batch}x{spec.seq}, hidden {spec.hidden}, {spec.heads} heads, ffn {spec.mlp_dim}, "
           f"{spec.dtype}", flush=True)
     options = layout.Auto(budget_s=args.budget if args.budget is not None else size.budget_s, repeats=repeats,
-                          use_cache=args.use_cache, measure_without_gpu=True, progress=None)
+                          use_cache=args.use_cache, measure_without_gpu=True, progress=None,
+                          compile_workers=args.compile_workers)
     start = time.perf_counter()
     tables, source, _ = layout.select.timed_tables(problem, options)
     selected = tuning.solve(problem, tables, source)
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny layer (CPU smoke run)")
     p.add_argument("--cases", type=report.csv_choices(list(FULL.cases) + list(SMALL.cases)), default=None)
     p.add_argument("--budget", type=float, default=None, help="tuning budget per case in seconds")
+    p.add_argument("--compile-workers", type=int, default=0,
+                   help="threads compiling the next candidates while one is timed (experimental; default 0)")
     p.add_argument("--use-cache", action="store_true", help="read/write the layout cache (tuning time then "
                                                               "means little)")
     report.add_run_arguments(p, DEFAULT_JSON, FULL.repeats, SMALL.repeats)

@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds of tuning at most (default 900: ahead of time there is no training "
                         "step waiting; layouts='auto' on a first call uses a shorter budget)")
     t.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
+    t.add_argument("--compile-workers", type=int, default=0,
+                   help="threads compiling the next candidates while one is timed (experimental; default 0)")
     t.add_argument("--cache-dir", type=pathlib.Path, default=None, help="default: $XDG_CACHE_HOME/jaxsub/layouts")
     t.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     t.add_argument("--refresh", action="store_true", help="time everything again even if cached")
@@ -81,7 +83,8 @@ def tune_command(args) -> int:
     else:
         options = layout.Auto(budget_s=args.budget,
                               repeats=args.repeats, cache_dir=args.cache_dir, use_cache=not args.no_cache,
-                              measure_without_gpu=True, progress=None, refresh=args.refresh)
+                              measure_without_gpu=True, progress=None, refresh=args.refresh,
+                              compile_workers=args.compile_workers)
         tables, source, cache_file = select.timed_tables(problem, options)
     selection = tuning.solve(problem, tables, source)
     ordered = [{c.key: t[c.key] for c in st.candidates if c.key in t} for st, t in zip(problem.stages, tables.stages)]

@@ -261,3 +261,30 @@ def test_tuning_order_defaults_layouts_transposes_then_kernel_configurations():
     first_transpose, first_config = kinds.index("transpose"), kinds.index("config")
     assert "stage" not in kinds[first_transpose:] and "transpose" not in kinds[first_config:]
     assert kinds.count("config") == sum("threads=" in c.config for st in problem.stages for c in st.candidates)
+
+
+def test_compile_workers_time_every_candidate_like_the_sequential_tuner(monkeypatch):
+    # Worker threads prepare and compile the next candidates (n2 from the byte model, here
+    # fixed short: the model's GPU times would ask a CPU for long loops); every candidate
+    # and transpose still gets a positive time, in the same order.
+    monkeypatch.setattr(tuning, "n2_for", lambda seconds, **kw: 6)
+    problem = _problem()
+    seen = []
+    tables = tuning.tune(problem, repeats=1, progress=lambda d, t, what: seen.append(what), compile_workers=2)
+    assert tables.complete and tables.missing(problem) == 0 and not tables.errors
+    assert all(v is not None and v > 0 for t in tables.stages for v in t.values())
+    assert all(v > 0 for v in tables.transposes.values())
+    order = []
+    tuning.tune(problem, progress=lambda d, t, what: order.append(what), measure_fn=lambda w, repeats, seed: 1e-6)
+    assert seen == order
+    sel = tuning.solve(problem, tables, "timed")
+    assert [c.candidate.key for c in sel.choices]
+
+
+def test_prepare_fixes_n2_and_measure_uses_it():
+    problem = _problem()
+    wl = problem.stage_workload(0, problem.stages[0].candidates[0])
+    prepared = tuning.prepare(wl, n2=12, compile_now=True)
+    assert prepared.n2 == 12 and len(prepared.calls) == 2
+    assert tuning.measure(None, repeats=1, prepared=prepared) > 0
+    assert tuning.n2_for(1e-6) == 1000 and tuning.n2_for(1.0) == 10 and tuning.n2_for(1e-3) == 12

@@ -48,6 +48,8 @@ class Auto:
     progress: None (a bar when stderr is a terminal), True, False or a callable
       (done, total, what).
     refresh: time every candidate again even when the cache has them.
+    compile_workers: threads that compile the next candidates while one is timed
+      (`jaxsub.layout.tune`; experimental, 0 = none).
     """
 
     budget_s: float | None = DEFAULT_BUDGET_S
@@ -57,6 +59,7 @@ class Auto:
     measure_without_gpu: bool = False
     progress: object = None
     refresh: bool = False
+    compile_workers: int = 0
 
 
 _MEMO: dict = {}
@@ -120,7 +123,7 @@ def timed_tables(problem: Problem, options: Auto):
                 return known, "cache", cache.entry_path(key, options.cache_dir)
     log.info("jaxsub.layout: timing %s candidates for %s", problem.kind, json.dumps(problem.key()))
     tables = tuning.tune(problem, repeats=options.repeats, budget_s=options.budget_s, progress=options.progress,
-                         known=known)
+                         known=known, compile_workers=options.compile_workers)
     path = None
     if options.use_cache:
         sel = tuning.solve(problem, tables, "timed")

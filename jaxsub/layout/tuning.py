@@ -17,10 +17,12 @@ eagerly on the device instead of being staged into the caller's program.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -137,11 +139,21 @@ def _loop(workload, k: int, n: int | None, result):
 _median_time = _timing.median_time
 
 
-def measure(workload, *, repeats: int = 5, n1: int = 2, target_s: float = 0.01, max_n: int = 1000, seed: int = 0,
-            max_sets: int = 16) -> float:
-    """Seconds of one forward + backward application of `workload` (slope method). The
-    longer loop has n2 >= 10 iterations, more for small work, so that t(n2) - t(n1) is
-    about `target_s` (capped at `max_n`): a 5 µs transpose is not lost in launch noise."""
+@dataclasses.dataclass
+class Prepared:
+    """A workload ready to time: its loop calls [(fn, args)] for n1 and, when known, n2."""
+
+    calls: list
+    n1: int
+    n2: int | None
+    loop: Callable  # n -> (fn, args), compiled on demand
+
+
+def prepare(workload, *, n1: int = 2, n2: int | None = None, seed: int = 0, max_sets: int = 16,
+            compile_now: bool = False) -> Prepared:
+    """The inputs of `measure` (k stacked input sets and cotangents) and its loop calls
+    for n1 and, if given, n2. `compile_now` compiles them ahead of time (`lower` +
+    `compile`), so `prepare` can run in a worker thread while another workload is timed."""
     with jax.ensure_compile_time_eval():
         first = workload.make(seed)
         per_set = max(_nbytes(first), 1)
@@ -156,19 +168,48 @@ def measure(workload, *, repeats: int = 5, n1: int = 2, target_s: float = 0.01, 
         args = (_stack([m[0] for m in made]), _stack([m[1] for m in made]), _stack(cots))
         result = jax.eval_shape(lambda d, a, c: (out, jax.vjp(lambda x: workload.fn(x, a), d)[1](c)),
                                 first[0], first[1], cots[0])
-        static = jax.default_backend() == "gpu"
-        dynamic = None if static else _loop(workload, k, None, result)
+    static = jax.default_backend() == "gpu"
+    dynamic = []
 
-        def loop(n):
-            return (_loop(workload, k, n, result), args) if static else (dynamic, (*args, n))
+    def loop(n):
+        with jax.ensure_compile_time_eval():
+            if static:
+                fn = _loop(workload, k, n, result)
+                return (fn.lower(*args).compile() if compile_now else fn), args
+            if not dynamic:
+                fn = _loop(workload, k, None, result)
+                dynamic.append(fn.lower(*args, np.int32(n)).compile() if compile_now else fn)
+            return dynamic[0], (*args, np.int32(n))
 
-        calls = [loop(n1)]
+    calls = [loop(n1)] + ([loop(n2)] if n2 is not None else [])
+    return Prepared(calls, n1, n2, loop)
+
+
+def n2_for(seconds: float, *, n1: int = 2, target_s: float = 0.01, max_n: int = 1000) -> int:
+    """The longer loop's length for work of about `seconds` per application: t(n2) - t(n1)
+    near `target_s`, at least 10, at most `max_n`."""
+    return int(min(max_n, max(10, n1 + target_s / max(seconds, 1e-7))))
+
+
+def measure(workload, *, repeats: int = 5, n1: int = 2, target_s: float = 0.01, max_n: int = 1000, seed: int = 0,
+            max_sets: int = 16, prepared: Prepared | None = None) -> float:
+    """Seconds of one forward + backward application of `workload` (slope method). The
+    longer loop has n2 >= 10 iterations, more for small work, so that t(n2) - t(n1) is
+    about `target_s` (capped at `max_n`): a 5 µs transpose is not lost in launch noise.
+    n2 comes from a first timing of the n1 loop unless `prepared` (from `prepare`) already
+    fixed it."""
+    prepared = prepared or prepare(workload, n1=n1, seed=seed, max_sets=max_sets)
+    n1 = prepared.n1
+    with jax.ensure_compile_time_eval():
+        calls = list(prepared.calls)
         for _ in range(2):
             jax.block_until_ready(calls[0][0](*calls[0][1]))
-        # t(n1) / n1 overestimates the work (it includes the launch), so n2 errs short.
-        estimate = max(_median_time(*calls[0], 3) / n1, 1e-7)
-        n2 = int(min(max_n, max(10, n1 + target_s / estimate)))
-        calls.append(loop(n2))
+        if prepared.n2 is None:
+            # t(n1) / n1 overestimates the work (it includes the launch), so n2 errs short.
+            n2 = n2_for(_median_time(*calls[0], 3) / n1, n1=n1, target_s=target_s, max_n=max_n)
+            calls.append(prepared.loop(n2))
+        else:
+            n2 = prepared.n2
         for _ in range(2):
             jax.block_until_ready(calls[1][0](*calls[1][1]))
         samples = [[], []]
@@ -207,7 +248,7 @@ class _Progress:
 
 
 def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, progress=None,
-         known: Tables | None = None, seed: int = 0, measure_fn=None) -> Tables:
+         known: Tables | None = None, seed: int = 0, measure_fn=None, compile_workers: int = 0) -> Tables:
     """Time every candidate of every stage and every needed transpose, forward and
     backward. Entries in `known` are reused, not timed again. Order: each stage's default
     candidate first, always timed (so a complete default path exists whatever the
@@ -216,7 +257,16 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
     `budget_s` is exceeded the rest is skipped and the tables are marked incomplete. A candidate that fails to
     run gets None (not selectable) and its error is kept. `progress`: None (a bar on an
     interactive stderr), True, False, or a callable (done, total, what). `measure_fn`
-    replaces `measure` (same signature)."""
+    replaces `measure` (same signature).
+
+    `compile_workers` > 0 (with the built-in `measure`): that many threads prepare and
+    compile the next candidates' loops (`prepare`) while the current one is timed, the
+    longer loop's length taken from the problem's byte/flop model instead of a first
+    timing; timing itself stays sequential. Experimental: 0 (everything in this thread)
+    is the default until it has been measured on a GPU."""
+    pool = None
+    if compile_workers > 0 and measure_fn is None:
+        pool = concurrent.futures.ThreadPoolExecutor(compile_workers, thread_name_prefix="jaxsub-tune")
     measure_fn = measure_fn or measure
     start = time.perf_counter()
     stages = [dict() for _ in problem.stages]
@@ -237,10 +287,29 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
                     stages[i][c.key] = known.stages[i][c.key]
                 else:
                     todo.append(("stage", i, c, rank == 0))
+    def workload(item):
+        return problem.stage_workload(item[1], item[2]) if item[0] == "stage" else \
+            problem.transpose_workload(item[1], item[2])
+
+    def prep(item):
+        model = problem.model_stage(item[1], item[2]) if item[0] == "stage" else \
+            problem.model_transpose(item[1], item[2])
+        return prepare(workload(item), n2=n2_for(model), seed=seed, compile_now=True)
+
+    ahead = {}  # todo index -> future of prep: the next compile_workers + 1 items
+
+    def timed(idx, item):
+        if pool is None:
+            return measure_fn(workload(item), repeats=repeats, seed=seed)
+        for j in range(idx, min(len(todo), idx + compile_workers + 1)):
+            if j not in ahead:
+                ahead[j] = pool.submit(prep, todo[j])
+        return measure(None, repeats=repeats, seed=seed, prepared=ahead.pop(idx).result())
+
     bar = _Progress(problem.kind, len(todo), progress)
     complete = True
     try:
-        for item in todo:
+        for idx, item in enumerate(todo):
             if not item[3] and budget_s is not None and time.perf_counter() - start > budget_s:
                 complete = False
                 break
@@ -248,17 +317,19 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
                 _, i, c, _ = item
                 what = f"{problem.stages[i].name} {c}"
                 try:
-                    stages[i][c.key] = measure_fn(problem.stage_workload(i, c), repeats=repeats, seed=seed)
+                    stages[i][c.key] = timed(idx, item)
                 except Exception as e:  # noqa: BLE001 - a failing candidate is not selectable
                     stages[i][c.key] = None
                     errors[(i, c.key)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             else:
                 _, a, b, _ = item
                 what = f"transpose {a} -> {b}"
-                transposes[(a, b)] = measure_fn(problem.transpose_workload(a, b), repeats=repeats, seed=seed)
+                transposes[(a, b)] = timed(idx, item)
             bar.step(what)
     finally:
         bar.close()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     # Keep the problem's candidate order (defaults first): the solver breaks ties by it.
     ordered = [{c.key: st_t[c.key] for c in st.candidates if c.key in st_t}
                for st, st_t in zip(problem.stages, stages)]
