@@ -287,6 +287,7 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
                     stages[i][c.key] = known.stages[i][c.key]
                 else:
                     todo.append(("stage", i, c, rank == 0))
+
     def workload(item):
         return problem.stage_workload(item[1], item[2]) if item[0] == "stage" else \
             problem.transpose_workload(item[1], item[2])
@@ -296,7 +297,7 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
             problem.model_transpose(item[1], item[2])
         return prepare(workload(item), n2=n2_for(model), seed=seed, compile_now=True)
 
-    ahead = {}  # todo index -> future of prep: the next compile_workers + 1 items
+    ahead = {}  # todo index -> future of prep: the next compile_workers + 1 items (their inputs held)
 
     def timed(idx, item):
         if pool is None:
