@@ -35,7 +35,9 @@ check is printed, kept in the JSON, and makes the run exit 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import pathlib
 import sys
 import time
@@ -162,19 +164,31 @@ def run_case(name: str, spec: layout.LayerSpec, size: Size, args) -> dict:
     status = check(problem, selected, default)
     print(f"check selected vs default: {status}", flush=True)
 
-    def measure(sel):
-        return tuning.measure(problem.layer_workload(sel), repeats=repeats, seed=args.seed)
+    def measure(sel, prepared=None):
+        return tuning.measure(problem.layer_workload(sel), repeats=repeats, seed=args.seed, prepared=prepared)
+
+    def prepare(sel):
+        # --compile-workers: the longer loop's length from the tuned tables' prediction.
+        est = predicted(sel)
+        return tuning.prepare(problem.layer_workload(sel), n2=tuning.n2_for(est) if est else None,
+                              seed=args.seed, compile_now=True)
 
     start = time.perf_counter()
     combos = []
-    for path in reduced_paths(problem, size.reduced):
-        sel = Selection.of(problem, path, "exhaustive")
-        try:
-            combos.append({"config": _name(sel), "seconds": measure(sel), "predicted_s": predicted(sel),
-                           "selection": sel.to_json()})
-        except Exception as e:  # noqa: BLE001 - recorded, the search goes on
-            combos.append({"config": _name(sel), "seconds": None, "error": report.reason(e),
-                           "selection": sel.to_json()})
+    sels = [Selection.of(problem, path, "exhaustive") for path in reduced_paths(problem, size.reduced)]
+    with contextlib.ExitStack() as stack:
+        stream = None
+        if args.compile_workers > 0:
+            ahead = stack.enter_context(tuning.Lookahead(args.compile_workers))
+            stream = ahead.run([functools.partial(prepare, sel) for sel in sels])
+        for sel in sels:
+            try:
+                seconds = measure(sel, next(stream).result() if stream else None)
+                combos.append({"config": _name(sel), "seconds": seconds, "predicted_s": predicted(sel),
+                               "selection": sel.to_json()})
+            except Exception as e:  # noqa: BLE001 - recorded, the search goes on
+                combos.append({"config": _name(sel), "seconds": None, "error": report.reason(e),
+                               "selection": sel.to_json()})
     exhaustive_s = time.perf_counter() - start
     timed = [c for c in combos if c["seconds"] is not None]
     best = min(timed, key=lambda c: c["seconds"])

@@ -288,3 +288,23 @@ def test_prepare_fixes_n2_and_measure_uses_it():
     assert prepared.n2 == 12 and len(prepared.calls) == 2
     assert tuning.measure(None, repeats=1, prepared=prepared) > 0
     assert tuning.n2_for(1e-6) == 1000 and tuning.n2_for(1.0) == 10 and tuning.n2_for(1e-3) == 12
+
+
+def test_lookahead_yields_in_order_and_cancels_what_is_left():
+    import threading
+    import time as _time
+
+    started = []
+
+    def thunk(i):
+        started.append(i)
+        _time.sleep(0.01)
+        return i, threading.current_thread().name
+
+    with tuning.Lookahead(2) as ahead:
+        stream = ahead.run([lambda i=i: thunk(i) for i in range(10)])
+        got = [next(stream).result() for _ in range(4)]
+        stream.close()
+    assert [g[0] for g in got] == [0, 1, 2, 3]
+    assert all(name.startswith("jaxsub-tune") for _, name in got)
+    assert len(started) <= 4 + 3  # never more than workers + 1 ahead of the consumer

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -191,6 +192,38 @@ def n2_for(seconds: float, *, n1: int = 2, target_s: float = 0.01, max_n: int = 
     return int(min(max_n, max(10, n1 + target_s / max(seconds, 1e-7))))
 
 
+class Lookahead:
+    """Runs thunks (typically `prepare(..., compile_now=True)`) in `workers` threads, at
+    most workers + 1 ahead of the consumer, which takes their futures in order from
+    `run`; what was not taken is cancelled when `run`'s iterator is closed. Use as a
+    context manager (the threads end on exit)."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxsub-tune")
+
+    def run(self, thunks):
+        futures = {}
+        try:
+            for i in range(len(thunks)):
+                for j in range(i, min(len(thunks), i + self.workers + 1)):
+                    if j not in futures:
+                        futures[j] = self.pool.submit(thunks[j])
+                yield futures.pop(i)
+        finally:
+            for f in futures.values():
+                f.cancel()
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def measure(workload, *, repeats: int = 5, n1: int = 2, target_s: float = 0.01, max_n: int = 1000, seed: int = 0,
             max_sets: int = 16, prepared: Prepared | None = None) -> float:
     """Seconds of one forward + backward application of `workload` (slope method). The
@@ -264,9 +297,7 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
     longer loop's length taken from the problem's byte/flop model instead of a first
     timing; timing itself stays sequential. Experimental: 0 (everything in this thread)
     is the default until it has been measured on a GPU."""
-    pool = None
-    if compile_workers > 0 and measure_fn is None:
-        pool = concurrent.futures.ThreadPoolExecutor(compile_workers, thread_name_prefix="jaxsub-tune")
+    ahead = Lookahead(compile_workers) if compile_workers > 0 and measure_fn is None else None
     measure_fn = measure_fn or measure
     start = time.perf_counter()
     stages = [dict() for _ in problem.stages]
@@ -297,20 +328,18 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
             problem.model_transpose(item[1], item[2])
         return prepare(workload(item), n2=n2_for(model), seed=seed, compile_now=True)
 
-    ahead = {}  # todo index -> future of prep: the next compile_workers + 1 items (their inputs held)
+    # With workers: the todo items' prepared loops, in order (their inputs held meanwhile).
+    stream = ahead.run([functools.partial(prep, item) for item in todo]) if ahead else None
 
-    def timed(idx, item):
-        if pool is None:
+    def timed(item):
+        if stream is None:
             return measure_fn(workload(item), repeats=repeats, seed=seed)
-        for j in range(idx, min(len(todo), idx + compile_workers + 1)):
-            if j not in ahead:
-                ahead[j] = pool.submit(prep, todo[j])
-        return measure(None, repeats=repeats, seed=seed, prepared=ahead.pop(idx).result())
+        return measure(None, repeats=repeats, seed=seed, prepared=next(stream).result())
 
     bar = _Progress(problem.kind, len(todo), progress)
     complete = True
     try:
-        for idx, item in enumerate(todo):
+        for item in todo:
             if not item[3] and budget_s is not None and time.perf_counter() - start > budget_s:
                 complete = False
                 break
@@ -318,19 +347,20 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
                 _, i, c, _ = item
                 what = f"{problem.stages[i].name} {c}"
                 try:
-                    stages[i][c.key] = timed(idx, item)
+                    stages[i][c.key] = timed(item)
                 except Exception as e:  # noqa: BLE001 - a failing candidate is not selectable
                     stages[i][c.key] = None
                     errors[(i, c.key)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             else:
                 _, a, b, _ = item
                 what = f"transpose {a} -> {b}"
-                transposes[(a, b)] = timed(idx, item)
+                transposes[(a, b)] = timed(item)
             bar.step(what)
     finally:
         bar.close()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        if ahead is not None:
+            stream.close()
+            ahead.close()
     # Keep the problem's candidate order (defaults first): the solver breaks ties by it.
     ordered = [{c.key: st_t[c.key] for c in st.candidates if c.key in st_t}
                for st, st_t in zip(problem.stages, stages)]
