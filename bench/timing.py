@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from jaxsub import _timing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,19 +66,7 @@ class RunSize:
     repeats: int
 
 
-def median_times(calls: Sequence[tuple[Callable, Sequence]], *, repeats: int, warmup: int = 2) -> list[float]:
-    """Median wall time in seconds of each `fn(*args)` in `calls`, run to completion on
-    the device; the calls are interleaved within each repeat."""
-    for fn, args in calls:
-        for _ in range(warmup):
-            jax.block_until_ready(fn(*args))
-    samples: list[list[float]] = [[] for _ in calls]
-    for _ in range(repeats):
-        for i, (fn, args) in enumerate(calls):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            samples[i].append(time.perf_counter() - start)
-    return [statistics.median(s) for s in samples]
+median_times = _timing.median_times
 
 
 def slope_time(build: Callable[[int], tuple[Callable, Sequence]], k1: int, k2: int, *,
@@ -88,10 +76,8 @@ def slope_time(build: Callable[[int], tuple[Callable, Sequence]], k1: int, k2: i
     if not 0 < k1 < k2:
         raise ValueError(f"slope_time: need 0 < k1 < k2, got k1={k1}, k2={k2}")
     t1, t2 = median_times([build(k1), build(k2)], repeats=repeats, warmup=warmup)
-    slope = (t2 - t1) / (k2 - k1)
-    if slope > 0:
-        return SlopeTiming(slope, k1, k2, t1, t2, reliable=True)
-    return SlopeTiming(t2 / k2, k1, k2, t1, t2, reliable=False)
+    seconds, reliable = _timing.slope(t1, t2, k1, k2)
+    return SlopeTiming(seconds, k1, k2, t1, t2, reliable=reliable)
 
 
 def random_sets(specs: Sequence[tuple[tuple[int, ...], object]], cotangent: tuple[tuple[int, ...], object],

@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -137,9 +136,6 @@ def _loop(workload, k: int, n: int | None, result):
     return jax.jit(lambda diffs, auxs, cots: run(diffs, auxs, cots))
 
 
-_median_time = _timing.median_time
-
-
 @dataclasses.dataclass
 class Prepared:
     """A workload ready to time: its loop calls [(fn, args)] for n1 and, when known, n2."""
@@ -235,24 +231,15 @@ def measure(workload, *, repeats: int = 5, n1: int = 2, target_s: float = 0.01, 
     n1 = prepared.n1
     with jax.ensure_compile_time_eval():
         calls = list(prepared.calls)
-        for _ in range(2):
-            jax.block_until_ready(calls[0][0](*calls[0][1]))
         if prepared.n2 is None:
             # t(n1) / n1 overestimates the work (it includes the launch), so n2 errs short.
-            n2 = n2_for(_median_time(*calls[0], 3) / n1, n1=n1, target_s=target_s, max_n=max_n)
+            n2 = n2_for(_timing.median_time(*calls[0], 3, warmup=2) / n1, n1=n1, target_s=target_s, max_n=max_n)
             calls.append(prepared.loop(n2))
         else:
             n2 = prepared.n2
-        for _ in range(2):
-            jax.block_until_ready(calls[1][0](*calls[1][1]))
-        samples = [[], []]
-        for _ in range(repeats):
-            for s, (fn, a) in zip(samples, calls):
-                s.append(_median_time(fn, a, 1))
-        t1, t2 = (statistics.median(s) for s in samples)
-    slope = (t2 - t1) / (n2 - n1)
+        t1, t2 = _timing.median_times(calls, repeats=repeats, warmup=2)
     # Noise larger than the work (tiny CPU problems): t(n2)/n2, an upper bound.
-    return slope if slope > 0 else t2 / n2
+    return _timing.slope(t1, t2, n1, n2)[0]
 
 
 class _Progress:
