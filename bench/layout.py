@@ -11,18 +11,24 @@ sequence 512 and batch 96 x sequence 128, no mask.
 
 For each case:
 1. Tuning: every candidate of every stage and every transpose timed forward + backward
-   (`jaxsub.layout.tune`, the cache is bypassed unless --use-cache), then the shortest
-   path. Its wall time is the tuning time.
+   (`jaxsub.layout.tune`, the cache is bypassed unless --use-cache), the shortest path,
+   then the finalists timed as whole layers — for every option of every stage the
+   shortest path making it, and the default — and the fastest taken
+   (`jaxsub.layout.tuning.verify`; what `layouts="auto"` does). Its wall time is the
+   tuning time.
 2. Exhaustive search over a reduced space: every full configuration (a path through
    the stages with matching layouts, no transposes) whose layouts are in REDUCED — all
    q/k/v layouts, both attention outputs, every attention implementation the platform
    has, both FFN activation layouts, [B·S, E] everywhere else, the row ops' default
-   kernel configurations — timed as a whole layer.
+   kernel configurations — timed as a whole layer, in chunks of EXHAUSTIVE_CHUNK timed
+   together.
 3. Rows, each the whole layer forward + backward (`jax.vjp` with a random cotangent;
-   gradients of x and every parameter) timed by the same method as tuning (slope over
-   two loop lengths of one jitted fori_loop, median of repeats; jaxsub/layout/tuning.py):
+   gradients of x and every parameter), all four timed together
+   (`jaxsub.layout.tuning.measure_layers`: slope over two loop lengths of one jitted
+   fori_loop, the longer about 50 ms, medians of interleaved repeats):
    - default: every stage's default candidate (layouts="none");
-   - selected: the tuned selection;
+   - shortest-path: the shortest path through the stage tables alone (the paper's rule);
+   - selected: the tuned selection (the fastest finalist);
    - exhaustive-best: the fastest configuration of step 2.
    Columns: measured µs; predicted µs (sum of the stage and transpose times the
    solver added up); vs default = t(default) / t(row).
@@ -35,9 +41,8 @@ check is printed, kept in the JSON, and makes the run exit 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import functools
+import json
 import pathlib
 import sys
 import time
@@ -72,6 +77,9 @@ FULL = Size(cases={"b8s512": dict(BERT, batch=8, seq=512), "b96s128": dict(BERT,
 # configurations, both attention algorithms).
 SMALL = Size(cases={"tiny": dict(BERT, batch=2, seq=8, hidden=16, heads=2, mlp_dim=32, dtype="float32")},
              reduced=dict(REDUCED, qkv=("BS3HD", "3BHSD"), ctx=("BSHD",), ffn=("BSF",)), budget_s=10.0, repeats=3)
+
+
+EXHAUSTIVE_CHUNK = 8
 
 
 def reduced_paths(problem, allowed: dict) -> list[list]:
@@ -137,22 +145,37 @@ def check(problem, selection, default) -> str:
     return "ok"
 
 
-def run_case(name: str, spec: layout.LayerSpec, size: Size, args) -> dict:
+def run_case(name: str, spec: layout.LayerSpec, size: Size, args, earlier: dict | None = None,
+             checkpoint=lambda partial: None) -> dict:
+    """One case. `earlier`: this case's (partial) result from an interrupted run; its tuned
+    tables (finalists' times included), tuning time and exhaustive timings are reused.
+    `checkpoint(partial)` is called after tuning and after every chunk of the exhaustive
+    search."""
     problem = layout.EncoderProblem(spec)
     repeats = args.repeats or size.repeats
     print(f"\n== {name}: {spec.batch}x{spec.seq}, hidden {spec.hidden}, {spec.heads} heads, ffn {spec.mlp_dim}, "
           f"{spec.dtype}", flush=True)
     options = layout.Auto(budget_s=args.budget if args.budget is not None else size.budget_s, repeats=repeats,
                           use_cache=args.use_cache, measure_without_gpu=True, progress=None,
-                          compile_workers=args.compile_workers)
-    start = time.perf_counter()
-    tables, source, _ = layout.select.timed_tables(problem, options)
-    selected = tuning.solve(problem, tables, source)
-    tuning_s = time.perf_counter() - start
+                          compile_workers=args.compile_workers, finalists=args.finalists)
+    if earlier is not None and earlier.get("tables") is not None:
+        tables, source = tuning.Tables.from_json(problem, earlier["tables"]), earlier["tables_source"]
+        tuning_s = earlier["tuning_s"]
+        print(f"tables ({source}) and tuning time ({tuning_s:.1f} s) from the earlier run")
+        selected = tuning.solve(problem, tables, source)
+        if args.finalists != 0:
+            selected, tables = tuning.verify(problem, tables, source, limit=args.finalists, repeats=repeats,
+                                             seed=args.seed, compile_workers=layout.select.workers(options))
+    else:
+        start = time.perf_counter()
+        selected, tables, source, _ = layout.select.timed_choice(problem, options)
+        tuning_s = time.perf_counter() - start
+    shortest = tuning.solve(problem, tables, source)
     print(selected.describe())
     timed_n = sum(v is not None for t in tables.stages for v in t.values())
     print(f"tuning: {tuning_s:.1f} s, {timed_n} candidates and {len(tables.transposes)} transposes "
-          f"({source}{'' if tables.complete else '; the budget ran out before the rest'})", flush=True)
+          f"({source}{'' if tables.complete else '; the budget ran out before the rest'}), "
+          f"{len(tables.layers)} finalists timed whole", flush=True)
 
     default = Selection.of(problem, problem.default(), "default")
     ordered = [{c.key: t[c.key] for c in st.candidates if c.key in t} for st, t in zip(problem.stages, tables.stages)]
@@ -161,57 +184,64 @@ def run_case(name: str, spec: layout.LayerSpec, size: Size, args) -> dict:
     def predicted(sel):
         return solver.path_cost(ordered, cost, [c.candidate.key for c in sel.choices])
 
+    def measure(sels, estimates=None):
+        """Whole-layer seconds of each Selection, timed together (interleaved)."""
+        paths = [(tuple(c.candidate.key for c in sel.choices), est or predicted(sel) or 1e-3)
+                 for sel, est in zip(sels, estimates or [None] * len(sels))]
+        return tuning.measure_layers(problem, paths, repeats=repeats, seed=args.seed,
+                                     compile_workers=layout.select.workers(options))
+
+    partial = {"case": name, "spec": spec.to_json(), "partial": True, "tuning_s": tuning_s,
+               "tuning_complete": tables.complete, "tables_source": source, "tables": tables.to_json(problem),
+               "selection": selected.to_json(), "shortest_path": shortest.to_json(), "exhaustive": []}
+    checkpoint(partial)
     status = check(problem, selected, default)
     print(f"check selected vs default: {status}", flush=True)
 
-    def measure(sel, prepared=None):
-        return tuning.measure(problem.layer_workload(sel), repeats=repeats, seed=args.seed, prepared=prepared)
-
-    def prepare(sel):
-        # --compile-workers: the longer loop's length from the tuned tables' prediction.
-        est = predicted(sel)
-        return tuning.prepare(problem.layer_workload(sel), n2=tuning.n2_for(est) if est else None,
-                              seed=args.seed, compile_now=True)
-
     start = time.perf_counter()
-    combos = []
-    sels = [Selection.of(problem, path, "exhaustive") for path in reduced_paths(problem, size.reduced)]
-    with contextlib.ExitStack() as stack:
-        stream = None
-        if args.compile_workers > 0:
-            ahead = stack.enter_context(tuning.Lookahead(args.compile_workers))
-            stream = ahead.run([functools.partial(prepare, sel) for sel in sels])
-        for sel in sels:
-            try:
-                seconds = measure(sel, next(stream).result() if stream else None)
-                combos.append({"config": _name(sel), "seconds": seconds, "predicted_s": predicted(sel),
-                               "selection": sel.to_json()})
-            except Exception as e:  # noqa: BLE001 - recorded, the search goes on
-                combos.append({"config": _name(sel), "seconds": None, "error": report.reason(e),
-                               "selection": sel.to_json()})
+    combos = partial["exhaustive"]
+    done = {tuple(map(tuple, combo_keys(c))): c for c in (earlier or {}).get("exhaustive", [])
+            if c.get("seconds") is not None}
+    sels = []
+    for path in reduced_paths(problem, size.reduced):
+        sel = Selection.of(problem, path, "exhaustive")
+        key = tuple(c.candidate.key for c in sel.choices)
+        if key in done:
+            combos.append(done[key])
+        else:
+            sels.append(sel)
+    if done:
+        print(f"exhaustive search: {len(combos)} configurations timed by the earlier run, {len(sels)} to go")
+    # In chunks timed together: consistent within a chunk, and a checkpoint after each.
+    for i in range(0, len(sels), EXHAUSTIVE_CHUNK):
+        chunk = sels[i:i + EXHAUSTIVE_CHUNK]
+        for sel, seconds in zip(chunk, measure(chunk)):
+            combos.append({"config": _name(sel), "seconds": seconds, "predicted_s": predicted(sel),
+                           "selection": sel.to_json(), **({} if seconds else {"error": "failed to compile"})})
+        checkpoint(partial)
     exhaustive_s = time.perf_counter() - start
     timed = [c for c in combos if c["seconds"] is not None]
     best = min(timed, key=lambda c: c["seconds"])
     keys = [c.candidate.key for c in selected.choices]
     in_reduced = any([tuple(c) for c in combo_keys(x)] == keys for x in combos)
-    # The rows are measured again, one after the other: the search's minimum is biased low
-    # by noise, and these three are what the table compares.
-    rows = {}
-    for row, sel in (("default", default), ("selected", selected),
-                     ("exhaustive-best", Selection.from_json(best["selection"]))):
-        rows[row] = (sel, measure(sel))
-    t_default = rows["default"][1]
+    # The rows are measured again, together: the search's minimum is biased low by noise,
+    # and these are what the table compares.
+    row_sels = {"default": default, "shortest-path": shortest, "selected": selected,
+                "exhaustive-best": Selection.from_json(best["selection"])}
+    seconds = dict(zip(row_sels, measure(list(row_sels.values()),
+                                         [None, None, selected.layer_s, best["seconds"]])))
     out_rows = []
-    for row, (sel, seconds) in rows.items():
-        out_rows.append({"case": name, "row": row, "config": _name(sel), "us": seconds * 1e6,
+    for row, sel in row_sels.items():
+        out_rows.append({"case": name, "row": row, "config": _name(sel), "us": seconds[row] * 1e6,
                          "predicted_us": None if predicted(sel) is None else predicted(sel) * 1e6,
-                         "vs_default": report.ratio(t_default, seconds)})
-    print(f"exhaustive search: {len(combos)} configurations in {exhaustive_s:.1f} s; selected is "
-          f"{'inside' if in_reduced else 'outside'} the reduced space")
-    return {"case": name, "spec": spec.to_json(), "check": status, "tuning_s": tuning_s,
-            "tuning_complete": tables.complete, "tables_source": source, "exhaustive_s": exhaustive_s,
-            "selected_in_reduced_space": in_reduced, "selection": selected.to_json(), "rows": out_rows,
-            "exhaustive": combos, "errors": [f"{problem.stages[i].name} {k}: {v}" for (i, k), v in tables.errors.items()]}
+                         "vs_default": report.ratio(seconds["default"], seconds[row])})
+    print(f"exhaustive search: {len(combos)} configurations in {exhaustive_s:.1f} s (fastest there "
+          f"{best['seconds'] * 1e6:.1f} us); selected is {'inside' if in_reduced else 'outside'} the reduced space")
+    partial.pop("partial")
+    return {**partial, "check": status, "exhaustive_s": exhaustive_s, "resumed": bool(earlier),
+            "selected_in_reduced_space": in_reduced, "rows": out_rows,
+            "selected_vs_exhaustive_best": seconds["selected"] / seconds["exhaustive-best"],
+            "errors": [f"{problem.stages[i].name} {k}: {v}" for (i, k), v in tables.errors.items()]}
 
 
 def main(argv=None) -> int:
@@ -220,8 +250,14 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny layer (CPU smoke run)")
     p.add_argument("--cases", type=report.csv_choices(list(FULL.cases) + list(SMALL.cases)), default=None)
     p.add_argument("--budget", type=float, default=None, help="tuning budget per case in seconds")
-    p.add_argument("--compile-workers", type=int, default=0,
-                   help="threads compiling the next candidates while one is timed (experimental; default 0)")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="threads compiling candidates in batches (default: layout.Auto's, half the "
+                        "cores, at most 8, on a GPU)")
+    p.add_argument("--finalists", type=int, default=None,
+                   help="whole layers timed after the shortest-path solve (default: all finalists; 0: none)")
+    p.add_argument("--resume", type=pathlib.Path, default=None,
+                   help="the JSON of an interrupted run: its tuned tables, tuning time and exhaustive "
+                        "timings are reused (the rows are measured again)")
     p.add_argument("--use-cache", action="store_true", help="read/write the layout cache (tuning time then "
                                                               "means little)")
     report.add_run_arguments(p, DEFAULT_JSON, FULL.repeats, SMALL.repeats)
@@ -232,7 +268,19 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"cases {unknown} are not in the {'small' if args.small else 'full'} set {list(size.cases)}")
     backend = report.print_run_header()
-    results = [run_case(n, layout.LayerSpec(**size.cases[n]), size, args) for n in names]
+    meta = report.run_metadata(backend, args.small, args.repeats or size.repeats)
+    earlier = {}
+    if args.resume is not None:
+        earlier = {c["case"]: c for c in json.loads(args.resume.read_text())["cases"]}
+    results = []
+
+    def checkpoint(partial):
+        # Written as it goes, so that a run cut short keeps what it measured (--resume).
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**meta, "partial": True, "cases": results + [partial]}, indent=2))
+
+    for n in names:
+        results.append(run_case(n, layout.LayerSpec(**size.cases[n]), size, args, earlier.get(n), checkpoint))
 
     rows = [r for res in results for r in res["rows"]]
     header = ["case", "row", "config", "µs fwd+bwd", "predicted µs", "vs default"]
@@ -242,8 +290,7 @@ def main(argv=None) -> int:
     for res in results:
         print(f"{res['case']}: tuning {res['tuning_s']:.1f} s, exhaustive search {res['exhaustive_s']:.1f} s "
               f"({len(res['exhaustive'])} configurations), check {res['check']}")
-    report.write_json(args.json, {**report.run_metadata(backend, args.small, args.repeats or size.repeats),
-                                  "cases": results, "rows": rows})
+    report.write_json(args.json, {**meta, "cases": results, "rows": rows})
     return 0 if all(r["check"] == "ok" for r in results) else 1
 
 

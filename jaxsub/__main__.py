@@ -2,8 +2,10 @@
 
   python -m jaxsub tune --batch 8 --seq 512 --hidden 1024 --heads 16 --dtype bfloat16
 
-tunes the layer (forward + backward of every candidate of every operator on the GPU,
-then the shortest path), stores the result in the cache that `layouts="auto"` reads
+tunes the layer (forward + backward of every candidate of every operator on the GPU, the
+shortest path, then the finalists timed again as whole layers: for every option of every
+operator the shortest path making it, and the default), stores the result in the cache
+that `layouts="auto"` reads
 (`EncoderLayer(layouts="auto")` and `jaxsub.optimize` then start without timing), and
 prints the chosen path with each stage's time next to the default configuration's.
 
@@ -44,8 +46,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds of tuning at most (default 900: ahead of time there is no training "
                         "step waiting; layouts='auto' on a first call uses a shorter budget)")
     t.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
-    t.add_argument("--compile-workers", type=int, default=0,
-                   help="threads compiling the next candidates while one is timed (experimental; default 0)")
+    t.add_argument("--compile-workers", type=int, default=None,
+                   help="threads compiling candidates in batches, each batch timed once compiled "
+                        "(default: half the cores, at most 8, on a GPU; 0 elsewhere)")
+    t.add_argument("--finalists", type=int, default=None,
+                   help="after the shortest path, time whole layers: for every option of every stage the "
+                        "shortest path making it, and the default; the fastest is chosen. N: at most N "
+                        "(default: all, about 30); 0: none (the shortest path as it is)")
     t.add_argument("--cache-dir", type=pathlib.Path, default=None, help="default: $XDG_CACHE_HOME/jaxsub/layouts")
     t.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     t.add_argument("--refresh", action="store_true", help="time everything again even if cached")
@@ -84,9 +91,10 @@ def tune_command(args) -> int:
         options = layout.Auto(budget_s=args.budget,
                               repeats=args.repeats, cache_dir=args.cache_dir, use_cache=not args.no_cache,
                               measure_without_gpu=True, progress=None, refresh=args.refresh,
-                              compile_workers=args.compile_workers)
-        tables, source, cache_file = select.timed_tables(problem, options)
-    selection = tuning.solve(problem, tables, source)
+                              compile_workers=args.compile_workers, finalists=args.finalists)
+        selection, tables, source, cache_file = select.timed_choice(problem, options)
+    if mode == "heuristic":
+        selection = tuning.solve(problem, tables, source)
     ordered = [{c.key: t[c.key] for c in st.candidates if c.key in t} for st, t in zip(problem.stages, tables.stages)]
     default_cost = solver.path_cost(ordered, tuning.transpose_cost(tables), [c.key for c in problem.default()])
 
@@ -94,6 +102,10 @@ def tune_command(args) -> int:
     print(selection.describe())
     print(f"default configuration: {_fmt(default_cost)}"
           + (f"; selected / default = {selection.cost_s / default_cost:.3f}" if default_cost else ""))
+    default_layer = tables.layers.get(tuple(c.key for c in problem.default()))
+    if selection.layer_s is not None and default_layer is not None:
+        print(f"timed whole ({len(tables.layers)} finalists): selected {_fmt(selection.layer_s)}, default "
+              f"{_fmt(default_layer)}; default / selected = {default_layer / selection.layer_s:.3f}")
     if source != "heuristic":
         print(f"tuning time: {tables.tuning_s:.1f} s ({source})"
               + ("" if tables.complete else "; budget ran out: untimed candidates were left out"))
@@ -107,7 +119,8 @@ def tune_command(args) -> int:
         args.json.write_text(json.dumps({
             "device": f"{device.platform}: {device.device_kind}", "jax_version": jax.__version__,
             "spec": spec.to_json(), "source": source, "selection": selection.to_json(),
-            "default_cost_s": default_cost, "tuning_s": tables.tuning_s, "complete": tables.complete,
+            "default_cost_s": default_cost, "default_layer_s": default_layer, "tuning_s": tables.tuning_s,
+            "complete": tables.complete,
             "cache_file": str(cache_file) if cache_file else None}, indent=2))
         print(f"wrote {args.json}")
     return 0

@@ -6,3 +6,17 @@ import pathlib
 import sys
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+
+import pytest
+
+
+@pytest.fixture
+def fresh_layout(tmp_path, monkeypatch):
+    """Never touch the user's real layout cache (XDG_CACHE_HOME under tmp_path); forget
+    the selections remembered in this process before and after the test."""
+    from jaxsub import layout
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    layout.clear_memo()
+    yield
+    layout.clear_memo()

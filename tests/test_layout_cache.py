@@ -20,13 +20,7 @@ from jaxsub.testing import ffi_attributes
 SPEC = dict(batch=1, seq=4, hidden=8, heads=2, mlp_dim=8, dtype="float32")
 
 
-@pytest.fixture(autouse=True)
-def _fresh(tmp_path, monkeypatch):
-    # Never touch the user's real cache; forget in-process selections between tests.
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    layout.clear_memo()
-    yield
-    layout.clear_memo()
+pytestmark = pytest.mark.usefixtures("fresh_layout")
 
 
 def _problem(**kw):
@@ -37,6 +31,12 @@ def _fake_measure(workload, *, repeats, seed):
     """Deterministic 'timing' without running anything: a count of the arrays."""
     diff, _ = workload.make(seed)
     return 1e-6 * (1 + sum(x.size for x in jax.tree.leaves(diff)) % 7)
+
+
+def _fake_layers(problem, paths, **kw):
+    """Whole-layer 'timing' (tuning.measure_layers) without running anything: the
+    prediction (test_layout_verify.py times real ones)."""
+    return [predicted for _, predicted in paths]
 
 
 def test_cache_dir_respects_xdg(tmp_path, monkeypatch):
@@ -112,6 +112,7 @@ def test_corrupt_and_foreign_files_are_ignored_with_a_warning(monkeypatch):
             assert cache.load(key) is None
     # The timed path treats it as a miss, re-times and replaces the file.
     monkeypatch.setattr(tuning, "measure", _fake_measure)
+    monkeypatch.setattr(tuning, "measure_layers", _fake_layers)
     with pytest.warns(RuntimeWarning):
         sel = layout.resolve(layout.Auto(measure_without_gpu=True, repeats=1, progress=False), problem)
     assert sel.source == "timed"
@@ -144,6 +145,7 @@ def test_auto_tunes_the_layer_inside_jit_then_reads_the_cache(tmp_path, monkeypa
     calls = []
     monkeypatch.setattr(tuning, "measure", lambda w, repeats, seed: calls.append(w) or _fake_measure(
         w, repeats=repeats, seed=seed))
+    monkeypatch.setattr(tuning, "measure_layers", _fake_layers)
     opts = layout.Auto(measure_without_gpu=True, repeats=1, cache_dir=str(tmp_path), progress=False)
     layer = jaxsub.flax.EncoderLayer(num_heads=2, mlp_dim=8, layouts=opts)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 4, 8)), jnp.float32)
@@ -268,15 +270,39 @@ def test_compile_workers_time_every_candidate_like_the_sequential_tuner(monkeypa
     # fixed short: the model's GPU times would ask a CPU for long loops); every candidate
     # and transpose still gets a positive time, in the same order.
     monkeypatch.setattr(tuning, "n2_for", lambda seconds, **kw: 6)
+    # Compiling and timing never overlap: a batch of 2 x workers compiles, then is timed.
+    compiling, events = [0], []
+    real_prepare, real_measure = tuning.prepare, tuning.measure
+
+    def prepare(*a, **k):
+        compiling[0] += 1
+        try:
+            return real_prepare(*a, **k)
+        finally:
+            compiling[0] -= 1
+            events.append("compiled")
+
+    def measure(*a, **k):
+        assert compiling[0] == 0
+        events.append("timed")
+        return real_measure(*a, **k)
+
+    monkeypatch.setattr(tuning, "prepare", prepare)
+    monkeypatch.setattr(tuning, "measure", measure)
     problem = _problem()
     seen = []
     tables = tuning.tune(problem, repeats=1, progress=lambda d, t, what: seen.append(what), compile_workers=2)
+    assert events[:8] == ["compiled"] * 4 + ["timed"] * 4
     assert tables.complete and tables.missing(problem) == 0 and not tables.errors
     assert all(v is not None and v > 0 for t in tables.stages for v in t.values())
     assert all(v > 0 for v in tables.transposes.values())
+    monkeypatch.setattr(tuning, "measure", real_measure)
     order = []
     tuning.tune(problem, progress=lambda d, t, what: order.append(what), measure_fn=lambda w, repeats, seed: 1e-6)
     assert seen == order
+    # Past the budget only the defaults are timed, with workers as without.
+    short = tuning.tune(problem, repeats=1, budget_s=0.0, progress=False, compile_workers=2)
+    assert not short.complete and [list(t) for t in short.stages] == [[st.candidates[0].key] for st in problem.stages]
     sel = tuning.solve(problem, tables, "timed")
     assert [c.candidate.key for c in sel.choices]
 
@@ -290,21 +316,28 @@ def test_prepare_fixes_n2_and_measure_uses_it():
     assert tuning.n2_for(1e-6) == 1000 and tuning.n2_for(1.0) == 10 and tuning.n2_for(1e-3) == 12
 
 
-def test_lookahead_yields_in_order_and_cancels_what_is_left():
+def test_compiler_batches_finish_before_returning_and_keep_errors():
     import threading
     import time as _time
 
-    started = []
+    running, peak = [0], [0]
+    lock = threading.Lock()
 
     def thunk(i):
-        started.append(i)
-        _time.sleep(0.01)
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        _time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        if i == 3:
+            raise ValueError("no")
         return i, threading.current_thread().name
 
-    with tuning.Lookahead(2) as ahead:
-        stream = ahead.run([lambda i=i: thunk(i) for i in range(10)])
-        got = [next(stream).result() for _ in range(4)]
-        stream.close()
-    assert [g[0] for g in got] == [0, 1, 2, 3]
-    assert all(name.startswith("jaxsub-tune") for _, name in got)
-    assert len(started) <= 4 + 3  # never more than workers + 1 ahead of the consumer
+    with tuning.Compiler(2) as compiler:
+        got = compiler.batch([lambda i=i: thunk(i) for i in range(5)])
+        assert running[0] == 0                      # nothing still compiling once it returns
+    assert [g[0] for g in got if not isinstance(g, Exception)] == [0, 1, 2, 4]
+    assert isinstance(got[3], ValueError)
+    assert all(g[1].startswith("jaxsub-tune") for g in got if not isinstance(g, Exception))
+    assert peak[0] == 2

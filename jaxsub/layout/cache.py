@@ -111,7 +111,8 @@ def _locked(path: pathlib.Path):
 
 def _merge(old: dict, new: dict) -> dict:
     """Tables `new` plus any measurement only `old` has (stages by name, candidates by
-    (in, out, config), transposes by (from, to))."""
+    (in, out, config), transposes by (from, to)); `old`'s whole-layer times only where
+    `new` has none."""
     merged = json.loads(json.dumps(new))
     stages = {s["name"]: s for s in merged["stages"]}
     for s in old.get("stages", []):
@@ -122,6 +123,9 @@ def _merge(old: dict, new: dict) -> dict:
         mine["candidates"] += [r for r in s["candidates"] if (r["in"], r["out"], r["config"]) not in have]
     have_t = {(t["from"], t["to"]) for t in merged.get("transposes", [])}
     merged.setdefault("transposes", []).extend(t for t in old.get("transposes", []) if (t["from"], t["to"]) not in have_t)
+    # Whole-layer times are comparable only within one measurement: the newer set wins.
+    if not merged.get("layers"):
+        merged["layers"] = old.get("layers", [])
     return merged
 
 

@@ -142,6 +142,11 @@ class Problem:
         label change costs the sum of its arrays' transposes (`atomic_transposes`)."""
         raise NotImplementedError
 
+    def layer_workload(self, selection: Selection) -> Workload | None:
+        """Every stage under `selection` as one workload, to time whole configurations
+        (`tuning.verify`); None: the problem has no such workload."""
+        return None
+
     def model_stage(self, i: int, cand: Candidate) -> float:
         raise NotImplementedError
 
@@ -163,12 +168,15 @@ class Choice:
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """A configuration of a problem's stages. `source`: "default", "heuristic" (byte
-    model), "timed" (measured now), "cache" (measured earlier, read from disk) or "user"."""
+    model), "timed" (measured now), "cache" (measured earlier, read from disk) or "user".
+    `cost_s`: the stages' and transposes' times added up; `layer_s`: the whole
+    configuration timed end to end, where it was (`tuning.verify`)."""
 
     kind: str
     choices: tuple[Choice, ...]
     cost_s: float | None = None
     source: str = "user"
+    layer_s: float | None = None
 
     def choice(self, stage: str) -> Choice:
         for c in self.choices:
@@ -205,10 +213,12 @@ class Selection:
             rows.append(f"  {c.stage:<18} {str(c.candidate):<44} {us(c.seconds)}")
             prev = c.candidate.out_layout
         total = "" if self.cost_s is None else f"{self.cost_s * 1e6:.4g} us"
+        if self.layer_s is not None:
+            total += f" (timed whole: {self.layer_s * 1e6:.4g} us)"
         return "\n".join([f"{self.kind} selection ({self.source}):", *rows, f"  total {total}"])
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "source": self.source, "cost_s": self.cost_s,
+        return {"kind": self.kind, "source": self.source, "cost_s": self.cost_s, "layer_s": self.layer_s,
                 "choices": [{"stage": c.stage, "in": c.candidate.in_layout, "out": c.candidate.out_layout,
                              "config": c.candidate.config, "seconds": c.seconds,
                              "transpose_s": c.transpose_s} for c in self.choices]}
@@ -217,7 +227,7 @@ class Selection:
     def from_json(cls, data: dict) -> Selection:
         choices = tuple(Choice(c["stage"], Candidate(c["in"], c["out"], c["config"]), c.get("seconds"),
                                c.get("transpose_s")) for c in data["choices"])
-        return cls(data["kind"], choices, data.get("cost_s"), data.get("source", "user"))
+        return cls(data["kind"], choices, data.get("cost_s"), data.get("source", "user"), data.get("layer_s"))
 
     def __str__(self) -> str:
         return self.describe()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 
 import jax
 
@@ -48,8 +49,14 @@ class Auto:
     progress: None (a bar when stderr is a terminal), True, False or a callable
       (done, total, what).
     refresh: time every candidate again even when the cache has them.
-    compile_workers: threads that compile the next candidates while one is timed
-      (`jaxsub.layout.tune`; experimental, 0 = none).
+    compile_workers: threads that compile candidates in batches, each batch timed after
+      it has compiled (`jaxsub.layout.tune`, `tuning.Compiler`); None: half the host's
+      cores, at most 8, on a GPU, and 0 (compile and time one by one) elsewhere.
+    finalists: after the shortest path, whole configurations are timed end to end and the
+      fastest is taken (`jaxsub.layout.tuning.verify`): for every option of every stage
+      the shortest path making it, plus the default. None: all of them (about 30 for
+      the encoder layer); n: the n with the shortest predicted times; 0: none (the
+      shortest path as it is, the paper's rule).
     """
 
     budget_s: float | None = DEFAULT_BUDGET_S
@@ -59,7 +66,8 @@ class Auto:
     measure_without_gpu: bool = False
     progress: object = None
     refresh: bool = False
-    compile_workers: int = 0
+    compile_workers: int | None = None
+    finalists: int | None = None
 
 
 _MEMO: dict = {}
@@ -109,6 +117,15 @@ def heuristic_selection(problem: Problem) -> Selection:
     return _MEMO[key]
 
 
+def workers(options: Auto) -> int:
+    """Auto.compile_workers, None resolved: on a GPU half the host's cores (at most 8); on
+    other backends 0, since the loop lengths that compiling ahead fixes come from a GPU
+    cost model and would be far too long there."""
+    if options.compile_workers is not None:
+        return options.compile_workers
+    return min(8, (os.cpu_count() or 2) // 2) if jax.default_backend() == "gpu" else 0
+
+
 def timed_tables(problem: Problem, options: Auto):
     """(tables, source, cache file or None): the cached tables when they cover every
     candidate ("cache"), else tables timed now ("timed"), stored when the cache is on.
@@ -123,21 +140,46 @@ def timed_tables(problem: Problem, options: Auto):
                 return known, "cache", cache.entry_path(key, options.cache_dir)
     log.info("jaxsub.layout: timing %s candidates for %s", problem.kind, json.dumps(problem.key()))
     tables = tuning.tune(problem, repeats=options.repeats, budget_s=options.budget_s, progress=options.progress,
-                         known=known, compile_workers=options.compile_workers)
+                         known=known, compile_workers=workers(options))
     path = None
     if options.use_cache:
-        sel = tuning.solve(problem, tables, "timed")
-        path = cache.store(key, tables.to_json(problem), sel.to_json(), options.cache_dir)
-        log.info("jaxsub.layout: stored %s", path)
+        path = _store(problem, tables, tuning.solve(problem, tables, "timed"), options)
     return tables, "timed", path
+
+
+def _store(problem: Problem, tables, selection: Selection, options: Auto):
+    path = cache.store(cache.make_key(problem.key()), tables.to_json(problem), selection.to_json(), options.cache_dir)
+    log.info("jaxsub.layout: stored %s", path)
+    return path
+
+
+def verifiable(problem: Problem) -> bool:
+    """Whether the problem's configurations can be timed whole (`tuning.verify`)."""
+    return problem.layer_workload(default_selection(problem)) is not None
+
+
+def timed_choice(problem: Problem, options: Auto):
+    """(selection, tables, source, cache file or None): `timed_tables`, then, with
+    `options.finalists` != 0 and a problem that runs whole, the fastest of the finalists
+    timed end to end (`tuning.verify`), its times stored with the tables."""
+    tables, source, path = timed_tables(problem, options)
+    if options.finalists != 0 and verifiable(problem):
+        before = tables.layers
+        log.info("jaxsub.layout: timing the finalist configurations whole")
+        selection, tables = tuning.verify(problem, tables, source, limit=options.finalists, repeats=options.repeats,
+                                          compile_workers=workers(options))
+        if options.use_cache and tables.layers != before:
+            path = _store(problem, tables, selection, options)
+    else:
+        selection = tuning.solve(problem, tables, source)
+    return selection, tables, source, path
 
 
 def timed_selection(problem: Problem, options: Auto) -> Selection:
     """The "auto" path with a device to time on: cached or freshly timed."""
-    mkey = _memo_key("auto", problem, (cache.device_key(), options.cache_dir, options.use_cache))
+    mkey = _memo_key("auto", problem, (cache.device_key(), options.cache_dir, options.use_cache, options.finalists))
     if mkey not in _MEMO or options.refresh:
-        tables, source, _ = timed_tables(problem, options)
-        _MEMO[mkey] = tuning.solve(problem, tables, source)
+        _MEMO[mkey] = timed_choice(problem, options)[0]
     return _MEMO[mkey]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -30,10 +31,12 @@ import numpy as np
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxsub import _timing
-from jaxsub.layout.problem import Candidate, Choice, Problem, Selection, atomic_transposes, host_normal, parse_config
+from jaxsub.layout.problem import (Candidate, Choice, Problem, Selection, atomic_transposes, config_str, host_normal,
+                                  parse_config)
 from jaxsub.ops.config import KERNEL_CONFIG_KEYS
-from jaxsub.layout.solver import shortest_configuration
+from jaxsub.layout.solver import NoConfigurationError, path_cost, shortest_configuration
 
+log = logging.getLogger("jaxsub")
 _L2_BYTES = 256 << 20     # input sets span at least this much (an H200's L2 is 60 MB)
 
 
@@ -41,13 +44,16 @@ _L2_BYTES = 256 << 20     # input sets span at least this much (an H200's L2 is 
 class Tables:
     """Measured (or modelled) seconds: stages[i] {candidate key: seconds or None
     (failed)}, transposes {(src axes, dst axes): seconds}; `complete` is False when the
-    time budget ran out before every candidate was timed."""
+    time budget ran out before every candidate was timed. `layers` {path: seconds}: whole
+    configurations (a path: one candidate key per stage) timed end to end by `verify`
+    (in chunks timed together, the fastest few again together)."""
 
     stages: list
     transposes: dict
     complete: bool = True
     tuning_s: float = 0.0
     errors: dict = dataclasses.field(default_factory=dict)
+    layers: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self, problem: Problem) -> dict:
         return {
@@ -57,6 +63,7 @@ class Tables:
                  **({"error": self.errors[(i, k)]} if (i, k) in self.errors else {})}
                 for k, s in table.items()]} for i, (st, table) in enumerate(zip(problem.stages, self.stages))],
             "transposes": [{"from": a, "to": b, "seconds": s} for (a, b), s in self.transposes.items()],
+            "layers": [{"path": [list(k) for k in path], "seconds": s} for path, s in self.layers.items()],
         }
 
     @classmethod
@@ -69,7 +76,9 @@ class Tables:
             rows = by_name.get(st.name, {}).get("candidates", [])
             stages.append({(r["in"], r["out"], r["config"]): r["seconds"] for r in rows})
         transposes = {(t["from"], t["to"]): t["seconds"] for t in data.get("transposes", [])}
-        return cls(stages, transposes, bool(data.get("complete", False)), float(data.get("tuning_s", 0.0)))
+        layers = {tuple(tuple(k) for k in r["path"]): r["seconds"] for r in data.get("layers", [])}
+        return cls(stages, transposes, bool(data.get("complete", False)), float(data.get("tuning_s", 0.0)),
+                   layers=layers)
 
     def missing(self, problem: Problem) -> int:
         n = sum(c.key not in t for st, t in zip(problem.stages, self.stages) for c in st.candidates)
@@ -188,27 +197,23 @@ def n2_for(seconds: float, *, n1: int = 2, target_s: float = 0.01, max_n: int = 
     return int(min(max_n, max(10, n1 + target_s / max(seconds, 1e-7))))
 
 
-class Lookahead:
-    """Runs thunks (typically `prepare(..., compile_now=True)`) in `workers` threads, at
-    most workers + 1 ahead of the consumer, which takes their futures in order from
-    `run`; what was not taken is cancelled when `run`'s iterator is closed. Use as a
-    context manager (the threads end on exit)."""
+class Compiler:
+    """Runs thunks (typically `prepare(..., compile_now=True)`) in `workers` threads, one
+    batch at a time: `batch(thunks)` returns, once every thunk has finished, each one's
+    result or the exception it raised. Compiling and timing never overlap: compile
+    threads competing for the host's cores delay its timing calls and bias the slope (an
+    H200 run that timed while the next candidates compiled gave stage times below the
+    matmul floor and others 2-4x too high). Use as a context manager (the threads end on
+    exit)."""
 
     def __init__(self, workers: int):
         self.workers = workers
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxsub-tune")
 
-    def run(self, thunks):
-        futures = {}
-        try:
-            for i in range(len(thunks)):
-                for j in range(i, min(len(thunks), i + self.workers + 1)):
-                    if j not in futures:
-                        futures[j] = self.pool.submit(thunks[j])
-                yield futures.pop(i)
-        finally:
-            for f in futures.values():
-                f.cancel()
+    def batch(self, thunks) -> list:
+        futures = [self.pool.submit(t) for t in thunks]
+        concurrent.futures.wait(futures)
+        return [f.exception() if f.exception() is not None else f.result() for f in futures]
 
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -279,12 +284,11 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
     interactive stderr), True, False, or a callable (done, total, what). `measure_fn`
     replaces `measure` (same signature).
 
-    `compile_workers` > 0 (with the built-in `measure`): that many threads prepare and
-    compile the next candidates' loops (`prepare`) while the current one is timed, the
-    longer loop's length taken from the problem's byte/flop model instead of a first
-    timing; timing itself stays sequential. Experimental: 0 (everything in this thread)
-    is the default until it has been measured on a GPU."""
-    ahead = Lookahead(compile_workers) if compile_workers > 0 and measure_fn is None else None
+    `compile_workers` > 0 (with the built-in `measure`): candidates are prepared and
+    compiled (`prepare`) in batches of 2 x compile_workers, in that many threads, then
+    the batch is timed one by one with nothing compiling (`Compiler`); the longer loop's
+    length comes from the problem's byte/flop model instead of a first timing."""
+    compiler = Compiler(compile_workers) if compile_workers > 0 and measure_fn is None else None
     measure_fn = measure_fn or measure
     start = time.perf_counter()
     stages = [dict() for _ in problem.stages]
@@ -315,39 +319,49 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
             problem.model_transpose(item[1], item[2])
         return prepare(workload(item), n2=n2_for(model), seed=seed, compile_now=True)
 
-    # With workers: the todo items' prepared loops, in order (their inputs held meanwhile).
-    stream = ahead.run([functools.partial(prep, item) for item in todo]) if ahead else None
-
-    def timed(item):
-        if stream is None:
+    def timed(item, prepared):
+        if prepared is None:
             return measure_fn(workload(item), repeats=repeats, seed=seed)
-        return measure(None, repeats=repeats, seed=seed, prepared=next(stream).result())
+        if isinstance(prepared, Exception):
+            raise prepared
+        return measure(None, repeats=repeats, seed=seed, prepared=prepared)
+
+    def over_budget():
+        return budget_s is not None and time.perf_counter() - start > budget_s
 
     bar = _Progress(problem.kind, len(todo), progress)
     complete = True
+    size = 2 * compile_workers if compiler else 1
     try:
-        for item in todo:
-            if not item[3] and budget_s is not None and time.perf_counter() - start > budget_s:
+        for b in range(0, len(todo), size):
+            items = todo[b:b + size]
+            if over_budget() and not all(item[3] for item in items):
+                # Past the budget only the defaults (first in the order) are still timed.
                 complete = False
-                break
-            if item[0] == "stage":
-                _, i, c, _ = item
-                what = f"{problem.stages[i].name} {c}"
-                try:
-                    stages[i][c.key] = timed(item)
-                except Exception as e:  # noqa: BLE001 - a failing candidate is not selectable
-                    stages[i][c.key] = None
-                    errors[(i, c.key)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            else:
-                _, a, b, _ = item
-                what = f"transpose {a} -> {b}"
-                transposes[(a, b)] = timed(item)
-            bar.step(what)
+                items = [item for item in items if item[3]]
+                if not items:
+                    break
+            prepared = compiler.batch([functools.partial(prep, item) for item in items]) if compiler else \
+                [None] * len(items)
+            for item, ready in zip(items, prepared):
+                if item[0] == "stage":
+                    _, i, c, _ = item
+                    what = f"{problem.stages[i].name} {c}"
+                    try:
+                        stages[i][c.key] = timed(item, ready)
+                    except Exception as e:  # noqa: BLE001 - a failing candidate is not selectable
+                        stages[i][c.key] = None
+                        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                        errors[(i, c.key)] = f"{type(e).__name__}: {first}"
+                else:
+                    _, a, b2, _ = item
+                    what = f"transpose {a} -> {b2}"
+                    transposes[(a, b2)] = timed(item, ready)
+                bar.step(what)
     finally:
         bar.close()
-        if ahead is not None:
-            stream.close()
-            ahead.close()
+        if compiler is not None:
+            compiler.close()
     # Keep the problem's candidate order (defaults first): the solver breaks ties by it.
     ordered = [{c.key: st_t[c.key] for c in st.candidates if c.key in st_t}
                for st, st_t in zip(problem.stages, stages)]
@@ -380,15 +394,137 @@ def transpose_cost(tables: Tables):
     return cost
 
 
-def solve(problem: Problem, tables: Tables, source: str) -> Selection:
-    """The shortest path through `tables` as a Selection of `problem`."""
-    names = [st.name for st in problem.stages]
-    ordered = [{c.key: t[c.key] for c in st.candidates if c.key in t} for st, t in zip(problem.stages, tables.stages)]
+def _ordered(problem: Problem, tables: Tables) -> list[dict]:
+    """The tables' stages for the solver, in the problem's candidate order (defaults first:
+    ties go to them)."""
+    return [{c.key: t[c.key] for c in st.candidates if c.key in t} for st, t in zip(problem.stages, tables.stages)]
+
+
+def _selection(problem: Problem, tables: Tables, path, total, source: str, layer_s=None) -> Selection:
     cost_fn = transpose_cost(tables)
-    path, total = shortest_configuration(ordered, cost_fn, names=names)
     choices, prev = [], None
-    for st, key, table in zip(problem.stages, path, ordered):
+    for st, key, table in zip(problem.stages, path, _ordered(problem, tables)):
         step = 0.0 if prev is None or prev == key[0] else cost_fn(prev, key[0])
         choices.append(Choice(st.name, Candidate(*key), table[key], step))
         prev = key[1]
-    return Selection(problem.kind, tuple(choices), total, source)
+    return Selection(problem.kind, tuple(choices), total, source, layer_s)
+
+
+def solve(problem: Problem, tables: Tables, source: str) -> Selection:
+    """The shortest path through `tables` as a Selection of `problem`."""
+    names = [st.name for st in problem.stages]
+    path, total = shortest_configuration(_ordered(problem, tables), transpose_cost(tables), names=names)
+    return _selection(problem, tables, path, total, source)
+
+
+# ---------------------------------------------------------------------------------------
+# Verification: the finalist paths timed again as whole layers.
+
+
+def _structure(key: tuple) -> tuple:
+    """A candidate key without its row-op kernel configuration: the kernel configuration
+    acts inside its op, so the stage tables alone choose it; layouts and algorithms act
+    across stage boundaries (XLA fuses there) and are what whole-layer timing checks."""
+    config = {k: v for k, v in parse_config(key[2]).items() if k not in KERNEL_CONFIG_KEYS}
+    return (key[0], key[1], config_str(**config))
+
+
+def finalists(problem: Problem, tables: Tables, limit: int | None = None) -> list[tuple[tuple, float]]:
+    """[(path, predicted seconds)], cheapest prediction first: for every stage and every
+    layout/algorithm choice of it, the shortest path through the tables that makes that
+    choice (each with its best kernel configurations), distinct; at most `limit` of them;
+    then the default path if it is not among them (and has a time). The shortest path is
+    the first; every option of every stage is represented by its best completion, so a
+    choice the stage tables misjudge (its isolated time is not its time inside the
+    layer) still gets timed whole."""
+    ordered, cost_fn = _ordered(problem, tables), transpose_cost(tables)
+    names = [st.name for st in problem.stages]
+    found: dict = {}
+    for i, table in enumerate(ordered):
+        groups: dict = {}
+        for key, seconds in table.items():
+            groups.setdefault(_structure(key), {})[key] = seconds
+        for only in groups.values():
+            try:
+                path, cost = shortest_configuration(ordered[:i] + [only] + ordered[i + 1:], cost_fn, names=names)
+            except NoConfigurationError:
+                continue
+            found.setdefault(tuple(path), cost)
+    ranked = sorted(found.items(), key=lambda item: item[1])[:limit]
+    default = tuple(c.key for c in problem.default())
+    default_cost = path_cost(ordered, cost_fn, default)
+    if default_cost is not None and all(p != default for p, _ in ranked):
+        ranked.append((default, default_cost))
+    return ranked
+
+
+def measure_layers(problem: Problem, paths, *, repeats: int = 5, seed: int = 0, compile_workers: int = 0,
+                   target_s: float = 0.05) -> list[float | None]:
+    """Seconds of one forward + backward application of the whole problem under each path
+    (None where it failed), measured together: the loops of every path are compiled first
+    (in `compile_workers` threads if > 0), then timed interleaved, so that clock and
+    thermal drift hit them alike. Each longer loop runs about `target_s`, its length from
+    the path's predicted seconds."""
+    def prep(path, predicted):
+        sel = Selection.of(problem, [Candidate(*k) for k in path], "verify")
+        return prepare(problem.layer_workload(sel), n2=n2_for(predicted, target_s=target_s), seed=seed,
+                       compile_now=True)
+
+    thunks = [functools.partial(prep, path, predicted) for path, predicted in paths]
+    if compile_workers > 0:
+        with Compiler(compile_workers) as compiler:
+            prepared = compiler.batch(thunks)
+    else:
+        prepared = []
+        for thunk in thunks:
+            try:
+                prepared.append(thunk())
+            except Exception as e:  # noqa: BLE001 - recorded below
+                prepared.append(e)
+    for i, p in enumerate(prepared):
+        if isinstance(p, Exception):
+            log.warning("jaxsub.layout: a configuration failed to compile: %s", p)
+            prepared[i] = None
+    ok = [p for p in prepared if p is not None]
+    with jax.ensure_compile_time_eval():
+        times = _timing.median_times([c for p in ok for c in p.calls], repeats=repeats, warmup=2)
+    slopes = iter(_timing.slope(times[2 * i], times[2 * i + 1], p.n1, p.n2)[0] for i, p in enumerate(ok))
+    return [None if p is None else next(slopes) for p in prepared]
+
+
+def verify(problem: Problem, tables: Tables, source: str, *, limit: int | None = None, repeats: int = 5,
+           seed: int = 0, compile_workers: int = 0, chunk: int = 8, final: int = 3,
+           measure_fn=None) -> tuple[Selection, Tables]:
+    """The fastest, timed as a whole layer, of `finalists(problem, tables, limit)`; and the
+    tables with those whole-layer times (`layers`). Stage times measured apart do not add
+    up to the layer's: XLA fuses and lays out across stage boundaries (on the H200 the
+    sums were 11-22% above the whole layers' times, by a different amount for each
+    configuration), so the shortest path by the tables can lose to another.
+
+    The finalists are timed in chunks of `chunk` (each chunk together, interleaved; the
+    loops of a chunk are held in device memory at once), then the `final` fastest again
+    together, so that the last comparison is within one measurement. Finalists already
+    timed (`tables.layers`, e.g. from the cache) are not timed again. `measure_fn`
+    replaces `measure_layers` (same signature)."""
+    found = finalists(problem, tables, limit)
+    layers = dict(tables.layers)
+    if not all(p in layers for p, _ in found):
+        measure_fn = measure_fn or measure_layers
+        start = time.perf_counter()
+        layers = {}
+        for i in range(0, len(found), chunk):
+            part = found[i:i + chunk]
+            layers.update(zip([p for p, _ in part], measure_fn(problem, part, repeats=repeats, seed=seed,
+                                                               compile_workers=compile_workers)))
+        best = sorted((t, i) for i, (p, _) in enumerate(found) if (t := layers[p]) is not None)[:final]
+        if len(found) > chunk and len(best) > 1:
+            again = [(found[i][0], t) for t, i in best]
+            layers.update(zip([p for p, _ in again], measure_fn(problem, again, repeats=repeats, seed=seed,
+                                                                compile_workers=compile_workers)))
+        tables = dataclasses.replace(tables, layers=layers, tuning_s=tables.tuning_s + time.perf_counter() - start)
+    timed = [(layers[p], i) for i, (p, _) in enumerate(found) if layers.get(p) is not None]
+    if not timed:
+        return solve(problem, tables, source), tables
+    _, best_i = min(timed)
+    path, predicted = found[best_i]
+    return _selection(problem, tables, path, predicted, source, layers[path]), tables
