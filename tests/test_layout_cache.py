@@ -100,6 +100,20 @@ def test_budget_times_defaults_first_and_marks_incomplete():
         tuning.needed_transposes(problem))
 
 
+def test_a_failing_transpose_is_impossible_not_a_crash():
+    problem = _problem()
+
+    def measure_fn(workload, repeats, seed):
+        if len(workload.make(seed)[0]) == 1:            # transposes differentiate one array
+            raise RuntimeError("no")
+        return _fake_measure(workload, repeats=repeats, seed=seed)
+
+    tables = tuning.tune(problem, measure_fn=measure_fn, progress=False)
+    assert tables.transposes and all(v is None for v in tables.transposes.values())
+    sel = tuning.solve(problem, tables, "timed")
+    assert all(c.transpose_s == 0.0 for c in sel.choices)      # no layout change chosen
+
+
 def test_corrupt_and_foreign_files_are_ignored_with_a_warning(monkeypatch):
     problem = _problem()
     key = cache.make_key(problem.key())

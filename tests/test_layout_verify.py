@@ -130,6 +130,13 @@ def test_measure_layers_times_real_layers_and_marks_failures(monkeypatch):
     times = tuning.measure_layers(problem, found, repeats=2)
     assert times[0] > 0 and times[1] is None and all(t > 0 for t in times[2:])
 
+    # Running them fails (e.g. out of device memory): nothing timed, no exception.
+    def oom(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(tuning._timing, "median_times", oom)
+    assert tuning.measure_layers(problem, found, repeats=2) == [None] * len(found)
+
 
 def test_timed_choice_verifies_stores_and_reads_back(tmp_path, monkeypatch):
     problem = _problem()

@@ -356,7 +356,11 @@ def tune(problem: Problem, *, repeats: int = 5, budget_s: float | None = None, p
                 else:
                     _, a, b2, _ = item
                     what = f"transpose {a} -> {b2}"
-                    transposes[(a, b2)] = timed(item, ready)
+                    try:
+                        transposes[(a, b2)] = timed(item, ready)
+                    except Exception as e:  # noqa: BLE001 - that layout change is then impossible
+                        transposes[(a, b2)] = None
+                        log.warning("jaxsub.layout: timing %s failed: %s: %s", what, type(e).__name__, e)
                 bar.step(what)
     finally:
         bar.close()
@@ -486,8 +490,13 @@ def measure_layers(problem: Problem, paths, *, repeats: int = 5, seed: int = 0, 
             log.warning("jaxsub.layout: a configuration failed to compile: %s", p)
             prepared[i] = None
     ok = [p for p in prepared if p is not None]
-    with jax.ensure_compile_time_eval():
-        times = _timing.median_times([c for p in ok for c in p.calls], repeats=repeats, warmup=2)
+    try:
+        with jax.ensure_compile_time_eval():
+            times = _timing.median_times([c for p in ok for c in p.calls], repeats=repeats, warmup=2)
+    except Exception as e:  # noqa: BLE001 - e.g. out of device memory: nothing selectable, no crash
+        log.warning("jaxsub.layout: timing whole configurations failed (%s: %s); keeping the shortest path",
+                    type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
+        return [None] * len(prepared)
     slopes = iter(_timing.slope(times[2 * i], times[2 * i + 1], p.n1, p.n2)[0] for i, p in enumerate(ok))
     return [None if p is None else next(slopes) for p in prepared]
 
