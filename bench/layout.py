@@ -216,8 +216,9 @@ def run_case(name: str, spec: layout.LayerSpec, size: Size, args, earlier: dict 
     for i in range(0, len(sels), EXHAUSTIVE_CHUNK):
         chunk = sels[i:i + EXHAUSTIVE_CHUNK]
         for sel, seconds in zip(chunk, measure(chunk)):
+            failed = {} if seconds else {"error": "failed to compile or run (see the log)"}
             combos.append({"config": _name(sel), "seconds": seconds, "predicted_s": predicted(sel),
-                           "selection": sel.to_json(), **({} if seconds else {"error": "failed to compile"})})
+                           "selection": sel.to_json(), **failed})
         checkpoint(partial)
     exhaustive_s = time.perf_counter() - start
     timed = [c for c in combos if c["seconds"] is not None]
