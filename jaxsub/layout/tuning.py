@@ -203,7 +203,7 @@ class Compiler:
     result or the exception it raised. Compiling and timing never overlap: compile
     threads competing for the host's cores delay its timing calls and bias the slope (an
     H200 run that timed while the next candidates compiled gave stage times below the
-    matmul floor and others 2-4x too high). Use as a context manager (the threads end on
+    matmul floor and others up to 7x too high). Use as a context manager (the threads end on
     exit)."""
 
     def __init__(self, workers: int):
