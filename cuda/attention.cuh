@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <mutex>
 #include <string>
 
 #include "common.h"
@@ -58,13 +59,27 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, in
   }
 }
 
-// Raises a kernel's dynamic shared-memory limit, once per kernel (needed above 48 KB).
+// Raises a kernel's dynamic shared-memory limit, once per kernel and device (needed above 48 KB).
 template <auto Kernel>
 ffi::Error smem_opt_in(const char* op, size_t bytes) {
-  static const cudaError_t status =
-      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (status != cudaSuccess)
-    return ffi::Error::Internal(std::string(op) + ": shared-memory opt-in failed: " + cudaGetErrorString(status));
+  // The attribute belongs to the function on the current device: set it once per device
+  // this process launches on (a process-wide once left every other GPU at 48 KB).
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t status[kMaxDevices];
+  auto set = [bytes] {
+    return cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  };
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess && dev >= 0 && dev < kMaxDevices) {
+    std::call_once(once[dev], [&] { status[dev] = set(); });
+    e = status[dev];
+  } else if (e == cudaSuccess) {
+    e = set();
+  }
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string(op) + ": shared-memory opt-in failed: " + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
 
