@@ -2,29 +2,12 @@
 // ABI.md; launch shapes and the fused bias-gradient reduction: rows.cuh. The backward
 // recomputes v = x + bias and regenerates the mask, so the forward writes only y.
 #include "common.h"
+#include "gelu_math.h"
 #include "philox.h"
 #include "rows.cuh"
 
 namespace jaxsub {
 namespace {
-
-constexpr float kInvSqrt2 = 0.70710678118654752f;
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;
-constexpr float kSqrt2OverPi = 0.79788456080286536f;
-constexpr float kTanhCubic = 0.044715f;
-
-__device__ __forceinline__ float gelu(float v, bool approximate) {
-  if (approximate) return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + kTanhCubic * v * v * v)));
-  return 0.5f * v * (1.f + erff(v * kInvSqrt2));
-}
-
-__device__ __forceinline__ float gelu_grad(float v, bool approximate) {
-  if (approximate) {
-    const float t = tanhf(kSqrt2OverPi * (v + kTanhCubic * v * v * v));
-    return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kTanhCubic * v * v);
-  }
-  return 0.5f * (1.f + erff(v * kInvSqrt2)) + v * kInvSqrt2Pi * __expf(-0.5f * v * v);
-}
 
 struct GeluPtrs {
   const void* dy;        // [R, N] T (backward)
@@ -54,20 +37,23 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, true, t);
     load_param<T, VEC, NV>(p.bias, pf32, n, b);  // per row: L1/L2-resident, saves registers
     if constexpr (kBackward) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, true, d);
-    const uint32_t keep = keep_bits<VEC, NV>(seed, threshold, r, n);
 #pragma unroll
-    for (int v = 0; v < NV; ++v)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t c = tile_col(v, VEC);
+      if (c >= n) continue;  // zeros, never stored or summed
+      float m[VEC];
+      keep_scales<VEC>(seed, threshold, keep_scale, static_cast<uint64_t>(r) * n + c, m);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const float u = t.v[v][e] + b.v[v][e];
-        const float m = bit(keep, v * VEC + e) ? keep_scale : 0.f;
         if constexpr (kBackward) {
-          t.v[v][e] = d.v[v][e] * m * gelu_grad(u, approximate);
-          acc[0].v[v][e] += tile_col(v, VEC) < n ? t.v[v][e] : 0.f;
+          t.v[v][e] = d.v[v][e] * m[e] * gelu_grad(u, approximate);
+          acc[0].v[v][e] += t.v[v][e];
         } else {
-          t.v[v][e] = gelu(u, approximate) * m;
+          t.v[v][e] = gelu(u, approximate) * m[e];
         }
       }
+    }
     store_tile<T, VEC, NV>(static_cast<T*>(p.out) + r * n, n, true, t);
   }
   if constexpr (kBackward) write_partials<1, VEC, NV>(acc, smem, p.workspace, n);

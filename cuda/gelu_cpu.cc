@@ -1,10 +1,12 @@
 // CPU handlers for bias + GELU + dropout (ABI.md: bias_gelu_dropout_fwd / _bwd). Plain
 // loops: they define the results the CUDA kernels are compared against on any machine.
+// GELU itself (gelu_math.h) is the same code as in the kernels.
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "common.h"
+#include "gelu_math.h"
 #include "philox.h"
 
 namespace jaxsub {
@@ -12,24 +14,6 @@ namespace {
 
 constexpr const char* kFwd = "bias_gelu_dropout_fwd";
 constexpr const char* kBwd = "bias_gelu_dropout_bwd";
-
-constexpr float kSqrtHalf = 0.70710678118654752f;     // 1 / sqrt(2)
-constexpr float kSqrt2OverPi = 0.79788456080286536f;  // sqrt(2 / pi)
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi): the normal pdf at 0
-constexpr float kCubic = 0.044715f;
-
-float gelu(float v, bool approximate) {
-  if (approximate) return 0.5f * v * (1.f + std::tanh(kSqrt2OverPi * (v + kCubic * v * v * v)));
-  return 0.5f * v * (1.f + std::erf(v * kSqrtHalf));
-}
-
-float gelu_grad(float v, bool approximate) {
-  if (approximate) {
-    const float t = std::tanh(kSqrt2OverPi * (v + kCubic * v * v * v));
-    return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kCubic * v * v);
-  }
-  return 0.5f * (1.f + std::erf(v * kSqrtHalf)) + v * kInvSqrt2Pi * std::exp(-0.5f * v * v);
-}
 
 // Keep decisions walk the row-major index in order, so one Philox call serves eight
 // consecutive elements instead of being recomputed per element.

@@ -28,18 +28,17 @@ struct NormPtrs {
   float* workspace;      // [C, K, N] f32 (backward)
 };
 
-// h for row r: x, or for BDRLN residual + dropout(x + bias). Parameters are re-read per
-// row (a few KB, L1/L2-resident) instead of held in registers for the whole kernel, which
-// would cost occupancy at 32 elements per thread.
+// BDRLN: h = residual + dropout(x + bias) for row r, in place of the x tile (layer norm:
+// h = x, nothing to do). Parameters are re-read per row (a few KB, L1/L2-resident) instead
+// of held in registers for the whole kernel, which would cost occupancy at 32 elements per
+// thread.
 template <typename T, int VEC, int NV, bool kResidual>
-__device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, int64_t n, bool valid,
-                                       uint32_t threshold, float keep_scale, const uint32_t (&seed)[2],
-                                       Tile<VEC, NV>& h, uint32_t& keep) {
-  load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, valid, h);
+__device__ __forceinline__ void add_residual(const NormPtrs& p, bool pf32, int64_t r, int64_t n, uint32_t threshold,
+                                             float keep_scale, const uint32_t (&seed)[2],
+                                             const Tile<VEC, NV>& res, Tile<VEC, NV>& h, uint32_t& keep) {
   keep = 0xffffffffu;
   if constexpr (kResidual) {
-    Tile<VEC, NV> res, xb;
-    load_tile<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, res);
+    Tile<VEC, NV> xb;
     load_param<T, VEC, NV>(p.bias, pf32, n, xb);
     keep = keep_bits<VEC, NV>(seed, threshold, r, n);
 #pragma unroll
@@ -49,6 +48,57 @@ __device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, 
         h.v[v][e] = res.v[v][e] + (bit(keep, v * VEC + e) ? (h.v[v][e] + xb.v[v][e]) * keep_scale : 0.f);
   }
 }
+
+// h for row r. BDRLN loads x and the residual as T (half the registers of f32 tiles) and
+// the bias one vector at a time: 106 registers at 32 elements per thread, was 125 (capped
+// at 64 it spilled and ran twice as long: bench/NOTES.md v4).
+template <typename T, int VEC, int NV, bool kResidual>
+__device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, int64_t n, bool valid,
+                                       uint32_t threshold, float keep_scale, const uint32_t (&seed)[2],
+                                       Tile<VEC, NV>& h, uint32_t& keep) {
+  keep = 0xffffffffu;
+  if constexpr (kResidual) {
+    RawTile<T, VEC, NV> x, res;
+    load_raw<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, valid, x);
+    load_raw<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, res);
+    keep = keep_bits<VEC, NV>(seed, threshold, r, n);
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      const int64_t c = tile_col(v, VEC);
+      float b[VEC];
+      if (c < n && pf32) {
+        load_elems<float, VEC>(static_cast<const float*>(p.bias) + c, b);
+      } else if (c < n) {
+        load_elems<T, VEC>(static_cast<const T*>(p.bias) + c, b);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) b[e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float xv = to_float(x.v[v].v[e]) + b[e];
+        h.v[v][e] = to_float(res.v[v].v[e]) + (bit(keep, v * VEC + e) ? xv * keep_scale : 0.f);
+      }
+    }
+  } else {
+    load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, valid, h);
+  }
+}
+
+// One row's backward inputs as loaded (BDRLN: the next row's, loaded while this one is worked on).
+template <typename T, int VEC, int NV, bool kResidual>
+struct BwdRow {
+  RawTile<T, VEC, NV> x, dy, res;
+  float mean = 0.f, rstd = 0.f;
+
+  __device__ __forceinline__ void load(const NormPtrs& p, int64_t r, int64_t rows, int64_t n) {
+    const bool valid = r < rows;
+    load_raw<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, valid, x);
+    load_raw<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, dy);
+    if constexpr (kResidual) load_raw<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, res);
+    mean = valid ? p.mean[r] : 0.f, rstd = valid ? p.rstd[r] : 0.f;
+  }
+};
 
 // Layer norm forward at 32 elements per thread is capped at 64 registers (two 512-thread
 // blocks per SM): 32 rows of 1024 resident per SM, so [4096, 1024] runs in one wave.
@@ -106,7 +156,12 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), (!kResidual && VEC *
   }
 }
 
-// Partials per block: layer norm (dscale, dbias); BDRLN (dbias, dscale, dln_bias).
+// Partials per block: layer norm (dscale, dbias); BDRLN (dbias, dscale, dln_bias). Each
+// row group walks rows r, r + stride, ... BDRLN issues the next row's x, dy and residual
+// loads before the current row's Philox calls and reduction, so they overlap (kernel time
+// 25.0 -> 22.0 us at [4096, 1024] bf16, ncu). Layer norm loads each row when it gets to
+// it: with the prefetch it needed more than 64 registers (two 512-thread blocks per SM)
+// and ran slower (16.3 -> 18.0 us).
 template <typename T, int VEC, int NV, bool kResidual>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     norm_bwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, uint32_t threshold, float keep_scale) {
@@ -123,16 +178,23 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[k].v[v][e] = 0.f;
   const float inv_n = 1.f / static_cast<float>(n);
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
-       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  constexpr bool kPrefetch = kResidual;
+  BwdRow<T, VEC, NV, kResidual> row;
+  if constexpr (kPrefetch) row.load(p, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, rows, n);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t r = base + threadIdx.y;
     const bool valid = r < rows;
-    Tile<VEC, NV> h, d, g;
+    if constexpr (!kPrefetch) row.load(p, r, rows, n);
+    Tile<VEC, NV> h, d, g, res;
+    unpack(row.x, h);
+    unpack(row.dy, d);
+    if constexpr (kResidual) unpack(row.res, res);
+    const float mean = row.mean, rstd = row.rstd;
+    if constexpr (kPrefetch) row.load(p, r + stride, rows, n);
     uint32_t keep;
-    load_h<T, VEC, NV, kResidual>(p, pf32, r, n, valid, threshold, keep_scale, seed, h, keep);
-    load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, d);
+    add_residual<T, VEC, NV, kResidual>(p, pf32, r, n, threshold, keep_scale, seed, res, h, keep);
     load_param<T, VEC, NV>(p.scale, pf32, n, g);
-    const float mean = valid ? p.mean[r] : 0.f, rstd = valid ? p.rstd[r] : 0.f;
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
     for (int v = 0; v < NV; ++v)

@@ -65,6 +65,14 @@ JAXSUB_HD uint32_t lane16(const U32x4& w, int j) {
   return (j & 1) ? word >> 16 : word & 0xffffu;
 }
 
+// The keep decision of lane j, with thr_hi = threshold << 16 (threshold < 2^16): lane j's
+// 16 bits >= threshold exactly when (j odd: the word, j even: the word << 16) >= thr_hi,
+// one compare (and a shift for even lanes) instead of extract, then compare.
+JAXSUB_HD bool lane_kept(const U32x4& w, int j, uint32_t thr_hi) {
+  const uint32_t word = word_at(w, j >> 1);
+  return ((j & 1) ? word : word << 16) >= thr_hi;
+}
+
 // Keep decision for a single element (general paths; fast paths use dropout_words).
 JAXSUB_HD bool dropout_keep(const uint32_t* seed, uint64_t idx, uint32_t threshold) {
   if (threshold == 0) return true;

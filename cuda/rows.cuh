@@ -98,6 +98,35 @@ __device__ __forceinline__ void load_tile(const T* row, int64_t n, bool valid, T
   }
 }
 
+// A thread's columns of one row as loaded, still in T (4 registers per 16 bytes): the BDRLN
+// backward keeps the next row's copy in flight while it works on the current one.
+template <typename T, int VEC, int NV>
+struct RawTile {
+  Vec<T, VEC> v[NV];
+};
+
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void load_raw(const T* row, int64_t n, bool valid, RawTile<T, VEC, NV>& t) {
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = tile_col(v, VEC);
+    if (valid && c < n) {
+      t.v[v] = *reinterpret_cast<const Vec<T, VEC>*>(row + c);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) t.v[v].v[e] = from_float_dev<T>(0.f);
+    }
+  }
+}
+
+template <typename T, int VEC, int NV>
+__device__ __forceinline__ void unpack(const RawTile<T, VEC, NV>& raw, Tile<VEC, NV>& t) {
+#pragma unroll
+  for (int v = 0; v < NV; ++v)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) t.v[v][e] = to_float(raw.v[v].v[e]);
+}
+
 // Per-column parameters are either T or float32 (decided at run time: they are loaded
 // once per thread, so the branch costs nothing and halves the kernel instantiations).
 template <typename T, int VEC, int NV>
@@ -126,6 +155,7 @@ template <int VEC, int NV>
 __device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t threshold, int64_t r, int64_t n) {
   static_assert(VEC * NV <= 32, "keep bits must fit in 32 bits");
   if (threshold == 0) return 0xffffffffu;
+  const uint32_t thr_hi = threshold << 16;
   uint32_t bits = 0;
 #pragma unroll
   for (int v = 0; v < NV; ++v) {
@@ -137,19 +167,50 @@ __device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t thr
       for (int e = 0; e < VEC; e += 8) {
         const U32x4 w = dropout_words(seed, (base + e) >> 3);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) bits |= static_cast<uint32_t>(lane16(w, j) >= threshold) << (v * VEC + e + j);
+        for (int j = 0; j < 8; ++j) bits |= static_cast<uint32_t>(lane_kept(w, j, thr_hi)) << (v * VEC + e + j);
       }
     } else if constexpr (VEC == 4) {
       const U32x4 w = dropout_words(seed, base >> 3);
       const int off = static_cast<int>(base & 7);  // 0 or 4
 #pragma unroll
-      for (int j = 0; j < 4; ++j) bits |= static_cast<uint32_t>(lane16(w, off + j) >= threshold) << (v * VEC + j);
+      for (int j = 0; j < 4; ++j) bits |= static_cast<uint32_t>(lane_kept(w, off + j, thr_hi)) << (v * VEC + j);
     } else {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) bits |= static_cast<uint32_t>(dropout_keep(seed, base + e, threshold)) << (v * VEC + e);
     }
   }
   return bits;
+}
+
+// The dropout multipliers (keep_scale or 0) of the VEC elements at logical indices base ..
+// base + VEC - 1 (base a multiple of VEC on the fast path), for kernels that use each
+// decision once, right away: one compare and a select per element, no bit packing.
+template <int VEC>
+__device__ __forceinline__ void keep_scales(const uint32_t* seed, uint32_t threshold, float keep_scale, uint64_t base,
+                                            float (&m)[VEC]) {
+  if (threshold == 0) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) m[e] = keep_scale;
+    return;
+  }
+  const uint32_t thr_hi = threshold << 16;
+  if constexpr (VEC % 8 == 0) {
+#pragma unroll
+    for (int e = 0; e < VEC; e += 8) {
+      const U32x4 w = dropout_words(seed, (base + e) >> 3);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m[e + j] = lane_kept(w, j, thr_hi) ? keep_scale : 0.f;
+    }
+  } else if constexpr (VEC == 4) {
+    const U32x4 w = dropout_words(seed, base >> 3);
+    const bool upper = (base & 7) != 0;  // lanes 4..7
+    const U32x4 half{upper ? w.z : w.x, upper ? w.w : w.y, 0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) m[j] = lane_kept(half, j, thr_hi) ? keep_scale : 0.f;
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) m[e] = dropout_keep(seed, base + e, threshold) ? keep_scale : 0.f;
+  }
 }
 
 __device__ __forceinline__ bool bit(uint32_t bits, int i) { return (bits >> i) & 1u; }

@@ -252,6 +252,30 @@ def test_zero_size_falls_back(shape, fallback_log):
     assert fallback_log and "zero-size" in fallback_log[0][1]
 
 
+def exact_gelu_grid_errors(device):
+    """Worst error of the exact GELU and its derivative (float32, no dropout) on a dense grid
+    of inputs in [-12, 12], against float64 math.erfc, relative to 1 + |value|. The kernels
+    compute Phi without erf (cuda/gelu_math.h): this pins that approximation down."""
+    v = np.linspace(-12.0, 12.0, 480_000, dtype=np.float32)
+    f = lambda x, b: op(x, b, rate=0.0, key=None)
+    x, b = jax.device_put((jnp.asarray(v.reshape(480, 1000)), jnp.zeros((1000,), F32)), device)
+    y, vjp = jax.jit(lambda x, b: jax.vjp(f, x, b))(x, b)
+    dx = vjp(jnp.ones_like(y))[0]
+    v64 = v.astype(np.float64)
+    cdf = np.array([0.5 * math.erfc(-t / math.sqrt(2.0)) for t in v64])
+    want_y = v64 * cdf
+    want_dx = cdf + v64 * np.exp(-0.5 * v64 * v64) / math.sqrt(2.0 * math.pi)
+    err_y = np.abs(np.asarray(y, np.float64).ravel() - want_y) / (1.0 + np.abs(want_y))
+    err_dx = np.abs(np.asarray(dx, np.float64).ravel() - want_dx) / (1.0 + np.abs(want_dx))
+    return err_y.max(), err_dx.max()
+
+
+def test_exact_gelu_accuracy_on_dense_grid():
+    # float32 with erf is ~8e-8 here; 2.5e-7 is about 4 ulps of a value near 1.
+    err_y, err_dx = exact_gelu_grid_errors(jax.devices("cpu")[0])
+    assert err_y < 2.5e-7 and err_dx < 2.5e-7, (err_y, err_dx)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 class TestCuda:
@@ -270,3 +294,8 @@ class TestCuda:
         assert_close(got[0], want[0], dtype, what="y")
         assert_close(got[1], want[1], dtype, grad=True, what="dx")
         assert_close(got[2], want[2], bias_dtype, reduction=shape[0], grad=True, what="dbias")
+
+    def test_exact_gelu_accuracy_on_dense_grid(self):
+        # ex2.approx adds up to 2 ulps to the exp2 of the CPU handler.
+        err_y, err_dx = exact_gelu_grid_errors(jax.devices()[0])
+        assert err_y < 4e-7 and err_dx < 4e-7, (err_y, err_dx)
