@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One device call: build with CUDA, run the GPU tests, compute-sanitizer on the kernels,
 # and the benchmarks. Prints a short summary last.
-# Usage: tools/gpu_check.sh [steps...]; steps: build test sanitize bench attn encoder layout
-# (default: build test sanitize bench). Environment:
+# Usage: tools/gpu_check.sh [steps...]; steps: build test sanitize native bench attn encoder
+# layout (default: build test sanitize bench; `native`: the row kernels under
+# compute-sanitizer without XLA, tools/sanitize_rows.cu). Environment:
 #   PREBUILT=1        skip `build`: use the extension already in jaxsub/ (built elsewhere for
 #                     this Python and carried) with PYTHONPATH=$PWD
 #   GPU_TESTS="..."   test files for `test` (default: every file, -m gpu)
 #   BENCH_ARGS="..."  extra arguments for bench.ops; ATTN_ARGS="..." for bench.attention;
 #                     ENCODER_ARGS="..." for bench.encoder; LAYOUT_ARGS="..." for bench.layout
 #   SANITIZE_FAMILIES="attention" (or "rows"): the op families `sanitize` runs (default both)
+#   NATIVE_BIN=build/sanitize_rows  `native` runs this prebuilt binary instead of building it
 #   JAXSUB_STAGED_CUDA=1  register the staged CUDA targets (cuda/targets.h) too
 set -uo pipefail
 steps="${*:-build test sanitize bench}"
@@ -37,6 +39,20 @@ if has sanitize; then
       compute-sanitizer --tool $tool --kernel-name kns=jaxsub python3 -u tools/sanitize_ops.py ${SANITIZE_FAMILIES:-} >"$OUT/sanitize_$tool.log" 2>&1
     summary+=("sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_ops|FAILED' "$OUT/sanitize_$tool.log" | head -5 | tr '\n' ' ')")
   done
+fi
+if has native; then
+  # NATIVE_BIN: a tools/sanitize_rows.cu binary built elsewhere (the build takes minutes).
+  bin="${NATIVE_BIN:-/tmp/sanitize_rows}"
+  INC=$(python3 -c "import jax; print(jax.ffi.include_dir())")
+  if [[ -n "${NATIVE_BIN:-}" ]] || nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I"$INC" -Icuda \
+      tools/sanitize_rows.cu -o "$bin" >"$OUT/native_build.log" 2>&1; then
+    for tool in memcheck racecheck synccheck initcheck; do
+      timeout 300 compute-sanitizer --tool $tool "$bin" >"$OUT/native_$tool.log" 2>&1
+      summary+=("native $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_rows' "$OUT/native_$tool.log" | head -3 | tr '\n' ' ')")
+    done
+  else
+    summary+=("native: build failed (native_build.log)")
+  fi
 fi
 if has bench; then
   python3 -m bench.ops --json "$OUT/ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log" | tail -12
