@@ -23,6 +23,12 @@ statistics and the dropout seed included) over the copy bandwidth measured at th
 the run (negation of >= 1 GiB of distinct buffers; bytes read + written). The fwd+bwd
 floor is the fwd floor plus the bwd floor.
 
+Same-size copy: the kernel time of an XLA negation whose f32 buffer is read and written
+for a pass's floor bytes in all, taken over distinct buffers that together exceed twice
+the L2; fwd+bwd adds one such copy for the forward's bytes and one for the backward's. It
+is what plain kernels moving those bytes cost at this size (launch, ramp and tail
+included), a practical floor beside the bandwidth floor; GPU only.
+
 Before timing, the fused op's output is checked against the reference (deterministic, and
 with dropout using `jaxsub.ops.dropout_mask`) within `jaxsub.testing` tolerance. An op (or
 reference) that raises NotImplementedError is reported as such and not timed.
@@ -187,6 +193,28 @@ def spot_check(op: Op, args, key, dtype) -> str:
     return "ok"
 
 
+L2_BYTES = 60 << 20  # H200
+
+
+def copy_plan(floor_bytes: int) -> tuple[int, int]:
+    """(f32 elements per buffer, buffers) for the same-size copy of `floor_bytes`: each
+    negation reads and writes 4 bytes per element, floor_bytes in all; the buffers
+    together are at least twice the L2, with at most 64 buffers (problems under ~1 MB
+    stay partly in the L2, as they would in a model)."""
+    n = max(1, floor_bytes // 8)
+    return n, min(64, max(2, -(-2 * L2_BYTES // (4 * n))))
+
+
+def same_size_copy_us(floor_bytes: int, seed: int) -> float | None:
+    """Kernel µs of one negation moving `floor_bytes` (see copy_plan); None off the GPU
+    (no device events to time)."""
+    if jax.default_backend() != "gpu":
+        return None
+    n, k = copy_plan(floor_bytes)
+    bandwidth = timing.copy_bandwidth_kernels(4 * n, k, seed=seed)
+    return None if not bandwidth else 8 * n / bandwidth * 1e6
+
+
 def time_impl(apply: Callable, pass_: str, sets, keys, cotangents, size: Size, repeats: int):
     """(microseconds per application, SlopeTiming) or (None, reason) if not implemented."""
     try:
@@ -216,10 +244,14 @@ def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: 
                              if results[impl][0] is not None else (None, {}))
         floor_bytes = op.floor_bytes(pass_, size.rows, cols, dtype, param_dtype)
         floor_us = floor_bytes / bandwidth * 1e6
+        fwd_bytes = op.floor_bytes("fwd", size.rows, cols, dtype, param_dtype)
+        copies = [same_size_copy_us(b, seed) for b in ([floor_bytes] if pass_ == "fwd"
+                                                        else [fwd_bytes, floor_bytes - fwd_bytes])]
+        copy_us = None if None in copies else sum(copies)
         row = {
             "op": op.name, "dtype": dtype_name, "param_dtype": jnp.dtype(param_dtype).name,
             "pass": pass_, "shape": [size.rows, cols], "rate": RATE if op.dropout else 0.0,
-            "floor_bytes": floor_bytes, "floor_us": floor_us, "check": check,
+            "floor_bytes": floor_bytes, "floor_us": floor_us, "copy_kernel_us": copy_us, "check": check,
         }
         for impl, (us, detail) in results.items():
             row[f"{impl}_us"] = us
@@ -228,11 +260,12 @@ def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: 
             row[f"{impl}_over_floor"] = report.ratio(us, floor_us)
             row[f"{impl}_kernel_us"], row[f"{impl}_kernels"] = kernels[impl]
             row[f"{impl}_kernel_over_floor"] = report.ratio(kernels[impl][0], floor_us)
+            row[f"{impl}_kernel_over_copy"] = report.ratio(kernels[impl][0], copy_us)
         row["speedup"] = report.ratio(row["xla_us"], row["jaxsub_us"])
         rows.append(row)
         print(f"    {pass_:8s} jaxsub {report.fmt(row['jaxsub_us'])} us (kernels {report.fmt(row['jaxsub_kernel_us'])})"
               f"  xla {report.fmt(row['xla_us'])} us (kernels {report.fmt(row['xla_kernel_us'])})"
-              f"  floor {floor_us:.1f} us", flush=True)
+              f"  floor {floor_us:.1f} us  same-size copy {report.fmt(copy_us)} us", flush=True)
         for name, us in list(row["jaxsub_kernels"].items())[:4]:
             print(f"      {us:8.2f} us  {name[:100]}", flush=True)
         if row["xla_us"] is None:
@@ -245,11 +278,12 @@ def bench_op(op: Op, dtype_name: str, param_dtype_name: str, size: Size, small: 
 
 def format_table(rows: list[dict]) -> str:
     header = ("op", "dtype", "pass", "jaxsub µs", "XLA µs", "speedup", "floor µs", "jaxsub/floor", "XLA/floor",
-              "jaxsub kernels µs", "XLA kernels µs", "jaxsub kernels/floor")
+              "jaxsub kernels µs", "XLA kernels µs", "jaxsub kernels/floor", "copy µs", "jaxsub kernels/copy")
     f = report.fmt
     lines = [[r["op"], r["dtype"], r["pass"], f(r["jaxsub_us"]), f(r["xla_us"]), f(r["speedup"], ".2f"),
               f(r["floor_us"]), f(r["jaxsub_over_floor"], ".2f"), f(r["xla_over_floor"], ".2f"),
-              f(r["jaxsub_kernel_us"]), f(r["xla_kernel_us"]), f(r["jaxsub_kernel_over_floor"], ".2f")]
+              f(r["jaxsub_kernel_us"]), f(r["xla_kernel_us"]), f(r["jaxsub_kernel_over_floor"], ".2f"),
+              f(r["copy_kernel_us"]), f(r["jaxsub_kernel_over_copy"], ".2f")]
              for r in rows]
     return report.format_table(header, lines, text_columns=3)
 

@@ -33,6 +33,10 @@ def test_small_run_writes_every_row_with_positive_times(tmp_path):
         assert row["xla_us"] > 0 and math.isfinite(row["xla_us"]), key
         assert row["floor_bytes"] > 0 and row["floor_us"] > 0, key
         assert row["xla_over_floor"] == pytest.approx(row["xla_us"] / row["floor_us"]), key
+        if jax.default_backend() == "gpu":
+            assert row["copy_kernel_us"] > 0, key
+        else:  # nothing on the device to trace
+            assert row["copy_kernel_us"] is None and row["jaxsub_kernel_over_copy"] is None, key
     for op in bench_ops.OPS:
         assert rows[(op, "bf16", "fwd+bwd")]["floor_bytes"] > rows[(op, "bf16", "fwd")]["floor_bytes"]
 
@@ -44,6 +48,15 @@ def test_small_run_writes_every_row_with_positive_times(tmp_path):
         assert row["speedup"] == pytest.approx(row["xla_us"] / row["jaxsub_us"]), key
     if unimplemented:
         pytest.xfail(f"jaxsub ops raise NotImplementedError in this worktree: {', '.join(unimplemented)}")
+
+
+def test_same_size_copy_moves_the_floor_bytes_past_the_l2():
+    for floor_bytes in (16_814_080, 25_204_744, 167_796_752):  # BERT-large layer norm, bdrln, gelu
+        n, k = bench_ops.copy_plan(floor_bytes)
+        assert 0 <= floor_bytes - 8 * n < 8, floor_bytes  # read + write of n f32
+        assert 2 <= k <= 64 and k * 4 * n >= 2 * bench_ops.L2_BYTES, floor_bytes
+    n, k = bench_ops.copy_plan(1000)
+    assert 8 * n == 1000 and k == 64
 
 
 def test_floor_bytes_match_abi_traffic():
