@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), (!kResidual && VEC *
 // loads before the current row's Philox calls and reduction, so they overlap (kernel time
 // 25.0 -> 22.0 us at [4096, 1024] bf16, ncu). Layer norm loads each row when it gets to
 // it: with the prefetch it needed more than 64 registers (two 512-thread blocks per SM)
-// and ran slower (16.3 -> 18.0 us).
+// and ran slower (16.3 -> 17.8-18.3 us in two ncu runs).
 template <typename T, int VEC, int NV, bool kResidual>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     norm_bwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, uint32_t threshold, float keep_scale) {
