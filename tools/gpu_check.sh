@@ -11,6 +11,7 @@
 #                     ENCODER_ARGS="..." for bench.encoder; LAYOUT_ARGS="..." for bench.layout
 #   SANITIZE_FAMILIES="attention" (or "rows"): the op families `sanitize` runs (default both)
 #   NATIVE_BIN=build/sanitize_rows  `native` runs this prebuilt binary instead of building it
+#   NATIVE_TIMEOUT=300  seconds per compute-sanitizer tool in `native`
 #   JAXSUB_STAGED_CUDA=1  register the staged CUDA targets (cuda/targets.h) too
 set -uo pipefail
 steps="${*:-build test sanitize bench}"
@@ -47,7 +48,7 @@ if has native; then
   if [[ -n "${NATIVE_BIN:-}" ]] || nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I"$INC" -Icuda \
       tools/sanitize_rows.cu -o "$bin" >"$OUT/native_build.log" 2>&1; then
     for tool in memcheck racecheck synccheck initcheck; do
-      timeout 300 compute-sanitizer --tool $tool "$bin" >"$OUT/native_$tool.log" 2>&1
+      timeout "${NATIVE_TIMEOUT:-300}" compute-sanitizer --tool $tool "$bin" >"$OUT/native_$tool.log" 2>&1
       summary+=("native $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_rows' "$OUT/native_$tool.log" | head -3 | tr '\n' ' ')")
     done
   else

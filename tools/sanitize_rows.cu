@@ -11,6 +11,7 @@
 //     -I$(python3 -c "import jax; print(jax.ffi.include_dir())") -Icuda tools/sanitize_rows.cu -o /tmp/sanitize_rows
 //   compute-sanitizer --tool memcheck /tmp/sanitize_rows     (also racecheck, synccheck, initcheck)
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "../cuda/gelu.cu"
@@ -42,6 +43,13 @@ size_t size_of(DataType t) { return t == DataType::F32 ? 4 : 2; }
 
 void check(const char* what, const xla::ffi::Error& e, int64_t rows, int64_t cols, const KernelConfig& k) {
   const cudaError_t sync = cudaDeviceSynchronize();
+  if (sync != cudaSuccess && cudaGetLastError() != cudaSuccess && cudaDeviceSynchronize() != cudaSuccess) {
+    // A kernel fault poisons the context: every later launch would fail too.
+    std::printf("FAILED %s [%lld, %lld] threads %d elems %d: %s (sticky; stopping)\n", what,
+                static_cast<long long>(rows), static_cast<long long>(cols), k.block_threads, k.max_elems,
+                cudaGetErrorString(sync));
+    std::exit(1);
+  }
   if (e.failure() || sync != cudaSuccess) {
     if (++failures > 20) return;  // the first ones say enough
     std::printf("FAILED %s [%lld, %lld] threads %d elems %d: %s %s\n", what, static_cast<long long>(rows),
@@ -52,13 +60,15 @@ void check(const char* what, const xla::ffi::Error& e, int64_t rows, int64_t col
 
 void run(DataType t, DataType prm, int64_t rows, int64_t cols, bool misalign, const KernelConfig& k) {
   const size_t act = rows * cols * size_of(t), par = cols * size_of(prm), stat = rows * sizeof(float);
-  const size_t off = misalign ? size_of(t) : 0;
+  // Misaligned by one element of each buffer's own dtype: XLA never hands out a buffer
+  // that is not aligned to its element size.
+  const size_t off = misalign ? size_of(t) : 0, poff = misalign ? size_of(prm) : 0;
   const int64_t ws_rows = 1024;
   const size_t ws = ws_rows * 3 * cols * sizeof(float);
   Buf x(act, off, 0x3c), res(act, off, 0x3b), dy(act, off, 0x3a), y(act, off, 0xff), dx(act, off, 0xff),
       dres(act, off, 0xff);
-  Buf scale(par, off, 0x3c), bias(par, off, 0x3b), ln_bias(par, off, 0x3a);
-  Buf dscale(par, off, 0xff), dbias(par, off, 0xff), dln_bias(par, off, 0xff);
+  Buf scale(par, poff, 0x3c), bias(par, poff, 0x3b), ln_bias(par, poff, 0x3a);
+  Buf dscale(par, poff, 0xff), dbias(par, poff, 0xff), dln_bias(par, poff, 0xff);
   Buf mean(stat, 0, 0xff), rstd(stat, 0, 0xff), workspace(ws, 0, 0xff), seed(8, 0, 0x5a);
   const uint32_t threshold = 6554;  // rate 0.1
   const float keep_scale = 1.f / 0.9f;
