@@ -199,22 +199,25 @@ L2_BYTES = 60 << 20  # H200
 
 def copy_plan(floor_bytes: int) -> tuple[int, int]:
     """(f32 elements per buffer, buffers) for the same-size copy of `floor_bytes`: each
-    negation reads and writes 4 bytes per element, floor_bytes in all; the buffers
+    negation reads and writes 4 bytes per element, about floor_bytes in all; the buffers
     together are at least twice the L2, with at most 64 buffers (problems under ~1 MB
-    stay partly in the L2, as they would in a model)."""
-    n = max(1, floor_bytes // 8)
+    stay partly in the L2, as they would in a model). The element count is a multiple of
+    64: XLA's negation of an odd count uses scalar accesses and ran at 1.6 TB/s on the
+    H200 (25 MB and 67 MB copies, bench/NOTES.md v5), which is not the copy we mean."""
+    n = max(64, floor_bytes // 8 // 64 * 64)
     return n, min(64, max(2, -(-2 * L2_BYTES // (4 * n))))
 
 
 @functools.cache
 def same_size_copy_us(floor_bytes: int, seed: int) -> float | None:
-    """Kernel µs of one negation moving `floor_bytes` (see copy_plan); None off the GPU
-    (no device events to time). Cached: the fwd+bwd row reuses the forward's copy."""
+    """Kernel µs of negations moving `floor_bytes` (see copy_plan: the measured bandwidth
+    applied to the exact byte count); None off the GPU (no device events to time).
+    Cached: the fwd+bwd row reuses the forward's copy."""
     if jax.default_backend() != "gpu":
         return None
     n, k = copy_plan(floor_bytes)
     bandwidth = timing.copy_bandwidth_kernels(4 * n, k, seed=seed)
-    return None if not bandwidth else 8 * n / bandwidth * 1e6
+    return None if not bandwidth else floor_bytes / bandwidth * 1e6
 
 
 def time_impl(apply: Callable, pass_: str, sets, keys, cotangents, size: Size, repeats: int):
