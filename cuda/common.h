@@ -239,11 +239,30 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+// A vector's elements as float. bfloat16 pairs are split with one shift and one mask per
+// element (a bfloat16 is the top half of its float), where per-element conversion
+// extracts each half first (a permute and a shift). The words are copied out of the
+// vector value (a register move), so its load stays one 16-byte access.
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    uint32_t w[N / 2];
+    memcpy(w, &v, sizeof(w));
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+  }
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void load_vec(const T* p, float (&out)[N]) {
-  Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+  const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);
+  to_floats<T, N>(v, out);
 }
 
 template <typename T, int N>

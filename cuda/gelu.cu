@@ -29,13 +29,14 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[0].v[v][e] = 0.f;
   const uint32_t seed[2] = {p.seed[0], p.seed[1]};
+  Tile<VEC, NV> b;  // the thread's columns of the bias, for every row it visits
+  load_param<T, VEC, NV>(p.bias, pf32, n, b);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
        base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const int64_t r = base + threadIdx.y;
     if (r >= rows) continue;  // no barriers inside the loop
-    Tile<VEC, NV> t, d, b;
+    Tile<VEC, NV> t, d;
     load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, true, t);
-    load_param<T, VEC, NV>(p.bias, pf32, n, b);  // per row: L1/L2-resident, saves registers
     if constexpr (kBackward) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, true, d);
 #pragma unroll
     for (int v = 0; v < NV; ++v) {

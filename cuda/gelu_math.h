@@ -4,9 +4,10 @@
 // tail q(t) = Phi(-sqrt(2) t) = erfc(t) / 2 at t = |v| / sqrt(2), written as
 //   q(t) = 2^(-log2(e) t^2 + P(t)),
 // P a degree-8 polynomial fitted (weighted minimax, t in [0, 4]) to log2(q(t)) +
-// log2(e) t^2, a slowly varying function. Then Phi(v) = q for v < 0 and 1 - q otherwise:
-// one exp2 and nine FMAs, no branches, where CUDA's erff takes two polynomial branches
-// and a select per coefficient (~27 instructions). The GELU kernels were issue-bound, so
+// log2(e) t^2, a slowly varying function (its coefficients are stored for |v| = sqrt(2) t,
+// which saves a multiply). Then Phi(v) = q for v < 0 and 1 - q otherwise, and
+// v Phi(v) = max(v, 0) - |v| q: one exp2, nine FMAs and a max, no branches, where CUDA's
+// erff takes two polynomial branches and a select per coefficient (~27 instructions). The GELU kernels were issue-bound, so
 // this is most of their arithmetic (bench/NOTES.md).
 //
 // Accuracy: |q - q_exact| <= 5.4e-8 in float32 arithmetic with an exact exp2 (the CPU
@@ -23,12 +24,11 @@
 namespace jaxsub {
 
 namespace gelu_detail {
-constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;  // normal pdf at 0
 constexpr float kSqrt2OverPi = 0.79788456080286536f;
 constexpr float kTanhCubic = 0.044715f;
 constexpr float kHalfLog2e = -0.72134752044448170f;  // -log2(e) / 2: 2^(kHalfLog2e v^2) = exp(-v^2 / 2)
-constexpr float kTailT = 4.0f;
+constexpr float kTailV = 5.65685424949238f;  // 4 sqrt(2): t = 4
 }  // namespace gelu_detail
 
 JAXSUB_HD float fast_exp2(float x) {
@@ -41,31 +41,30 @@ JAXSUB_HD float fast_exp2(float x) {
 #endif
 }
 
-// log2(q(t)) + log2(e) t^2 for t = min(|v| / sqrt(2), 4) (see the file comment).
+// log2(q(t)) + log2(e) t^2 at t = min(|v|, 4 sqrt(2)) / sqrt(2) (see the file comment): the
+// fitted coefficients of t^k divided by sqrt(2)^k, so |v| goes in unscaled.
 JAXSUB_HD float normal_tail_poly(float v) {
-  const float t = fminf(fabsf(v) * gelu_detail::kInvSqrt2, gelu_detail::kTailT);
-  float p = -4.435281516634859e-05f;
-  p = fmaf(p, t, 4.3694410123862326e-04f);
-  p = fmaf(p, t, -1.4603815507143736e-03f);
-  p = fmaf(p, t, -8.251648978330195e-04f);
-  p = fmaf(p, t, 2.8301885351538658e-02f);
-  p = fmaf(p, t, -1.4850664138793945e-01f);
-  p = fmaf(p, t, 5.242851972579956e-01f);
-  p = fmaf(p, t, -1.6279093027114868f);
-  return fmaf(p, t, -1.0f);
+  const float s = fminf(fabsf(v), gelu_detail::kTailV);
+  float p = -2.772050947896787e-06f;
+  p = fmaf(p, s, 3.8620768464170396e-05f);
+  p = fmaf(p, s, -1.825476938392967e-04f);
+  p = fmaf(p, s, -1.458699262002483e-04f);
+  p = fmaf(p, s, 7.0754713378846645e-03f);
+  p = fmaf(p, s, -5.250502750277519e-02f);
+  p = fmaf(p, s, 2.621425986289978e-01f);
+  p = fmaf(p, s, -1.1511057615280151f);
+  return fmaf(p, s, -1.0f);
 }
 
-// Phi(v), and through `gauss` exp(-v^2 / 2).
-JAXSUB_HD float normal_cdf(float v, float& gauss) {
+// q(|v| / sqrt(2)) = Phi(-|v|), the lower tail, and through `gauss` exp(-v^2 / 2).
+JAXSUB_HD float normal_tail(float v, float& gauss) {
   const float a = gelu_detail::kHalfLog2e * v * v;  // log2(exp(-v^2 / 2))
-  const float q = fast_exp2(a + normal_tail_poly(v));
   gauss = fast_exp2(a);
-  return v < 0.f ? q : 1.f - q;
+  return fast_exp2(a + normal_tail_poly(v));
 }
 
-JAXSUB_HD float normal_cdf(float v) {
-  const float q = fast_exp2(gelu_detail::kHalfLog2e * v * v + normal_tail_poly(v));
-  return v < 0.f ? q : 1.f - q;
+JAXSUB_HD float normal_tail(float v) {
+  return fast_exp2(gelu_detail::kHalfLog2e * v * v + normal_tail_poly(v));
 }
 
 JAXSUB_HD float tanh_gelu_inner(float v) {
@@ -76,7 +75,9 @@ JAXSUB_HD float tanh_gelu_inner(float v) {
 // y = gelu(v): exact (erf) or the tanh approximation.
 JAXSUB_HD float gelu(float v, bool approximate) {
   if (approximate) return 0.5f * v * (1.f + tanh_gelu_inner(v));
-  return v * normal_cdf(v);
+  // v Phi(v) = max(v, 0) - |v| Phi(-|v|) for either sign: one max and an FMA where
+  // v * (v < 0 ? q : 1 - q) takes a compare, a select, a subtraction and a product.
+  return fmaf(-fabsf(v), normal_tail(v), fmaxf(v, 0.f));
 }
 
 // d gelu(v) / dv.
@@ -87,8 +88,8 @@ JAXSUB_HD float gelu_grad(float v, bool approximate) {
     return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kTanhCubic * v * v);
   }
   float gauss;
-  const float cdf = normal_cdf(v, gauss);
-  return fmaf(v * kInvSqrt2Pi, gauss, cdf);
+  const float q = normal_tail(v, gauss);
+  return fmaf(v * kInvSqrt2Pi, gauss, v < 0.f ? q : 1.f - q);
 }
 
 }  // namespace jaxsub

@@ -122,9 +122,7 @@ __device__ __forceinline__ void load_raw(const T* row, int64_t n, bool valid, Ra
 template <typename T, int VEC, int NV>
 __device__ __forceinline__ void unpack(const RawTile<T, VEC, NV>& raw, Tile<VEC, NV>& t) {
 #pragma unroll
-  for (int v = 0; v < NV; ++v)
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) t.v[v][e] = to_float(raw.v[v].v[e]);
+  for (int v = 0; v < NV; ++v) to_floats<T, VEC>(raw.v[v], t.v[v]);
 }
 
 // Per-column parameters are either T or float32 (decided at run time: they are loaded
