@@ -7,8 +7,8 @@
 // log2(e) t^2, a slowly varying function (its coefficients are stored for |v| = sqrt(2) t,
 // which saves a multiply). Then Phi(v) = q for v < 0 and 1 - q otherwise, and
 // v Phi(v) = max(v, 0) - |v| q: one exp2, nine FMAs and a max, no branches, where CUDA's
-// erff takes two polynomial branches and a select per coefficient (~27 instructions). The GELU kernels were issue-bound, so
-// this is most of their arithmetic (bench/NOTES.md).
+// erff takes two polynomial branches and a select per coefficient (~27 instructions).
+// The GELU kernels are issue-bound, so this is most of their arithmetic (bench/NOTES.md).
 //
 // Accuracy: |q - q_exact| <= 5.4e-8 in float32 arithmetic with an exact exp2 (the CPU
 // handlers; a NumPy simulation of the fit), plus up to 2 ulps of ex2.approx on the GPU.
