@@ -25,18 +25,24 @@ test: setup
 test-gpu: setup
 	cd tests && $(PYTHON) -m pytest -q -m gpu
 
+# Runs a module of this tree (bench.*) against the installed jaxsub. `python -m` from here
+# would import the source tree's jaxsub/ first, which has no built extension on a fresh
+# clone: -P keeps this directory off the front of sys.path, and it goes at the end instead,
+# where `bench` is still found.
+RUN_MODULE = $(PYTHON) -P -c "import runpy, sys; sys.path.append('.'); sys.argv = sys.argv[1:]; \
+  runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+
 # The main job: the encoder-layer benchmark (bench/encoder.py); a small CPU run without a GPU.
 bench: setup
-	$(PYTHON) -m bench
+	$(RUN_MODULE) bench
 
 # The fused-op benchmark (bench/ops.py).
-
 bench-ops: setup
-	$(PYTHON) -m bench.ops
+	$(RUN_MODULE) bench.ops
 
 # Layout selection on the GPU: selected vs default vs exhaustive search (issue 6).
 bench-layout: setup
-	$(PYTHON) -m bench.layout
+	$(RUN_MODULE) bench.layout
 
 clean:
 	rm -rf build dist *.egg-info jaxsub/_C*.so
