@@ -86,9 +86,6 @@ ffi::Error smem_opt_in(const char* op, size_t bytes) {
 // ---------------------------------------------------------------------------------------
 // Scores: scale, mask, causal, bounds. -inf marks an entry that takes no probability.
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
 struct RowCtx {
   int64_t bb, hh;
   int64_t mask_head;  // offset of (bb, hh) in the mask, before the query and key terms

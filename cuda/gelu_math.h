@@ -32,16 +32,6 @@ constexpr float kHalfLog2e = -0.72134752044448170f;  // -log2(e) / 2: 2^(kHalfLo
 constexpr float kTailV = 5.65685424949238f;  // 4 sqrt(2): t = 4
 }  // namespace gelu_detail
 
-JAXSUB_HD float fast_exp2(float x) {
-#ifdef __CUDA_ARCH__
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return std::exp2(x);
-#endif
-}
-
 // log2(q(t)) + log2(e) t^2 at t = min(|v|, 4 sqrt(2)) / sqrt(2) (see the file comment): the
 // fitted coefficients of t^k divided by sqrt(2)^k, so |v| goes in unscaled.
 JAXSUB_HD float normal_tail_poly(float v) {

@@ -79,13 +79,4 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool full)
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(full ? 4 : 0));
 }
 
-// 2^x on the special-function unit, subnormal results flushed to zero (a probability
-// below 2^-126 is zero after rounding to the 16-bit operand anyway); exp2f adds a
-// range fix-up of three instructions per call for those.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 }  // namespace jaxsub

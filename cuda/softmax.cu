@@ -29,13 +29,15 @@ struct SoftmaxArgs {
   float keep_scale;
 };
 
-// The scaled, masked score of the thread's elements in row r (-inf where masked).
-// Without mask and causality only the row end masks (no index arithmetic per element);
-// otherwise the row's (b, h, i) are computed once per row, in 32 bits when the row count
-// allows (`idx32`).
+// The scaled, masked scores of the thread's elements in row r in log2 units,
+// log2(e) * (scale * s + mask), -inf where masked: a probability is then one
+// special-function exp2 of (score - max). Without mask and causality only the row end
+// masks (no index arithmetic per element); otherwise the row's (b, h, i) are computed
+// once per row, in 32 bits when the row count allows (`idx32`).
 template <typename T, int VEC, int NV>
 __device__ __forceinline__ void masked_scores(const SoftmaxArgs& a, int64_t r, bool valid, Tile<VEC, NV>& s) {
   load_tile<T, VEC, NV>(static_cast<const T*>(a.scores) + r * a.sk, a.sk, valid, s);
+  const float scale2 = a.scale * kLog2e;
   if (!a.causal && a.mask_kind == kMaskNone) {
     // A vector lies wholly inside or outside the row: on the fast path Sk is a multiple of
     // VEC and columns start at multiples of VEC; on the general path VEC is 1.
@@ -43,7 +45,7 @@ __device__ __forceinline__ void masked_scores(const SoftmaxArgs& a, int64_t r, b
     for (int v = 0; v < NV; ++v) {
       const bool in = valid && tile_col(v, VEC) < a.sk;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) s.v[v][e] = in ? s.v[v][e] * a.scale : -INFINITY;
+      for (int e = 0; e < VEC; ++e) s.v[v][e] = in ? s.v[v][e] * scale2 : -INFINITY;
     }
     return;
   }
@@ -65,24 +67,35 @@ __device__ __forceinline__ void masked_scores(const SoftmaxArgs& a, int64_t r, b
     for (int e = 0; e < VEC; ++e) {
       const int64_t j = tile_col(v, VEC) + e;
       bool visible = valid && j < a.sk && j <= last;
-      float x = s.v[v][e] * a.scale;
+      float x = s.v[v][e] * scale2;
       if (a.mask_kind != kMaskNone && visible) {
         const int64_t m = mask_row + (a.skm == 1 ? 0 : j);
         if (a.mask_kind == kMaskBool) {
           visible = static_cast<const bool*>(a.mask)[m];
         } else {
-          x += static_cast<const float*>(a.mask)[m];
+          x = fmaf(static_cast<const float*>(a.mask)[m], kLog2e, x);
         }
       }
       s.v[v][e] = visible ? x : -INFINITY;
     }
 }
 
-// p = exp(x - lse), 0 where x or lse is -inf.
-__device__ __forceinline__ float prob(float x, float lse) { return x == -INFINITY ? 0.f : __expf(x - lse); }
+// The dropout multipliers (keep_scale * mul, or 0) of the thread's vector v of row r, for
+// use right away (no bit packing).
+template <int VEC>
+__device__ __forceinline__ void row_keep_scales(const SoftmaxArgs& a, const uint32_t* seed, int64_t r, int v,
+                                                float mul, float (&m)[VEC]) {
+  const int64_t c = tile_col(v, VEC);  // past the row end: no generator call, never stored
+  keep_scales<VEC>(seed, c < a.sk ? a.threshold : 0u, a.keep_scale * mul, static_cast<uint64_t>(r * a.sk + c), m);
+}
+
+// Up to 16 elements per thread, the kernels fit in 64 registers without spilling: two
+// blocks of 512 threads per multiprocessor (ptxas went to 79 and 95 registers unasked,
+// which left the latency-bound backward with a quarter of the warps resident).
+constexpr int min_blocks(int vec, int nv) { return vec * nv <= 16 && max_threads_for(vec, nv) == 512 ? 2 : 1; }
 
 template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV)) softmax_fwd_kernel(SoftmaxArgs a, int64_t rows) {
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV)) softmax_fwd_kernel(SoftmaxArgs a, int64_t rows) {
   __shared__ float scratch[32 * kMaxBlockRows];
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
@@ -97,28 +110,31 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV)) softmax_fwd_kernel(S
 #pragma unroll
       for (int e = 0; e < VEC; ++e) m = fmaxf(m, s.v[v][e]);
     m = row_group_reduce<MaxOp>(m, scratch);
+    const float nm = m == -INFINITY ? 0.f : -m;  // a fully masked row: every exp2(-inf) is 0
     float sum = 0.f;
 #pragma unroll
     for (int v = 0; v < NV; ++v)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        s.v[v][e] = prob(s.v[v][e], m);
+        s.v[v][e] = fast_exp2(s.v[v][e] + nm);
         sum += s.v[v][e];
       }
     sum = row_group_sum(sum, scratch);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const uint32_t keep = keep_bits<VEC, NV>(seed, a.threshold, r, a.sk);
 #pragma unroll
-    for (int v = 0; v < NV; ++v)
+    for (int v = 0; v < NV; ++v) {
+      float keep[VEC];
+      row_keep_scales<VEC>(a, seed, r, v, inv, keep);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) s.v[v][e] *= bit(keep, v * VEC + e) ? inv * a.keep_scale : 0.f;
+      for (int e = 0; e < VEC; ++e) s.v[v][e] *= keep[e];
+    }
     store_tile<T, VEC, NV>(static_cast<T*>(a.out) + r * a.sk, a.sk, valid, s);
-    if (valid && threadIdx.x == 0) a.lse[r] = sum > 0.f ? m + __logf(sum) : -INFINITY;
+    if (valid && threadIdx.x == 0) a.lse[r] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;
   }
 }
 
 template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV)) softmax_bwd_kernel(SoftmaxArgs a, int64_t rows) {
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV)) softmax_bwd_kernel(SoftmaxArgs a, int64_t rows) {
   __shared__ float scratch[32 * kMaxBlockRows];
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
@@ -129,13 +145,15 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV)) softmax_bwd_kernel(S
     masked_scores<T, VEC, NV>(a, r, valid, p);
     load_tile<T, VEC, NV>(static_cast<const T*>(a.dy) + r * a.sk, a.sk, valid, g);
     const float lse = valid ? a.lse[r] : -INFINITY;
+    // p = exp2(score - lse, both in log2 units): 0 for masked scores and for an empty row.
+    const float nlse2 = lse == -INFINITY ? -INFINITY : -lse * kLog2e;
     const uint32_t keep = keep_bits<VEC, NV>(seed, a.threshold, r, a.sk);
     float c = 0.f;
 #pragma unroll
     for (int v = 0; v < NV; ++v)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        p.v[v][e] = lse == -INFINITY ? 0.f : prob(p.v[v][e], lse);
+        p.v[v][e] = fast_exp2(p.v[v][e] + nlse2);
         g.v[v][e] = bit(keep, v * VEC + e) ? g.v[v][e] * a.keep_scale : 0.f;
         c += g.v[v][e] * p.v[v][e];
       }
