@@ -7,7 +7,8 @@ sums the durations of the events on the GPU device's stream threads, per kernel 
 Comparing the two tells launch overhead from slow kernels.
 
 Usage: `kernel_times(fn, args, repeats=10)` -> {kernel name: µs per call}; empty where
-the trace holds no device events (CPU).
+the trace holds no device events (CPU). `trace_events` and `idle_gaps` give the raw events
+and the device's idle stretches between kernels (launch gaps, host-bound stretches).
 """
 
 from __future__ import annotations
@@ -22,20 +23,25 @@ import tempfile
 import jax
 
 
-def kernel_times_from_events(events, repeats: int) -> dict[str, float]:
-    """µs per call of each event name on processes named '/device:GPU...'."""
+def device_events(events) -> list[dict]:
+    """The complete ('X') events on processes named '/device:GPU...', in trace order."""
     device_pids = {e["pid"] for e in events
                    if e.get("ph") == "M" and e.get("name") == "process_name"
                    and str(e.get("args", {}).get("name", "")).startswith("/device:GPU")}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+
+
+def kernel_times_from_events(events, repeats: int) -> dict[str, float]:
+    """µs per call of each event name on processes named '/device:GPU...'."""
     totals: dict[str, float] = collections.defaultdict(float)
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device_pids:
-            totals[e["name"]] += float(e.get("dur", 0.0))
+    for e in device_events(events):
+        totals[e["name"]] += float(e.get("dur", 0.0))
     return {name: us / repeats for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def kernel_times(fn, args, *, repeats: int = 10) -> dict[str, float]:
-    """Runs fn(*args) once to warm up, then `repeats` times under the profiler."""
+def trace_events(fn, args, *, repeats: int = 10) -> list[dict]:
+    """Runs fn(*args) once to warm up, then `repeats` times under the profiler; the
+    trace's events ([] where it wrote none)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -43,11 +49,31 @@ def kernel_times(fn, args, *, repeats: int = 10) -> dict[str, float]:
                 jax.block_until_ready(fn(*args))
         paths = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
         if not paths:
-            return {}
+            return []
         with gzip.open(paths[0]) as f:
             trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return kernel_times_from_events(events, repeats)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def kernel_times(fn, args, *, repeats: int = 10) -> dict[str, float]:
+    """µs per call of each kernel of fn(*args), over `repeats` traced calls."""
+    return kernel_times_from_events(trace_events(fn, args, repeats=repeats), repeats)
+
+
+def idle_gaps(events, *, min_gap_us: float = 0.0) -> list[tuple[float, str, str]]:
+    """The idle stretches between consecutive device events (by start time, all of the
+    device's streams together): (µs, kernel before, kernel after), largest first. Work
+    overlapping on two streams counts as busy."""
+    evs = sorted(device_events(events), key=lambda e: float(e["ts"]))
+    gaps = []
+    busy_until, last = None, None
+    for e in evs:
+        ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        if busy_until is not None and ts - busy_until > min_gap_us:
+            gaps.append((ts - busy_until, last, e["name"]))
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, e["name"]
+    return sorted(gaps, key=lambda g: -g[0])
 
 
 def per_application(fn, args, applications: int, *, repeats: int = 3) -> tuple[float | None, dict[str, float]]:

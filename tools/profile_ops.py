@@ -1,8 +1,9 @@
 """Runs each fused op once (after a warm-up call) at BERT-large sizes, bf16, so `ncu` can
 profile the kernels in a small program (ncu cannot profile while XLA compiles a full
 training step). Usage: ncu --kernel-name regex:'norm_|gelu_|column_sum' ... python3 tools/profile_ops.py
-[rows|attention] (default rows: the normalization and GELU families; attention: the fused
-attention forward and backward with dropout 0.1, B 8, S 512, H 16, D 64)."""
+[rows|attention|softmax] (default rows: the normalization and GELU families; attention: the
+fused attention forward and backward with dropout 0.1, B 8, S 512, H 16, D 64; softmax:
+softmax_dropout forward and backward at [8, 16, 512, 512], dropout 0.1)."""
 
 import sys
 
@@ -58,9 +59,23 @@ def row_cases():
     ]
 
 
+def softmax_cases():
+    k = jax.random.split(jax.random.key(2), 2)
+    scores = jax.random.normal(k[0], (8, 16, 512, 512), jnp.bfloat16)
+
+    def sd(x):
+        return jaxsub.ops.softmax_dropout(x, scale=0.125, rate=0.1, key=k[1])
+
+    def fwd_bwd(x):
+        y, vjp = jax.vjp(sd, x)
+        return y, vjp(y)
+
+    return [(jax.jit(fwd_bwd), (scores,))]
+
+
 def main():
     family = sys.argv[1] if len(sys.argv) > 1 else "rows"
-    cases = {"rows": row_cases, "attention": attention_cases}[family]()
+    cases = {"rows": row_cases, "attention": attention_cases, "softmax": softmax_cases}[family]()
     for f, args in cases:
         jax.block_until_ready(f(*args))
     for f, args in cases:
