@@ -100,10 +100,17 @@ struct BwdRow {
   }
 };
 
-// Layer norm forward at 32 elements per thread is capped at 64 registers (two 512-thread
-// blocks per SM): 32 rows of 1024 resident per SM, so [4096, 1024] runs in one wave.
+// The forwards at their default elements per thread (layer norm 32, BDRLN 16) are capped
+// at 64 registers (two 512-thread blocks per SM): layer norm keeps 32 rows of 1024
+// resident per SM, so [4096, 1024] runs in one wave; BDRLN at 16 elements (59 registers
+// instead of 90) ran 13.3 us against 14.9 at 32 elements uncapped ([4096, 1024] bf16,
+// tools/sweep_rows.py). Capping the backward the same way spilled and ran 1.5x slower.
+constexpr int norm_fwd_min_blocks(int vec, int nv, bool residual) {
+  return vec * nv == (residual ? 16 : 32) && max_threads_for(vec, nv) == 512 ? 2 : 1;
+}
+
 template <typename T, int VEC, int NV, bool kResidual>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV), (!kResidual && VEC * NV == 32) ? 2 : 1)
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), norm_fwd_min_blocks(VEC, NV, kResidual))
     norm_fwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, float eps, uint32_t threshold, float keep_scale) {
   __shared__ float scratch[32 * kMaxBlockRows];
   uint32_t seed[2] = {0u, 0u};
@@ -265,7 +272,7 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
     // vectors per thread). Backward: 8 (16-bit) / 16 (f32) as before; four or five [NV][VEC]
     // f32 tiles (column partials, xhat, dy) stay live, and at 16 16-bit elements ptxas needed
     // 120-128 registers (no more rows in flight per SM than at 8 elements and 64).
-    const int max_elems = a.kernel.elems_or(kBackward ? (sizeof(T) == 4 ? 16 : 8) : 32);
+    const int max_elems = a.kernel.elems_or(kBackward ? (sizeof(T) == 4 ? 16 : 8) : (kResidual ? 16 : 32));
     const RowConfig c = choose_rows(a.cols, sizeof(T), aligned, max_elems, a.kernel.threads_or(kBackward ? 512 : 256));
     if (!c.ok) return invalid(a.op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
