@@ -155,6 +155,52 @@ def test_trace_sums_device_kernels_per_call():
     assert trace.kernel_times_from_events(events, repeats=2) == {"norm_fwd_kernel": 5.0, "loop_fusion": 1.5}
 
 
+def test_trace_idle_gaps_between_device_kernels():
+    from bench import trace
+
+    events = [
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 5, "dur": 100.0, "name": "host work"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 4.0, "name": "a"},
+        {"ph": "X", "pid": 2, "tid": 8, "ts": 2, "dur": 6.0, "name": "b"},   # overlaps a: busy until 8
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 11, "dur": 1.0, "name": "c"},  # 3 idle after b
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 20, "dur": 2.0, "name": "d"},  # 8 idle after c
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 22, "dur": 1.0, "name": "e"},  # back to back
+    ]
+    assert trace.idle_gaps(events) == [(8.0, "c", "d"), (3.0, "b", "c")]
+    assert trace.idle_gaps(events, min_gap_us=5.0) == [(8.0, "c", "d")]
+
+
+def _profile_layer():
+    """tools/profile_layer.py, loaded from its path (tools/ is not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "profile_layer.py"
+    spec = importlib.util.spec_from_file_location("jaxsub_tools_profile_layer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_layer_groups_kernels():
+    profile_layer = _profile_layer()
+    assert profile_layer.category("void jaxsub::(anonymous namespace)::norm_fwd_kernel<...>") == "jaxsub"
+    assert profile_layer.category("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_NNT") == "matmul"
+    assert profile_layer.category("gemm_fusion_dot_9") == "matmul"
+    assert profile_layer.category("loop_add_fusion_1") == "xla"
+
+
+def test_profile_layer_runs_on_a_small_config(capsys):
+    profile_layer = _profile_layer()
+    assert profile_layer.main(["--config", "small-b2s64-bf16", "--rows", "jaxsub", "--top", "3"]) == 0
+    printed = capsys.readouterr().out
+    if jax.devices()[0].platform == "gpu":
+        assert "kernels" in printed and "idle between kernels" in printed
+    else:
+        assert "no device events" in printed
+
+
 def test_trace_finds_device_kernels_only_on_a_gpu():
     import jax.numpy as jnp
 
