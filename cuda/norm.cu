@@ -269,9 +269,10 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
     using T = typename decltype(tt)::type;
     const bool aligned = all_aligned({p.dy, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual});
     // Defaults. Forward: layer norm up to 32 elements per thread (a 16-bit row of 1024 is
-    // one warp, 4 vectors per thread), BDRLN 16 (see norm_fwd_min_blocks). Backward: 8 (16-bit) / 16 (f32) as before; four or five [NV][VEC]
-    // f32 tiles (column partials, xhat, dy) stay live, and at 16 16-bit elements ptxas needed
-    // 120-128 registers (no more rows in flight per SM than at 8 elements and 64).
+    // one warp, 4 vectors per thread), BDRLN 16 (see norm_fwd_min_blocks). Backward: 8
+    // (16-bit) / 16 (f32) as before; four or five [NV][VEC] f32 tiles (column partials,
+    // xhat, dy) stay live, and at 16 16-bit elements ptxas needed 120-128 registers (no
+    // more rows in flight per SM than at 8 elements and 64).
     const int max_elems = a.kernel.elems_or(kBackward ? (sizeof(T) == 4 ? 16 : 8) : (kResidual ? 16 : 32));
     const RowConfig c = choose_rows(a.cols, sizeof(T), aligned, max_elems, a.kernel.threads_or(kBackward ? 512 : 256));
     if (!c.ok) return invalid(a.op, "row too long for the kernel");

@@ -95,7 +95,8 @@ __device__ __forceinline__ void row_keep_scales(const SoftmaxArgs& a, const uint
 constexpr int min_blocks(int vec, int nv) { return vec * nv <= 16 && max_threads_for(vec, nv) == 512 ? 2 : 1; }
 
 template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV)) softmax_fwd_kernel(SoftmaxArgs a, int64_t rows) {
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
+    softmax_fwd_kernel(SoftmaxArgs a, int64_t rows) {
   __shared__ float scratch[32 * kMaxBlockRows];
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
@@ -134,7 +135,8 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
 }
 
 template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV)) softmax_bwd_kernel(SoftmaxArgs a, int64_t rows) {
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
+    softmax_bwd_kernel(SoftmaxArgs a, int64_t rows) {
   __shared__ float scratch[32 * kMaxBlockRows];
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
