@@ -60,19 +60,26 @@ def kernel_times(fn, args, *, repeats: int = 10) -> dict[str, float]:
     return kernel_times_from_events(trace_events(fn, args, repeats=repeats), repeats)
 
 
-def idle_gaps(events, *, min_gap_us: float = 0.0) -> list[tuple[float, str, str]]:
+def idle_gaps(events, *, steps: int = 1, min_gap_us: float = 0.0) -> list[tuple[float, str, str]]:
     """The idle stretches between consecutive device events (by start time, all of the
     device's streams together): (µs, kernel before, kernel after), largest first. Work
-    overlapping on two streams counts as busy."""
+    overlapping on two streams counts as busy. `steps`: the trace holds that many runs of
+    one compiled program, each the same number of device events; the gaps between runs
+    (the host waiting for each) are left out. ValueError when the events do not split
+    evenly."""
     evs = sorted(device_events(events), key=lambda e: float(e["ts"]))
+    if len(evs) % steps:
+        raise ValueError(f"idle_gaps: {len(evs)} device events do not split into {steps} equal steps")
+    per_step = len(evs) // steps
     gaps = []
-    busy_until, last = None, None
-    for e in evs:
-        ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-        if busy_until is not None and ts - busy_until > min_gap_us:
-            gaps.append((ts - busy_until, last, e["name"]))
-        if busy_until is None or end > busy_until:
-            busy_until, last = end, e["name"]
+    for k in range(steps):
+        busy_until, last = None, None
+        for e in evs[k * per_step:(k + 1) * per_step]:
+            ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+            if busy_until is not None and ts - busy_until > min_gap_us:
+                gaps.append((ts - busy_until, last, e["name"]))
+            if busy_until is None or end > busy_until:
+                busy_until, last = end, e["name"]
     return sorted(gaps, key=lambda g: -g[0])
 
 

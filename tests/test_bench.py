@@ -169,6 +169,15 @@ def test_trace_idle_gaps_between_device_kernels():
     ]
     assert trace.idle_gaps(events) == [(8.0, "c", "d"), (3.0, "b", "c")]
     assert trace.idle_gaps(events, min_gap_us=5.0) == [(8.0, "c", "d")]
+    # As two steps of one program (a, b | ...) the boundary gap is not counted; a count
+    # that does not split evenly is refused.
+    two_steps = events[:4] + [
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 100, "dur": 4.0, "name": "a"},
+        {"ph": "X", "pid": 2, "tid": 8, "ts": 110, "dur": 1.0, "name": "b"},
+    ]
+    assert trace.idle_gaps(two_steps, steps=2) == [(6.0, "a", "b")]
+    with pytest.raises(ValueError, match="equal steps"):
+        trace.idle_gaps(events, steps=2)
 
 
 def _profile_layer():

@@ -68,9 +68,14 @@ def profile(config_name: str, row_names: list[str], top: int, layouts: str | Non
               + ", ".join(f"{g} {us:.1f}" for g, us in sorted(groups.items(), key=lambda kv: -kv[1])))
         for kernel, us in list(times.items())[:top]:
             print(f"  {us:8.1f} us  {category(kernel):6s}  {kernel[:110]}")
-        # Idle time between kernels, per pair (kernel before -> kernel after). The 9 gaps
-        # between the 10 traced steps (the host waits for each) are left out.
-        gaps = trace.idle_gaps(events)[9:]
+        # Idle time between kernels inside each of the 10 traced steps, per pair (kernel
+        # before -> kernel after); the gaps between steps (the host waits for each) are not
+        # the step's.
+        try:
+            gaps = trace.idle_gaps(events, steps=10)
+        except ValueError as e:
+            print(f"  {e}: the gaps below include those between steps")
+            gaps = trace.idle_gaps(events)
         pairs: dict[tuple[str, str], list[float]] = {}
         for us, before, after in gaps:
             pairs.setdefault((before, after), []).append(us)
