@@ -46,16 +46,26 @@ __device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_ca
 
 // Starts copying rows [row0, row0 + kTile) of one head of a [B, S, H, D] tensor into
 // shared memory ([kTile][D + kPad]) with cp.async (the caller commits and waits); rows
-// past `rows` are zero-filled.
+// past `rows` are zero-filled. Thread t copies 16-byte piece t % kChunks of rows
+// t / kChunks + p * kRowsPerPass, p < kPasses: a fixed trip count and one pointer step
+// per pass (a loop over c = t, t + 128, ... compiled to a generic loop with 64-bit
+// multiplies per piece and its offsets spilled to local memory).
 template <typename T, int D>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, int64_t rows, int64_t row_stride) {
-  constexpr int kChunks = D * sizeof(T) / 16;  // 16-byte pieces per row
+  constexpr int kElems = 16 / sizeof(T);            // elements per 16-byte piece
+  constexpr int kChunks = D / kElems;               // pieces per row
+  static_assert(kThreads % kChunks == 0 && kTile % (kThreads / kChunks) == 0, "tile copy shape");
+  constexpr int kRowsPerPass = kThreads / kChunks;  // rows the block copies per pass
+  constexpr int kPasses = kTile / kRowsPerPass;
+  const int r0 = threadIdx.x / kChunks, part = threadIdx.x % kChunks;
+  const int64_t left = rows - row0 - r0;            // rows from this thread's first one to the end
+  const T* s = src + (row0 + r0) * row_stride + part * kElems;
+  T* d = dst + r0 * (D + kPad) + part * kElems;
+  const int64_t step = kRowsPerPass * row_stride;
 #pragma unroll
-  for (int c = threadIdx.x; c < kTile * kChunks; c += kThreads) {
-    const int r = c / kChunks, part = c % kChunks;
-    const bool full = row0 + r < rows;
-    cp_async16(dst + r * (D + kPad) + part * (16 / sizeof(T)),
-               src + (full ? (row0 + r) * row_stride : 0) + part * (16 / sizeof(T)), full);
+  for (int p = 0; p < kPasses; ++p) {
+    const bool full = p * kRowsPerPass < left;
+    cp_async16(d + p * kRowsPerPass * (D + kPad), full ? s + p * step : src, full);
   }
 }
 
