@@ -27,8 +27,9 @@ namespace {
 // Key order inside a tile: the score mma's column c (n-block c / 8, thread c % 8 / 2 of a
 // quad) holds key  key_of(c) = (c % 8 / 2) * 16 + (c / 8) * 2 + c % 2,  so thread tq of a
 // quad owns the 16 consecutive keys 16 tq .. 16 tq + 15 of each of its rows: their
-// dropout decisions are two Philox calls (8 keys each) instead of one per pair. ldmatrix
-// takes one row address per lane, so K and V are read in that order at no cost.
+// dropout decisions are two Philox calls (8 keys each) instead of one per pair. The K and
+// V tiles are stored in that order (key j in shared row slot_of(j), attention.cuh), so
+// the ldmatrix row addresses of column c are row c: consecutive, free of bank conflicts.
 
 // Forward shared memory: K and V tiles, two stages (the next tile is copied while this
 // one is used).
@@ -71,10 +72,11 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
 
   // This lane's ldmatrix row addresses. K (plain, B of Q Kᵀ): matrix m = lane / 8 is
   // (key rows key_of(8 n + r), d columns 16 kc + 8 (m % 2) + 16 (m / 2)). V (transposed, B
-  // of P V): (key rows key_of(16 kc + 8 (m % 2) + r), d columns 8 dn + 8 (m / 2)).
+  // of P V): (key rows key_of(16 kc + 8 (m % 2) + r), d columns 8 dn + 8 (m / 2)). Key
+  // key_of(c) is in shared row c.
   const int lm = lane / 8, lr = lane % 8;
-  const int k_lane = ((lr / 2) * 16 + lr % 2) * kRow + (lm % 2) * 8 + (lm / 2) * 16;
-  const int v_lane = ((lr / 2) * 16 + lr % 2 + 2 * (lm % 2)) * kRow + (lm / 2) * 8;
+  const int k_lane = lr * kRow + (lm % 2) * 8 + (lm / 2) * 16;
+  const int v_lane = (lr + 8 * (lm % 2)) * kRow + (lm / 2) * 8;
 
   float o[D / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), sum
@@ -86,8 +88,8 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
   }
   const int tiles = static_cast<int>((key_end + kTile - 1) / kTile);
   if (tiles > 0) {
-    load_tile<T, D>(sm.k[0], kg, 0, a.sk, row_stride);
-    load_tile<T, D>(sm.v[0], vg, 0, a.sk, row_stride);
+    load_tile<T, D, true>(sm.k[0], kg, 0, a.sk, row_stride);
+    load_tile<T, D, true>(sm.v[0], vg, 0, a.sk, row_stride);
   }
   cp_async_commit();
   for (int t = 0; t < tiles; ++t) {
@@ -96,8 +98,8 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
     // Copy the next tile into the other stage (free: the barrier at the end of the last
     // iteration saw every warp done with it), then wait for this one.
     if (t + 1 < tiles) {
-      load_tile<T, D>(sm.k[buf ^ 1], kg, kb + kTile, a.sk, row_stride);
-      load_tile<T, D>(sm.v[buf ^ 1], vg, kb + kTile, a.sk, row_stride);
+      load_tile<T, D, true>(sm.k[buf ^ 1], kg, kb + kTile, a.sk, row_stride);
+      load_tile<T, D, true>(sm.v[buf ^ 1], vg, kb + kTile, a.sk, row_stride);
     }
     cp_async_commit();
     // Keep bits first (while the copy lands): the generator's temporaries are dead before
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
 #pragma unroll
       for (int kc = 0; kc < D / 16; kc += 2) {
         uint32_t b[4];
-        ldsm(b, ks + k_lane + n * 2 * kRow + kc * 16);
+        ldsm(b, ks + k_lane + n * 8 * kRow + kc * 16);
         mma<T>(s[n], qf[kc], b[0], b[1]);
         mma<T>(s[n], qf[kc + 1], b[2], b[3]);
       }
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
 #pragma unroll
       for (int dn = 0; dn < D / 8; dn += 2) {
         uint32_t b[4];
-        ldsm_t(b, vs + v_lane + kc * 4 * kRow + dn * 8);
+        ldsm_t(b, vs + v_lane + kc * 16 * kRow + dn * 8);
         mma<T>(o[dn], pf[kc], b[0], b[1]);
         mma<T>(o[dn + 1], pf[kc], b[2], b[3]);
       }
@@ -356,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
       cp_async_commit();
       cp_async_wait<1>();
     } else {
-      load_query_tile(t, 0);  // the barrier ending the last iteration freed the stage
+      load_query_tile(t, 0);  // the last iteration read this stage before its second barrier
       cp_async_commit();
       cp_async_wait<0>();
     }
@@ -459,7 +461,11 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
         atomicAdd(dq_row + dn * 8 + 1, c[dn][2 * r + 1] * a.scale);
       }
     }
-    __syncthreads();  // sm.ds, sm.keep and this stage are free for the next iteration
+    // No barrier here: after the one above nothing reads this stage, and the next
+    // iteration's writes are safe without one. Its copies go to a stage last read before
+    // that barrier; sm.keep[warp] is read and written by its own warp only; sm.ds is
+    // rewritten after the next iteration's first barrier, which every warp reaches only
+    // when done with its dQ products here.
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
 

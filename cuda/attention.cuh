@@ -42,6 +42,16 @@ struct AttnArgs {
   float keep_scale;
 };
 
+// The forward's key order inside a 64-key tile (attention.cu): the score mma's column c
+// holds key key_of(c) = (c % 8 / 2) * 16 + (c / 8) * 2 + c % 2, and key j is stored in shared
+// row slot_of(j), the inverse (both permute the 6 bits of the index), so that every
+// ldmatrix reads eight consecutive rows: conflict-free with the 16-byte row padding
+// (rows key_of(0..7) = 0, 1, 16, 17, ... sit in two of the eight 16-byte bank groups, a
+// 4-way conflict).
+__host__ __device__ constexpr int key_of(int c) { return (c % 8 / 2) * 16 + (c / 8) * 2 + c % 2; }
+__host__ __device__ constexpr int slot_of(int j) { return (j % 16 / 2) * 8 + (j / 16) * 2 + j % 2; }
+static_assert(slot_of(key_of(37)) == 37 && key_of(slot_of(50)) == 50 && slot_of(key_of(63)) == 63, "inverse");
+
 __device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // Starts copying rows [row0, row0 + kTile) of one head of a [B, S, H, D] tensor into
@@ -49,8 +59,9 @@ __device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_ca
 // past `rows` are zero-filled. Thread t copies 16-byte piece t % kChunks of rows
 // t / kChunks + p * kRowsPerPass, p < kPasses: a fixed trip count and one pointer step
 // per pass (a loop over c = t, t + 128, ... compiled to a generic loop with 64-bit
-// multiplies per piece and its offsets spilled to local memory).
-template <typename T, int D>
+// multiplies per piece and its offsets spilled to local memory). With kSlots, tile row r
+// goes to shared row slot_of(r) instead of r (the forward's key order, attention.cu).
+template <typename T, int D, bool kSlots = false>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, int64_t rows, int64_t row_stride) {
   constexpr int kElems = 16 / sizeof(T);            // elements per 16-byte piece
   constexpr int kChunks = D / kElems;               // pieces per row
@@ -60,12 +71,15 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row0, in
   const int r0 = threadIdx.x / kChunks, part = threadIdx.x % kChunks;
   const int64_t left = rows - row0 - r0;            // rows from this thread's first one to the end
   const T* s = src + (row0 + r0) * row_stride + part * kElems;
-  T* d = dst + r0 * (D + kPad) + part * kElems;
+  auto slot = [](int r) { return kSlots ? slot_of(r) : r; };
+  T* d = dst + slot(r0) * (D + kPad) + part * kElems;
   const int64_t step = kRowsPerPass * row_stride;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const bool full = p * kRowsPerPass < left;
-    cp_async16(d + p * kRowsPerPass * (D + kPad), full ? s + p * step : src, full);
+    // slot_of permutes the bits of r, and r0 < kRowsPerPass (a power of two) shares none
+    // with p * kRowsPerPass: slot_of(r0 + p kRowsPerPass) = slot_of(r0) + slot_of(p kRowsPerPass).
+    cp_async16(d + slot(p * kRowsPerPass) * (D + kPad), full ? s + p * step : src, full);
   }
 }
 
