@@ -10,8 +10,8 @@
 // memory; dK, dV accumulate in registers, dQ in an f32 workspace through atomics (one per
 // element per block and query tile). Tiles are copied one ahead with cp.async (two
 // shared-memory stages) where shared memory allows. Operands reach the tensor cores
-// through ldmatrix. Calls without mask and causal run kernels instantiated without the
-// mask code (kMasked = false).
+// through ldmatrix. Each kernel is instantiated per score rule (MaskMode): calls without
+// mask and causal carry no mask code, and a key-padding mask is read once per key.
 // Probabilities enter the P V products unscaled (kept or zero); the dropout scale
 // multiplies the output and dV once, in f32.
 #include <cmath>
@@ -43,7 +43,7 @@ struct FwdSmem {
 template <int D>
 constexpr int fwd_min_blocks() { return D <= 64 ? 4 : 2; }
 
-template <typename T, int D, bool kMasked>
+template <typename T, int D, int kMode>
 __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_kernel(AttnArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   FwdSmem<T, D>& sm = *reinterpret_cast<FwdSmem<T, D>*>(smem_raw);
@@ -130,7 +130,9 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
     // per-element test (rows past Sq are never stored) and keeps the raw scores: the max
     // is taken raw and scaled once, and each probability is exp2(s * sc - base), one FFMA.
     // Otherwise the scores are scaled and masked here (log2 units, sc = 1).
-    const bool plain = !kMasked && kb + kTile <= a.sk && a.scale > 0.f;
+    const bool plain = kMode == kNoMask && kb + kTile <= a.sk && a.scale > 0.f;
+    // Under a key mask, this thread's 16 keys (shared by its two rows) are read once.
+    const uint32_t vis = kMode == kKeyMask ? key_bits16(a, rc, kb + tq * 16) : 0xffffu;
     const float sc = plain ? scale_log2 : 1.f;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
       for (int e = 0; e < 4; ++e) {
         if (!plain) {
           const int64_t i = q0 + quad + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
-          s[n][e] = score_log2<kMasked>(a, rc, s[n][e], i, j);
+          s[n][e] = score_log2<kMode>(a, rc, s[n][e], i, j, (vis >> (n * 2 + (e & 1))) & 1u);
         }
         mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
       }
@@ -291,7 +293,7 @@ __device__ __forceinline__ void add_keys_by_d(float (&acc)[D / 8][4], const uint
 // in shared memory (warp w: queries 16 w .. 16 w + 15) and added to the f32 workspace.
 // K and V fragments are read from shared memory per query tile (holding them in
 // registers cost a block per multiprocessor).
-template <typename T, int D, bool kMasked>
+template <typename T, int D, int kMode>
 __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_kernel(AttnArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using Smem = BwdSmem<T, D>;
@@ -337,6 +339,11 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   if (kStages == 2 && tiles > 0) load_query_tile(0, 0);
   cp_async_commit();
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  // Under a key mask, the visibility of this thread's two keys (k0 + quad, k0 + quad + 8:
+  // bits 0 and 1), the same for every query tile.
+  uint32_t kvis = 3u;
+  if constexpr (kMode == kKeyMask)
+    kvis = static_cast<uint32_t>(key_visible(a, rc, k0 + quad)) | static_cast<uint32_t>(key_visible(a, rc, k0 + quad + 8)) << 1;
 
   // ldmatrix row addresses of this lane (matrix m = lane / 8, row r = lane % 8).
   const int lm = lane / 8, lr = lane % 8;
@@ -379,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     // Per query tile, in an order that keeps few tiles live: Sᵀ = K Qᵀ -> probabilities (in
     // place) -> dV += Pdᵀ dO -> dPdᵀ = V dOᵀ -> dSᵀ (in place) -> dK += dSᵀ Q. Rows = the
     // warp's 16 keys, columns = the tile's 64 queries.
-    const bool plain = !kMasked && k0 + 16 <= a.sk;
+    const bool plain = kMode == kNoMask && k0 + 16 <= a.sk;
     float p[8][4];
     keys_by_queries<T, D>(p, sm.k + a_off, qs + plain_off);
     // The keep bits of this thread's 32 entries, gathered once per tile: bit 4 n + e is
@@ -407,7 +414,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
         for (int e = 0; e < 4; ++e) {
           const int il = il_of(n, e), jl = quad + (e >> 1) * 8;
           const float x = plain ? fmaf(p[n][e], scale_log2, nlse2[il])
-                                : score_log2<kMasked>(a, rc, p[n][e], qb + il, k0 + jl) + nlse2[il];
+                                : score_log2<kMode>(a, rc, p[n][e], qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) +
+                                      nlse2[il];
           p[n][e] = fast_exp2(x);  // 0 for masked scores and empty rows
           pd[e] = kept(n, e) ? p[n][e] : 0.f;
         }
@@ -521,9 +529,22 @@ ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// Whether a call needs the masked kernels; launching a tile kernel (block kThreads,
-// `smem` bytes of dynamic shared memory, raised past 48 KB once per kernel).
-bool masked(const AttnArgs& a) { return a.mask_kind != kMaskNone || a.causal; }
+// The score rule a call's kernels are instantiated for (MaskMode, attention.cuh);
+// launching a tile kernel (block kThreads, `smem` bytes of dynamic shared memory, raised
+// past 48 KB once per kernel).
+int mask_mode(const AttnArgs& a) {
+  if (a.mask_kind == kMaskBool && a.sqm == 1) return kKeyMask;
+  return a.mask_kind != kMaskNone || a.causal ? kAnyMask : kNoMask;
+}
+// Calls f(IntC<mode>) for the call's mask mode.
+template <typename F>
+ffi::Error by_mask_mode(const AttnArgs& a, F&& f) {
+  switch (mask_mode(a)) {
+    case kKeyMask: return f(std::integral_constant<int, kKeyMask>{});
+    case kAnyMask: return f(std::integral_constant<int, kAnyMask>{});
+    default: return f(std::integral_constant<int, kNoMask>{});
+  }
+}
 template <auto Kernel>
 ffi::Error launch_tile_kernel(const char* op, dim3 grid, size_t smem, cudaStream_t stream, const AttnArgs& a) {
   if (auto e = smem_opt_in<Kernel>(op, smem); e.failure()) return e;
@@ -565,8 +586,9 @@ ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t m
     constexpr int D = decltype(dd)::value;
     const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     constexpr size_t smem = sizeof(FwdSmem<T, D>);
-    const ffi::Error e = masked(a) ? launch_tile_kernel<attention_fwd_kernel<T, D, true>>(op, grid, smem, stream, a)
-                                   : launch_tile_kernel<attention_fwd_kernel<T, D, false>>(op, grid, smem, stream, a);
+    const ffi::Error e = by_mask_mode(a, [&](auto mode) {
+      return launch_tile_kernel<attention_fwd_kernel<T, D, decltype(mode)::value>>(op, grid, smem, stream, a);
+    });
     if (e.failure()) return e;
     return launch_status(op);
   });
@@ -605,10 +627,10 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
         <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     constexpr size_t smem = sizeof(BwdSmem<T, D>);
-    if (const ffi::Error e = masked(a) ? launch_tile_kernel<attention_bwd_kernel<T, D, true>>(op, grid, smem, stream, a)
-                                       : launch_tile_kernel<attention_bwd_kernel<T, D, false>>(op, grid, smem, stream, a);
-        e.failure())
-      return e;
+    const ffi::Error e = by_mask_mode(a, [&](auto mode) {
+      return launch_tile_kernel<attention_bwd_kernel<T, D, decltype(mode)::value>>(op, grid, smem, stream, a);
+    });
+    if (e.failure()) return e;
     const int64_t n = rows * D;
     attention_dq_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535)), 256, 0, stream>>>(
         a.dq_acc, static_cast<T*>(a.o), n, a.scale);

@@ -138,12 +138,43 @@ __device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, floa
   return x;
 }
 
-// The score of raw s at (i, j) in log2 units: the full rule with kMasked, else only the
-// bounds (the kernels launched for calls without mask and causal carry no mask code).
-template <bool kMasked>
-__device__ __forceinline__ float score_log2(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j) {
-  if constexpr (kMasked) {
+// Which score rule a kernel is instantiated for (attention.cu picks per call):
+// kNoMask: no mask and no causal rule, only the bounds; kAnyMask: the full rule (score());
+// kKeyMask: a boolean mask that does not depend on the query ([Bm, Hm, 1, Skm]: key
+// padding), its bits read once per key (key_bits16, key_visible), plus the causal rule.
+enum MaskMode : int { kNoMask = 0, kAnyMask = 1, kKeyMask = 2 };
+
+// Under a key mask: whether key j is visible (false past Sk).
+__device__ __forceinline__ bool key_visible(const AttnArgs& a, const RowCtx& rc, int64_t j) {
+  const bool* row = static_cast<const bool*>(a.mask) + rc.mask_head * a.skm;  // sqm == 1
+  return j < a.sk && row[a.skm == 1 ? 0 : j];
+}
+
+// Under a key mask: the visibility bits of keys j0 .. j0 + 15 (bit t: key j0 + t), one
+// 16-byte load when the 16 flags are in bounds and aligned (each flag byte is 0 or 1:
+// (w & 0x01010101) * 0x01020408 gathers a word's four flags into its top byte).
+__device__ __forceinline__ uint32_t key_bits16(const AttnArgs& a, const RowCtx& rc, int64_t j0) {
+  const bool* row = static_cast<const bool*>(a.mask) + rc.mask_head * a.skm;
+  if (a.skm != 1 && j0 + 16 <= a.sk && (reinterpret_cast<uintptr_t>(row + j0) & 15) == 0) {
+    const uint4 w = *reinterpret_cast<const uint4*>(row + j0);
+    auto four = [](uint32_t x) { return ((x & 0x01010101u) * 0x01020408u) >> 24; };
+    return four(w.x) | four(w.y) << 4 | four(w.z) << 8 | four(w.w) << 12;
+  }
+  uint32_t bits = 0;
+  for (int t = 0; t < 16; ++t) bits |= static_cast<uint32_t>(key_visible(a, rc, j0 + t)) << t;
+  return bits;
+}
+
+// The score of raw s at (i, j) in log2 units under rule kMode; `visible` is key j's bit
+// under kKeyMask (bounds of j included) and unused otherwise.
+template <int kMode>
+__device__ __forceinline__ float score_log2(const AttnArgs& a, const RowCtx& rc, float s, int64_t i, int64_t j,
+                                            bool visible = true) {
+  if constexpr (kMode == kAnyMask) {
     return score(a, rc, s, i, j) * kLog2e;
+  } else if constexpr (kMode == kKeyMask) {
+    const bool in = visible && i < a.sq && !(a.causal && j > i + a.sk - a.sq);
+    return in ? s * a.scale * kLog2e : -INFINITY;
   } else {
     return i < a.sq && j < a.sk ? s * a.scale * kLog2e : -INFINITY;
   }

@@ -51,6 +51,12 @@ def make_mask(kind, seed, b, h, sq, sk):
         m = rng.random((b, 1, sq, sk)) < 0.6
         m[..., 0] = True
         return jnp.asarray(m)
+    if kind == "batch":  # [B, 1, 1, 1]: every key of batch 1 hidden (its rows give zeros)
+        return jnp.asarray(np.arange(b).reshape(b, 1, 1, 1) != 1)
+    if kind == "headkeys":  # [1, H, 1, Sk]: key padding per head
+        m = rng.random((1, h, 1, sk)) < 0.7
+        m[..., 0] = True
+        return jnp.asarray(m)
     if kind == "additive":  # [H, Sq, Sk] with some -inf
         m = rng.standard_normal((h, sq, sk)).astype(np.float32)
         m[rng.random((h, sq, sk)) < 0.2] = -np.inf
@@ -116,6 +122,8 @@ CASES = [
     (7, 128, 1, 64, F16, "additive", True, 0.1),
     (130, 130, 1, 8, F16, "bool4d", False, 0.1),
     (128, 1, 3, 64, F16, None, True, 0.0),
+    (7, 130, 3, 8, BF16, "headkeys", True, 0.1),
+    (130, 7, 1, 8, F32, "batch", False, 0.1),
 ]
 
 
@@ -411,7 +419,8 @@ class TestCuda:
     @pytest.mark.parametrize("sq,sk,mask_kind,causal", [
         (1, 7, None, False), (7, 130, "padding", True), (130, 128, "additive", False),
         (128, 1, "bool4d", False), (130, 130, "additive", True), (65, 200, None, True),
-        (200, 65, None, True)])  # Sq > Sk, causal: the first 135 queries see no key
+        (200, 65, None, True),  # Sq > Sk, causal: the first 135 queries see no key
+        (7, 130, "headkeys", False), (130, 65, "batch", True)])  # key masks: [1, H, 1, Sk], [B, 1, 1, 1]
     def test_fused_odd_sizes_match_cpu(self, sq, sk, mask_kind, causal, d):
         self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused",
                           dtype=F16 if d == 32 else BF16, mask_kind=mask_kind, seed=sq * 1000 + sk + d)
