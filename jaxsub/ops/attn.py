@@ -235,7 +235,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         memory), "unfused" (score GEMM, fused softmax-dropout, GEMM), or None: the
         choice of the enclosing `jaxsub.ops.config.use` block (what `jaxsub.optimize`'s
         `layouts=` selected for this signature), else "unfused" (on the H200 at BERT-large
-        shapes the fused kernel is faster forward but not forward + backward; bench/NOTES.md).
+        shapes the fused kernel is faster for the op alone, but the encoder layer was not
+        faster with it; bench/NOTES.md, attention v4).
         "fused" on a GPU without a CUDA fused kernel for this build, dtype (float32) or head
         dim (not 32, 64 or 128) runs the unfused path with a one-time log line.
 
