@@ -339,11 +339,13 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   if (kStages == 2 && tiles > 0) load_query_tile(0, 0);
   cp_async_commit();
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  // Under a key mask, the visibility of this thread's two keys (k0 + quad, k0 + quad + 8:
-  // bits 0 and 1), the same for every query tile.
-  uint32_t kvis = 3u;
+  // The visibility of this thread's two keys (k0 + quad, k0 + quad + 8: bits 0 and 1), the
+  // same for every query tile: in bounds, and under a key mask, visible (unused by kAnyMask).
+  uint32_t kvis;
   if constexpr (kMode == kKeyMask)
     kvis = static_cast<uint32_t>(key_visible(a, rc, k0 + quad)) | static_cast<uint32_t>(key_visible(a, rc, k0 + quad + 8)) << 1;
+  else
+    kvis = static_cast<uint32_t>(k0 + quad < a.sk) | static_cast<uint32_t>(k0 + quad + 8 < a.sk) << 1;
 
   // ldmatrix row addresses of this lane (matrix m = lane / 8, row r = lane % 8).
   const int lm = lane / 8, lr = lane % 8;
@@ -386,7 +388,6 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     // Per query tile, in an order that keeps few tiles live: Sᵀ = K Qᵀ -> probabilities (in
     // place) -> dV += Pdᵀ dO -> dPdᵀ = V dOᵀ -> dSᵀ (in place) -> dK += dSᵀ Q. Rows = the
     // warp's 16 keys, columns = the tile's 64 queries.
-    const bool plain = kMode == kNoMask && k0 + 16 <= a.sk;
     float p[8][4];
     keys_by_queries<T, D>(p, sm.k + a_off, qs + plain_off);
     // The keep bits of this thread's 32 entries, gathered once per tile: bit 4 n + e is
@@ -413,9 +414,15 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int il = il_of(n, e), jl = quad + (e >> 1) * 8;
-          const float x = plain ? fmaf(p[n][e], scale_log2, nlse2[il])
-                                : score_log2<kMode>(a, rc, p[n][e], qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) +
-                                      nlse2[il];
+          float x;
+          if constexpr (kMode == kNoMask) {
+            // No per-element branch: the key's bit is its bounds; a query past Sq has
+            // nlse2 = -inf. (The same select under kKeyMask, with the causal test, ran
+            // 7% slower than the rule below: bench/NOTES.md, attention v4.)
+            x = (kvis >> (e >> 1)) & 1u ? fmaf(p[n][e], scale_log2, nlse2[il]) : -INFINITY;
+          } else {
+            x = score_log2<kMode>(a, rc, p[n][e], qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) + nlse2[il];
+          }
           p[n][e] = fast_exp2(x);  // 0 for masked scores and empty rows
           pd[e] = kept(n, e) ? p[n][e] : 0.f;
         }
