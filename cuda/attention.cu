@@ -200,31 +200,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
 }
 
 // ---------------------------------------------------------------------------------------
-// Backward.
-
-// delta[b, h, i] = sum_d dout * out. Each row (b, i, h) is read by D / 8 consecutive lanes
-// in 16-byte pieces and summed with shuffles; grid ceil(B*Sq*H*D/8 / 128), block 128.
-template <typename T, int D>
-__global__ void attention_delta_kernel(AttnArgs a) {
-  constexpr int kVec = 16 / sizeof(T), kLanes = D / kVec;  // lanes per row: 4, 8 or 16
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t row = g / kLanes, rows = a.b * a.sq * a.h;  // row: (b, i, h) row-major
-  const int part = static_cast<int>(g % kLanes);
-  float acc = 0.f;
-  if (row < rows) {
-    float x[kVec], y[kVec];
-    load_vec<T, kVec>(static_cast<const T*>(a.dout) + row * D + part * kVec, x);
-    load_vec<T, kVec>(static_cast<const T*>(a.out) + row * D + part * kVec, y);
-#pragma unroll
-    for (int t = 0; t < kVec; ++t) acc += x[t] * y[t];
-  }
-#pragma unroll
-  for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (row < rows && part == 0) {
-    const int64_t hh = row % a.h, i = (row / a.h) % a.sq, bb = row / (a.h * a.sq);
-    a.delta[(bb * a.h + hh) * a.sq + i] = acc;
-  }
-}
+// Backward (its warp-tile products and the delta and dq kernels: attention.cuh).
 
 // Backward stages: two query tiles in flight (Q, dO, lse, delta of the next one are
 // copied while this one is used) where shared memory allows three blocks per
@@ -249,44 +225,6 @@ struct BwdSmem {
   float delta[kStages][kTile];          // per query of the tile: delta
   uint16_t keep[kWarps][kTile];         // per warp and query: keep bits of the warp's 16 keys
 };
-
-// The backward's two warp-tile products (rows = the warp's 16 keys):
-// acc[16 keys][64 queries] = A[16 keys][D] · B[64 queries][D]ᵀ, with A's rows at `a`
-// (ldmatrix lane addresses, plain) and B's at `b` (plain); and
-// acc[16 keys][D] += frag[16 keys][64 queries] · B[64 queries][D], B's rows at `b`
-// (transposed lane addresses).
-template <typename T, int D>
-__device__ __forceinline__ void keys_by_queries(float (&acc)[8][4], const T* a, const T* b) {
-  constexpr int kRow = D + kPad;
-  uint32_t af[D / 16][4];
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) ldsm(af[kc], a + kc * 16);
-#pragma unroll
-  for (int n = 0; n < 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-#pragma unroll
-    for (int kc = 0; kc < D / 16; kc += 2) {
-      uint32_t bf[4];
-      ldsm(bf, b + n * 8 * kRow + kc * 16);
-      mma<T>(acc[n], af[kc], bf[0], bf[1]);
-      mma<T>(acc[n], af[kc + 1], bf[2], bf[3]);
-    }
-  }
-}
-template <typename T, int D>
-__device__ __forceinline__ void add_keys_by_d(float (&acc)[D / 8][4], const uint32_t (&frag)[4][4], const T* b) {
-  constexpr int kRow = D + kPad;
-#pragma unroll
-  for (int kc = 0; kc < 4; ++kc)
-#pragma unroll
-    for (int dn = 0; dn < D / 8; dn += 2) {
-      uint32_t bf[4];
-      ldsm_t(bf, b + kc * 16 * kRow + dn * 8);
-      mma<T>(acc[dn], frag[kc], bf[0], bf[1]);
-      mma<T>(acc[dn + 1], frag[kc], bf[2], bf[3]);
-    }
-}
 
 // grid (ceil(Sk / 64), B * H), block 128; each warp owns 16 keys. dK, dV accumulate in
 // registers; dQ for the tile's 64 queries is computed once per block from the block's dSᵀ
@@ -497,20 +435,6 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
       *reinterpret_cast<uint32_t*>(dvg + j * row_stride + dn * 8 + tq * 2) =
           pack2<T>(dv[dn][2 * r] * a.keep_scale, dv[dn][2 * r + 1] * a.keep_scale);
     }
-  }
-}
-
-// dq = scale * dq_acc, rounded to T: eight elements per thread and step (two 16-byte
-// loads, one 16-byte store; n is a multiple of 8, D being). The score scale multiplies
-// here once instead of at each of the backward's atomics.
-template <typename T>
-__global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale) {
-  for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
-    const float4 lo = *reinterpret_cast<const float4*>(acc + i), hi = *reinterpret_cast<const float4*>(acc + i + 4);
-    const float x[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
-                        hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
-    store_vec<T, 8>(dq + i, x);
   }
 }
 
