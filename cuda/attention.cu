@@ -279,11 +279,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // The visibility of this thread's two keys (k0 + quad, k0 + quad + 8: bits 0 and 1), the
   // same for every query tile: in bounds, and under a key mask, visible (unused by kAnyMask).
-  uint32_t kvis;
-  if constexpr (kMode == kKeyMask)
-    kvis = static_cast<uint32_t>(key_visible(a, rc, k0 + quad)) | static_cast<uint32_t>(key_visible(a, rc, k0 + quad + 8)) << 1;
-  else
-    kvis = static_cast<uint32_t>(k0 + quad < a.sk) | static_cast<uint32_t>(k0 + quad + 8 < a.sk) << 1;
+  auto visible = [&](int64_t j) { return kMode == kKeyMask ? key_visible(a, rc, j) : j < a.sk; };
+  const uint32_t kvis = static_cast<uint32_t>(visible(k0 + quad)) | static_cast<uint32_t>(visible(k0 + quad + 8)) << 1;
 
   // ldmatrix row addresses of this lane (matrix m = lane / 8, row r = lane % 8).
   const int lm = lane / 8, lr = lane % 8;
