@@ -549,7 +549,6 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
     using T = typename decltype(tt)::type;
     constexpr int D = decltype(dd)::value;
     const int64_t rows = a.b * a.sq * a.h;
-    cudaMemsetAsync(a.dq_acc, 0, sizeof(float) * rows * D, stream);
     constexpr int kLanes = D * static_cast<int>(sizeof(T)) / 16;
     attention_delta_kernel<T, D>
         <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);

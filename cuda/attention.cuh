@@ -253,8 +253,9 @@ __device__ __forceinline__ void add_keys_by_d(float (&acc)[D / 8][4], const uint
     }
 }
 
-// delta[b, h, i] = sum_d dout * out. Each row (b, i, h) is read by D / 8 consecutive lanes
-// in 16-byte pieces and summed with shuffles; grid ceil(B*Sq*H*D/8 / 128), block 128.
+// delta[b, h, i] = sum_d dout * out, and dq_acc = 0. Each row (b, i, h) is read by D / 8
+// consecutive lanes in 16-byte pieces and summed with shuffles; grid ceil(B*Sq*H*D/8 /
+// 128), block 128.
 template <typename T, int D>
 __global__ void attention_delta_kernel(AttnArgs a) {
   constexpr int kVec = 16 / sizeof(T), kLanes = D / kVec;  // lanes per row: 4, 8 or 16
@@ -268,6 +269,10 @@ __global__ void attention_delta_kernel(AttnArgs a) {
     load_vec<T, kVec>(static_cast<const T*>(a.out) + row * D + part * kVec, y);
 #pragma unroll
     for (int t = 0; t < kVec; ++t) acc += x[t] * y[t];
+    // The dq accumulator has the same [B, Sq, H, D] layout: zeroed here, not by a memset.
+    float4* z = reinterpret_cast<float4*>(a.dq_acc + row * D + part * kVec);
+#pragma unroll
+    for (int t = 0; t < kVec / 4; ++t) z[t] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll
   for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
