@@ -15,6 +15,7 @@
 // Probabilities enter the P V products unscaled (kept or zero); the dropout scale
 // multiplies the output and dV once, in f32.
 #include <cmath>
+#include <utility>
 
 #include "attention.cuh"
 
@@ -51,10 +52,10 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile + warp * 16;  // warp's first query row
-  const int64_t row_stride = a.h * D;
-  const T* qg = static_cast<const T*>(a.q) + (bb * a.sq * a.h + hh) * D;
-  const T* kg = static_cast<const T*>(a.k) + (bb * a.sk * a.h + hh) * D;
-  const T* vg = static_cast<const T*>(a.v) + (bb * a.sk * a.h + hh) * D;
+  const int64_t row_stride = a.qkv_row;
+  const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
+  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
+  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
   const RowCtx rc = row_ctx(a, bb, hh);
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
   const float scale_log2 = a.scale * kLog2e;
@@ -183,6 +184,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
 
+  const int64_t out_row = a.h * D;  // out is a plain [B, Sq, H, D] tensor
   T* og = static_cast<T*>(a.o) + (bb * a.sq * a.h + hh) * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
     if (i >= a.sq) continue;
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)
-      *reinterpret_cast<uint32_t*>(og + i * row_stride + dn * 8 + tq * 2) =
+      *reinterpret_cast<uint32_t*>(og + i * out_row + dn * 8 + tq * 2) =
           pack2<T>(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
     if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? (m[r] + __log2f(total)) * kLn2 : -INFINITY;
   }
@@ -242,11 +244,11 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t k0 = kblock + warp * 16;  // warp's first key
-  const int64_t row_stride = a.h * D;
-  const T* qg = static_cast<const T*>(a.q) + (bb * a.sq * a.h + hh) * D;
+  const int64_t row_stride = a.qkv_row, out_row = a.h * D;  // dout and dq_acc: plain [B, Sq, H, D]
+  const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
   const T* dog = static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D;
-  const T* kg = static_cast<const T*>(a.k) + (bb * a.sk * a.h + hh) * D;
-  const T* vg = static_cast<const T*>(a.v) + (bb * a.sk * a.h + hh) * D;
+  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
+  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
   float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
   const RowCtx rc = row_ctx(a, bb, hh);
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
@@ -263,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   auto load_query_tile = [&](int t, int st) {
     const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
     load_tile<T, D>(sm.q[st], qg, qb, a.sq, row_stride);
-    load_tile<T, D>(sm.dout[st], dog, qb, a.sq, row_stride);
+    load_tile<T, D>(sm.dout[st], dog, qb, a.sq, out_row);
     if (threadIdx.x < kTile) {
       const int64_t i = qb + threadIdx.x;
       const bool in = i < a.sq;
@@ -404,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     for (int r = 0; r < 2; ++r) {
       const int64_t i = qb + warp * 16 + quad + r * 8;
       if (i >= a.sq) continue;
-      float* dq_row = dqg + i * row_stride + tq * 2;
+      float* dq_row = dqg + i * out_row + tq * 2;
 #pragma unroll
       for (int dn = 0; dn < D / 8; ++dn) {
         atomicAdd(dq_row + dn * 8, c[dn][2 * r]);  // the scale: attention_dq_kernel
@@ -419,8 +421,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
 
-  T* dkg = static_cast<T*>(a.dk) + (bb * a.sk * a.h + hh) * D;
-  T* dvg = static_cast<T*>(a.dv) + (bb * a.sk * a.h + hh) * D;
+  T* dkg = static_cast<T*>(a.dk) + bb * a.kv_batch + hh * D;
+  T* dvg = static_cast<T*>(a.dv) + bb * a.kv_batch + hh * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t j = k0 + quad + r * 8;
@@ -438,62 +440,49 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
 // ---------------------------------------------------------------------------------------
 // Launchers and FFI handlers.
 
-ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                       const ffi::AnyBuffer& mask, int32_t mask_kind, AttnArgs& a, int& d) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) return invalid(op, "q, k, v must be [B, S, H, D]");
-  a.b = qd[0], a.sq = qd[1], a.h = qd[2], d = static_cast<int>(qd[3]);
-  a.sk = kd[1];
-  if (kd[0] != a.b || kd[2] != a.h || kd[3] != d || vd[0] != a.b || vd[1] != a.sk || vd[2] != a.h || vd[3] != d)
-    return invalid(op, "q, k, v shapes do not match");
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
-    return invalid(op, "q, k, v dtypes differ");
-  const int64_t full[4] = {a.b, a.h, a.sq, a.sk};
-  int64_t dims[4];
-  if (auto e = check_mask(op, mask, mask_kind, full, dims); e.failure()) return e;
-  a.bm = dims[0], a.hm = dims[1], a.sqm = dims[2], a.skm = dims[3];
-  a.mask_kind = mask_kind;
-  if (d != 32 && d != 64 && d != 128) return invalid(op, "head dim must be 32, 64 or 128 on CUDA");
-  return ffi::Error::Success();
+// The forward for a's views, pointers and attributes: out [B, Sq, H, D], lse [B, H, Sq].
+ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, const AttnArgs& a) {
+  if (a.b * a.h * a.sq == 0) return ffi::Error::Success();
+  return dispatch_attention(op, t, d, [&](auto tt, auto dd) {
+    using T = typename decltype(tt)::type;
+    constexpr int D = decltype(dd)::value;
+    const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
+    constexpr size_t smem = sizeof(FwdSmem<T, D>);
+    const ffi::Error e = by_mask_mode(a, [&](auto mode) {
+      return launch_tile_kernel<attention_fwd_kernel<T, D, decltype(mode)::value>>(op, grid, smem, stream, a);
+    });
+    if (e.failure()) return e;
+    return launch_status(op);
+  });
 }
 
-// The score rule a call's kernels are instantiated for (MaskMode, attention.cuh);
-// launching a tile kernel (block kThreads, `smem` bytes of dynamic shared memory, raised
-// past 48 KB once per kernel).
-int mask_mode(const AttnArgs& a) {
-  if (a.mask_kind == kMaskBool && a.sqm == 1) return kKeyMask;
-  return a.mask_kind != kMaskNone || a.causal ? kAnyMask : kNoMask;
-}
-// Calls f(IntC<mode>) for the call's mask mode.
-template <typename F>
-ffi::Error by_mask_mode(const AttnArgs& a, F&& f) {
-  switch (mask_mode(a)) {
-    case kKeyMask: return f(std::integral_constant<int, kKeyMask>{});
-    case kAnyMask: return f(std::integral_constant<int, kAnyMask>{});
-    default: return f(std::integral_constant<int, kNoMask>{});
-  }
-}
-template <auto Kernel>
-ffi::Error launch_tile_kernel(const char* op, dim3 grid, size_t smem, cudaStream_t stream, const AttnArgs& a) {
-  if (auto e = smem_opt_in<Kernel>(op, smem); e.failure()) return e;
-  Kernel<<<grid, kThreads, smem, stream>>>(a);
-  return ffi::Error::Success();
-}
-
-// Calls f(TypeTag<T>, IntC<D>) for the 16-bit dtypes and head dims the kernels support.
-template <typename F>
-ffi::Error dispatch_attention(const char* op, ffi::DataType t, int d, F&& f) {
-  auto by_dim = [&](auto tag) -> ffi::Error {
-    switch (d) {
-      case 32: return f(tag, std::integral_constant<int, 32>{});
-      case 64: return f(tag, std::integral_constant<int, 64>{});
-      case 128: return f(tag, std::integral_constant<int, 128>{});
+// The backward (a.b * a.h and a.sq * a.sk nonzero): delta and the zeroed dq accumulator,
+// the tile kernel (dk, dv, dq_acc), then dq from dq_acc into q's view.
+ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, const AttnArgs& a) {
+  return dispatch_attention(op, t, d, [&](auto tt, auto dd) {
+    using T = typename decltype(tt)::type;
+    constexpr int D = decltype(dd)::value;
+    const int64_t rows = a.b * a.sq * a.h;
+    constexpr int kLanes = D * static_cast<int>(sizeof(T)) / 16;
+    attention_delta_kernel<T, D>
+        <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
+    const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
+    constexpr size_t smem = sizeof(BwdSmem<T, D>);
+    const ffi::Error e = by_mask_mode(a, [&](auto mode) {
+      return launch_tile_kernel<attention_bwd_kernel<T, D, decltype(mode)::value>>(op, grid, smem, stream, a);
+    });
+    if (e.failure()) return e;
+    const int64_t n = rows * D, hd = a.h * D;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535));
+    auto* dq = static_cast<T*>(a.o);
+    if (a.qkv_row == hd && a.q_batch == a.sq * hd) {
+      attention_dq_kernel<T, false><<<blocks, 256, 0, stream>>>(a.dq_acc, dq, n, a.scale, hd, a.sq, hd, a.q_batch);
+    } else {
+      attention_dq_kernel<T, true><<<blocks, 256, 0, stream>>>(a.dq_acc, dq, n, a.scale, hd, a.sq, a.qkv_row,
+                                                               a.q_batch);
     }
-    return invalid(op, "head dim must be 32, 64 or 128 on CUDA");
-  };
-  if (t == ffi::DataType::BF16) return by_dim(TypeTag<__nv_bfloat16>{});
-  if (t == ffi::DataType::F16) return by_dim(TypeTag<__half>{});
-  return invalid(op, "the fused CUDA kernels take bfloat16 or float16");
+    return launch_status(op);
+  });
 }
 
 // q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; mask: [Bm, Hm, Sqm, Skm]; seed: [2]
@@ -507,19 +496,8 @@ ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t m
   if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
   a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.mask = mask.untyped_data();
   a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
-  a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
-  if (a.b * a.h * a.sq == 0) return ffi::Error::Success();
-  return dispatch_attention(op, q.element_type(), d, [&](auto tt, auto dd) {
-    using T = typename decltype(tt)::type;
-    constexpr int D = decltype(dd)::value;
-    const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
-    constexpr size_t smem = sizeof(FwdSmem<T, D>);
-    const ffi::Error e = by_mask_mode(a, [&](auto mode) {
-      return launch_tile_kernel<attention_fwd_kernel<T, D, decltype(mode)::value>>(op, grid, smem, stream, a);
-    });
-    if (e.failure()) return e;
-    return launch_status(op);
-  });
+  set_attrs(a, scale, causal, threshold, keep_scale);
+  return run_fwd(op, stream, q.element_type(), d, a);
 }
 
 // dout, q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; out: [B, Sq, H, D]; lse: [B, H, Sq]; mask; seed
@@ -537,7 +515,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
   a.dout = dout.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
   a.o = dq->untyped_data(), a.dk = dk->untyped_data(), a.dv = dv->untyped_data();
   a.lse = data<float>(lse), a.delta = data<float>(delta), a.dq_acc = data<float>(dq_acc);
-  a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
+  set_attrs(a, scale, causal, threshold, keep_scale);
   if (a.b * a.h == 0 || a.sq * a.sk == 0) {
     // No score at all: every gradient is zero (empty outputs need no writes).
     if (dq->element_count()) cudaMemsetAsync(dq->untyped_data(), 0, dq->size_bytes(), stream);
@@ -545,24 +523,59 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
     if (dv->element_count()) cudaMemsetAsync(dv->untyped_data(), 0, dv->size_bytes(), stream);
     return launch_status(op);
   }
-  return dispatch_attention(op, q.element_type(), d, [&](auto tt, auto dd) {
-    using T = typename decltype(tt)::type;
-    constexpr int D = decltype(dd)::value;
-    const int64_t rows = a.b * a.sq * a.h;
-    constexpr int kLanes = D * static_cast<int>(sizeof(T)) / 16;
-    attention_delta_kernel<T, D>
-        <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
-    const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
-    constexpr size_t smem = sizeof(BwdSmem<T, D>);
-    const ffi::Error e = by_mask_mode(a, [&](auto mode) {
-      return launch_tile_kernel<attention_bwd_kernel<T, D, decltype(mode)::value>>(op, grid, smem, stream, a);
-    });
-    if (e.failure()) return e;
-    const int64_t n = rows * D;
-    attention_dq_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535)), 256, 0, stream>>>(
-        a.dq_acc, static_cast<T*>(a.o), n, a.scale);
-    return launch_status(op);
-  });
+  return run_bwd(op, stream, q.element_type(), d, a);
+}
+
+// qkv: [B, S, 3, H, D] or [3, B, S, H, D] (qkv_axis); mask; seed -> out: [B, S, H, D]; lse: [B, H, S].
+ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
+                           float keep_scale, int32_t qkv_axis, ffi::AnyBuffer qkv, ffi::AnyBuffer mask,
+                           ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> lse) {
+  const char* op = "attention_qkv_fwd";
+  AttnArgs a{};
+  int d = 0;
+  int64_t koff = 0;
+  if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
+  const char* base = static_cast<const char*>(qkv.untyped_data());
+  const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
+  a.q = base, a.k = base + kbytes, a.v = base + 2 * kbytes, a.mask = mask.untyped_data();
+  a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
+  set_attrs(a, scale, causal, threshold, keep_scale);
+  return run_fwd(op, stream, qkv.element_type(), d, a);
+}
+
+// dout: [B, S, H, D]; qkv; out: [B, S, H, D]; lse: [B, H, S]; mask; seed
+//   -> dqkv: qkv's shape; delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32.
+ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
+                           float keep_scale, int32_t qkv_axis, ffi::AnyBuffer dout, ffi::AnyBuffer qkv,
+                           ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
+                           ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> delta,
+                           ffi::Result<ffi::AnyBuffer> dq_acc) {
+  const char* op = "attention_qkv_bwd";
+  AttnArgs a{};
+  int d = 0;
+  int64_t koff = 0;
+  if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
+  if (a.b * a.h * a.sq == 0) return ffi::Error::Success();  // dqkv is empty too
+  const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
+  const char* base = static_cast<const char*>(qkv.untyped_data());
+  char* dbase = static_cast<char*>(dqkv->untyped_data());
+  a.q = base, a.k = base + kbytes, a.v = base + 2 * kbytes;
+  a.o = dbase, a.dk = dbase + kbytes, a.dv = dbase + 2 * kbytes;
+  a.out = out.untyped_data(), a.dout = dout.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
+  a.lse = data<float>(lse), a.delta = data<float>(delta), a.dq_acc = data<float>(dq_acc);
+  set_attrs(a, scale, causal, threshold, keep_scale);
+  return run_bwd(op, stream, qkv.element_type(), d, a);
+}
+
+// The attributes every attention target takes, in ABI.md's order.
+template <typename Binding>
+auto attention_attrs(Binding b) {
+  return std::move(b).template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<int32_t>("mask_kind")
+      .template Attr<uint32_t>("threshold")
+      .template Attr<float>("keep_scale");
 }
 
 }  // namespace
@@ -571,41 +584,53 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_fwd, jaxsub::AttentionFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("mask_kind")
-                                  .Attr<uint32_t>("threshold")
-                                  .Attr<float>("keep_scale")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
+                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>(),  // lse
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("mask_kind")
-                                  .Attr<uint32_t>("threshold")
-                                  .Attr<float>("keep_scale")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
+                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // delta workspace
+                                  .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_fwd, jaxsub::AttentionQkvFwd,
+                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                  .Attr<int32_t>("qkv_axis")
+                                  .Arg<ffi::AnyBuffer>()  // qkv
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>(),  // lse
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_bwd, jaxsub::AttentionQkvBwd,
+                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                  .Attr<int32_t>("qkv_axis")
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // qkv
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()  // dqkv
+                                  .Ret<ffi::AnyBuffer>()  // delta workspace
+                                  .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
                               {ffi::Traits::kCmdBufferCompatible});

@@ -21,20 +21,25 @@ constexpr int kTile = 64;  // rows per block and per shared-memory tile
 constexpr int kPad = 8;    // 16 bytes of padding per shared-memory row: conflict-free pair reads
 
 struct AttnArgs {
-  const void* q;         // [B, Sq, H, D] T
-  const void* k;         // [B, Sk, H, D] T
-  const void* v;         // [B, Sk, H, D] T
+  // q, k, v (and the backward's dq, dk, dv) are [B, S, H, D] views: position s of batch b,
+  // head h at b * q_batch (kv_batch) + s * qkv_row + h * D. Separate tensors: qkv_row =
+  // H * D, q_batch = Sq * H * D, kv_batch = Sk * H * D; packed self-attention (one [B, S,
+  // 3, H, D] or [3, B, S, H, D] tensor) has its own strides and q, k, v pointers into it.
+  const void* q;         // [B, Sq, H, D] view, T
+  const void* k;         // [B, Sk, H, D] view, T
+  const void* v;         // [B, Sk, H, D] view, T
   const void* out;       // [B, Sq, H, D] T (backward: forward output)
   const void* dout;      // [B, Sq, H, D] T (backward)
   const void* mask;      // [Bm, Hm, Sqm, Skm] pred or f32
   const uint32_t* seed;  // [2]
-  void* o;               // forward: out [B, Sq, H, D]; backward: dq [B, Sq, H, D]
-  void* dk;              // [B, Sk, H, D] T (backward)
-  void* dv;              // [B, Sk, H, D] T (backward)
+  void* o;               // forward: out [B, Sq, H, D]; backward: dq, a view like q
+  void* dk;              // backward: a view like k, T
+  void* dv;              // backward: a view like v, T
   float* lse;            // [B, H, Sq]
   float* delta;          // [B, H, Sq] workspace (backward): rowsum(dout * out)
   float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
   int64_t b, h, sq, sk;
+  int64_t qkv_row, q_batch, kv_batch;  // the views' strides, in elements
   int64_t bm, hm, sqm, skm;
   int mask_kind;
   float scale;
@@ -284,16 +289,115 @@ __global__ void attention_delta_kernel(AttnArgs a) {
 
 // dq = scale * dq_acc, rounded to T: eight elements per thread and step (two 16-byte
 // loads, one 16-byte store; n is a multiple of 8, D being). The score scale multiplies
-// here once instead of at each of the backward's atomics.
-template <typename T>
-__global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale) {
+// here once instead of at each of the backward's atomics. dq_acc is a plain [B, Sq, H, D]
+// tensor; dq is q's view (AttnArgs): with kView the element at (b, i, h * D + c) goes to
+// b * q_batch + i * qkv_row + h * D + c (eight elements never straddle a row).
+template <typename T, bool kView>
+__global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale,
+                                    int64_t hd, int64_t sq, int64_t qkv_row, int64_t q_batch) {
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
     const float4 lo = *reinterpret_cast<const float4*>(acc + i), hi = *reinterpret_cast<const float4*>(acc + i + 4);
     const float x[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
                         hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
-    store_vec<T, 8>(dq + i, x);
+    int64_t o = i;
+    if constexpr (kView) {
+      const int64_t r = i / hd, bb = r / sq;
+      o = bb * q_batch + (r - bb * sq) * qkv_row + (i - r * hd);
+    }
+    store_vec<T, 8>(dq + o, x);
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side: shapes of the separate and packed forms, and dispatch on mask mode, dtype and
+// head dim.
+
+// The mask's broadcast dims and the head dim, once a's sizes are set.
+ffi::Error read_mask_and_dim(const char* op, const ffi::AnyBuffer& mask, int32_t mask_kind, int d, AttnArgs& a) {
+  const int64_t full[4] = {a.b, a.h, a.sq, a.sk};
+  int64_t dims[4];
+  if (auto e = check_mask(op, mask, mask_kind, full, dims); e.failure()) return e;
+  a.bm = dims[0], a.hm = dims[1], a.sqm = dims[2], a.skm = dims[3];
+  a.mask_kind = mask_kind;
+  if (d != 32 && d != 64 && d != 128) return invalid(op, "head dim must be 32, 64 or 128 on CUDA");
+  return ffi::Error::Success();
+}
+
+// Separate q [B, Sq, H, D] and k, v [B, Sk, H, D].
+ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                       const ffi::AnyBuffer& mask, int32_t mask_kind, AttnArgs& a, int& d) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) return invalid(op, "q, k, v must be [B, S, H, D]");
+  a.b = qd[0], a.sq = qd[1], a.h = qd[2], d = static_cast<int>(qd[3]);
+  a.sk = kd[1];
+  if (kd[0] != a.b || kd[2] != a.h || kd[3] != d || vd[0] != a.b || vd[1] != a.sk || vd[2] != a.h || vd[3] != d)
+    return invalid(op, "q, k, v shapes do not match");
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
+    return invalid(op, "q, k, v dtypes differ");
+  a.qkv_row = a.h * d, a.q_batch = a.sq * a.qkv_row, a.kv_batch = a.sk * a.qkv_row;
+  return read_mask_and_dim(op, mask, mask_kind, d, a);
+}
+
+// Packed self-attention: qkv [B, S, 3, H, D] (qkv_axis 2) or [3, B, S, H, D] (qkv_axis 0);
+// q, k, v are the views at element offsets 0, koff, 2 koff.
+ffi::Error read_packed_shapes(const char* op, const ffi::AnyBuffer& qkv, int32_t axis, const ffi::AnyBuffer& mask,
+                              int32_t mask_kind, AttnArgs& a, int& d, int64_t& koff) {
+  auto s = qkv.dimensions();
+  if (s.size() != 5 || (axis != 0 && axis != 2) || s[axis] != 3)
+    return invalid(op, "qkv must be [B, S, 3, H, D] (qkv_axis 2) or [3, B, S, H, D] (qkv_axis 0)");
+  a.h = s[3], d = static_cast<int>(s[4]);
+  const int64_t hd = a.h * d;
+  if (axis == 2) {
+    a.b = s[0], a.sq = a.sk = s[1], a.qkv_row = 3 * hd, koff = hd;
+  } else {
+    a.b = s[1], a.sq = a.sk = s[2], a.qkv_row = hd, koff = a.b * a.sq * hd;
+  }
+  a.q_batch = a.kv_batch = a.sq * a.qkv_row;
+  return read_mask_and_dim(op, mask, mask_kind, d, a);
+}
+
+void set_attrs(AttnArgs& a, float scale, bool causal, uint32_t threshold, float keep_scale) {
+  a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
+}
+
+// The score rule a call's kernels are instantiated for (MaskMode, attention.cuh);
+// launching a tile kernel (block kThreads, `smem` bytes of dynamic shared memory, raised
+// past 48 KB once per kernel).
+int mask_mode(const AttnArgs& a) {
+  if (a.mask_kind == kMaskBool && a.sqm == 1) return kKeyMask;
+  return a.mask_kind != kMaskNone || a.causal ? kAnyMask : kNoMask;
+}
+// Calls f(IntC<mode>) for the call's mask mode.
+template <typename F>
+ffi::Error by_mask_mode(const AttnArgs& a, F&& f) {
+  switch (mask_mode(a)) {
+    case kKeyMask: return f(std::integral_constant<int, kKeyMask>{});
+    case kAnyMask: return f(std::integral_constant<int, kAnyMask>{});
+    default: return f(std::integral_constant<int, kNoMask>{});
+  }
+}
+template <auto Kernel>
+ffi::Error launch_tile_kernel(const char* op, dim3 grid, size_t smem, cudaStream_t stream, const AttnArgs& a) {
+  if (auto e = smem_opt_in<Kernel>(op, smem); e.failure()) return e;
+  Kernel<<<grid, kThreads, smem, stream>>>(a);
+  return ffi::Error::Success();
+}
+
+// Calls f(TypeTag<T>, IntC<D>) for the 16-bit dtypes and head dims the kernels support.
+template <typename F>
+ffi::Error dispatch_attention(const char* op, ffi::DataType t, int d, F&& f) {
+  auto by_dim = [&](auto tag) -> ffi::Error {
+    switch (d) {
+      case 32: return f(tag, std::integral_constant<int, 32>{});
+      case 64: return f(tag, std::integral_constant<int, 64>{});
+      case 128: return f(tag, std::integral_constant<int, 128>{});
+    }
+    return invalid(op, "head dim must be 32, 64 or 128 on CUDA");
+  };
+  if (t == ffi::DataType::BF16) return by_dim(TypeTag<__nv_bfloat16>{});
+  if (t == ffi::DataType::F16) return by_dim(TypeTag<__half>{});
+  return invalid(op, "the fused CUDA kernels take bfloat16 or float16");
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// CPU handlers for fused attention (ABI.md, "Attention family": attention_fwd / _bwd).
+// CPU handlers for fused attention (ABI.md, "Attention family": attention_fwd / _bwd and
+// the packed self-attention attention_qkv_fwd / _bwd).
 // Plain loops over (b, h, i) rows, f32 element math with double dot products and row
 // sums, so these handlers are a tight oracle for the CUDA kernels and for the unfused path.
 // Nothing [B, H, Sq, Sk] is stored: each row's scores are recomputed from q and k, and
@@ -23,8 +24,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // ---------------------------------------------------------------------------------------
 // Shapes and checks.
 
+// Sizes, and the strides of the q, k, v views (and of dq, dk, dv): position s of batch b,
+// head h at b * q_batch (kv_batch) + s * row + h * d. out and dout are plain [B, Sq, H, D].
 struct Dims {
   int64_t b, sq, sk, h, d;
+  int64_t row, q_batch, kv_batch;
 };
 
 // q: T[B, Sq, H, D]; k, v: T[B, Sk, H, D]; seed: u32[2].
@@ -32,7 +36,7 @@ ffi::Error qkv_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffe
                     const ffi::AnyBuffer& seed, Dims& out) {
   auto dq = q.dimensions(), dk = k.dimensions(), dv = v.dimensions();
   if (dq.size() != 4 || dk.size() != 4 || dv.size() != 4) return invalid(op, "q, k and v must have rank 4");
-  out = Dims{dq[0], dq[1], dk[1], dq[2], dq[3]};
+  out = Dims{dq[0], dq[1], dk[1], dq[2], dq[3], dq[2] * dq[3], dq[1] * dq[2] * dq[3], dk[1] * dq[2] * dq[3]};
   if (dk[0] != out.b || dk[2] != out.h || dk[3] != out.d)
     return invalid(op, "k must be [B, Sk, H, D] with q's B, H and D");
   for (int a = 0; a < 4; ++a) {
@@ -61,8 +65,10 @@ struct RowCtx {
   float keep_scale;
 };
 
-// Offset of position s (of a sequence of length seq) of head h in a [B, seq, H, D] tensor.
-int64_t at(const Dims& d, int64_t b, int64_t s, int64_t seq, int64_t h) { return ((b * seq + s) * d.h + h) * d.d; }
+// Offsets of query i / key j of head h in the q / k, v views, and of query i in out.
+int64_t q_at(const Dims& d, int64_t b, int64_t i, int64_t h) { return b * d.q_batch + i * d.row + h * d.d; }
+int64_t kv_at(const Dims& d, int64_t b, int64_t j, int64_t h) { return b * d.kv_batch + j * d.row + h * d.d; }
+int64_t o_at(const Dims& d, int64_t b, int64_t i, int64_t h) { return ((b * d.sq + i) * d.h + h) * d.d; }
 
 template <typename T>
 double dot(const T* a, const T* b, int64_t n) {
@@ -76,7 +82,7 @@ double dot(const T* a, const T* b, int64_t n) {
 template <typename T>
 float row_scores(const RowCtx& c, const T* q, const T* k, int64_t b, int64_t h, int64_t i, float* s) {
   const Dims& d = c.d;
-  const T* qi = q + at(d, b, i, d.sq, h);
+  const T* qi = q + q_at(d, b, i, h);
   const int64_t last = i + (d.sk - d.sq);  // causal: keys j <= last are visible
   const int64_t m0 = c.mask.row_offset(b, h, i), ms = c.mask.stride[3];
   float mx = kNegInf;
@@ -85,7 +91,7 @@ float row_scores(const RowCtx& c, const T* q, const T* k, int64_t b, int64_t h, 
     if (visible && c.mask.kind == kMaskBool) visible = static_cast<const bool*>(c.mask.data)[m0 + j * ms];
     float v = kNegInf;
     if (visible) {
-      v = static_cast<float>(dot(qi, k + at(d, b, j, d.sk, h), d.d)) * c.scale;
+      v = static_cast<float>(dot(qi, k + kv_at(d, b, j, h), d.d)) * c.scale;
       if (c.mask.kind == kMaskAdditive) v += static_cast<const float*>(c.mask.data)[m0 + j * ms];
     }
     s[j] = v;
@@ -130,7 +136,7 @@ void attention_fwd(const RowCtx& c, const T* q, const T* k, const T* v, T* out, 
   for (int64_t b = 0; b < d.b; ++b) {
     for (int64_t h = 0; h < d.h; ++h) {
       for (int64_t i = 0; i < d.sq; ++i) {
-        T* oi = out + at(d, b, i, d.sq, h);
+        T* oi = out + o_at(d, b, i, h);
         float& lse_i = lse[(b * d.h + h) * d.sq + i];
         const float mx = row_scores(c, q, k, b, h, i, s.data());
         if (mx == kNegInf) {  // no visible key: probabilities, output and gradients are 0
@@ -150,7 +156,7 @@ void attention_fwd(const RowCtx& c, const T* q, const T* k, const T* v, T* out, 
         for (int64_t j = 0; j < d.sk; ++j) {
           if (s[j] == 0.f || !keep(j)) continue;
           const float pd = s[j] * inv * c.keep_scale;
-          const T* vj = v + at(d, b, j, d.sk, h);
+          const T* vj = v + kv_at(d, b, j, h);
           for (int64_t e = 0; e < d.d; ++e) acc[e] += static_cast<double>(pd) * to_float(vj[e]);
         }
         for (int64_t e = 0; e < d.d; ++e) oi[e] = from_float<T>(static_cast<float>(acc[e]));
@@ -159,7 +165,7 @@ void attention_fwd(const RowCtx& c, const T* q, const T* k, const T* v, T* out, 
   }
 }
 
-// dout, out: T[B, Sq, H, D]; lse: f32[B, H, Sq]; dq: T[B, Sq, H, D]; dk, dv: T[B, Sk, H, D].
+// dout, out: T[B, Sq, H, D]; lse: f32[B, H, Sq]; dq, dk, dv: views like q, k, v.
 template <typename T>
 void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const T* v, const T* out,
                    const float* lse, T* dq, T* dk, T* dv) {
@@ -171,20 +177,20 @@ void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const
       std::fill(dkh.begin(), dkh.end(), 0.0);
       std::fill(dvh.begin(), dvh.end(), 0.0);
       for (int64_t i = 0; i < d.sq; ++i) {
-        const int64_t qi = at(d, b, i, d.sq, h);
+        const int64_t qi = q_at(d, b, i, h), oi = o_at(d, b, i, h);
         const float lse_i = lse[(b * d.h + h) * d.sq + i];
         std::fill(dqi.begin(), dqi.end(), 0.0);
         if (lse_i != kNegInf) {
           row_scores(c, q, k, b, h, i, p.data());
           // delta = sum_j dP_j P_j = dO . O (ABI.md), so no second pass over the row.
-          const float delta = static_cast<float>(dot(dout + qi, out + qi, d.d));
+          const float delta = static_cast<float>(dot(dout + oi, out + oi, d.d));
           RowKeep keep(c, b, h, i);
           for (int64_t j = 0; j < d.sk; ++j) {
             const float pj = std::exp(p[j] - lse_i);
             if (pj == 0.f) continue;
-            const int64_t kj = at(d, b, j, d.sk, h);
+            const int64_t kj = kv_at(d, b, j, h);
             const bool kept = keep(j);
-            const float dpd = static_cast<float>(dot(dout + qi, v + kj, d.d));
+            const float dpd = static_cast<float>(dot(dout + oi, v + kj, d.d));
             const float dp = kept ? dpd * c.keep_scale : 0.f;
             const float ds = pj * (dp - delta) * c.scale;
             const float pd = kept ? pj * c.keep_scale : 0.f;
@@ -193,14 +199,14 @@ void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const
             for (int64_t e = 0; e < d.d; ++e) {
               dqi[e] += static_cast<double>(ds) * to_float(k[kj + e]);
               dkj[e] += static_cast<double>(ds) * to_float(q[qi + e]);
-              dvj[e] += static_cast<double>(pd) * to_float(dout[qi + e]);
+              dvj[e] += static_cast<double>(pd) * to_float(dout[oi + e]);
             }
           }
         }
         for (int64_t e = 0; e < d.d; ++e) dq[qi + e] = from_float<T>(static_cast<float>(dqi[e]));
       }
       for (int64_t j = 0; j < d.sk; ++j) {
-        const int64_t kj = at(d, b, j, d.sk, h);
+        const int64_t kj = kv_at(d, b, j, h);
         for (int64_t e = 0; e < d.d; ++e) {
           dk[kj + e] = from_float<T>(static_cast<float>(dkh[j * d.d + e]));
           dv[kj + e] = from_float<T>(static_cast<float>(dvh[j * d.d + e]));
@@ -263,6 +269,71 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
   });
 }
 
+// Packed self-attention: qkv T[B, S, 3, H, D] (qkv_axis 2) or T[3, B, S, H, D] (qkv_axis 0);
+// q, k, v are its views at element offsets 0, koff, 2 koff.
+ffi::Error packed_dims(const char* op, const ffi::AnyBuffer& qkv, int32_t axis, const ffi::AnyBuffer& seed, Dims& out,
+                       int64_t& koff) {
+  auto s = qkv.dimensions();
+  if (s.size() != 5 || (axis != 0 && axis != 2) || s[axis] != 3)
+    return invalid(op, "qkv must be [B, S, 3, H, D] (qkv_axis 2) or [3, B, S, H, D] (qkv_axis 0)");
+  const int64_t hd = s[3] * s[4];
+  const int64_t b = axis == 2 ? s[0] : s[1], seq = axis == 2 ? s[1] : s[2], row = axis == 2 ? 3 * hd : hd;
+  out = Dims{b, seq, seq, s[3], s[4], row, seq * row, seq * row};
+  koff = axis == 2 ? hd : b * seq * hd;
+  return check_buffer(op, "seed", seed, ffi::DataType::U32, 2);
+}
+
+// qkv; mask; seed -> out: T[B, S, H, D]; lse: f32[B, H, S].
+ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal,
+                              int32_t mask_kind, uint32_t threshold, float keep_scale, int32_t qkv_axis,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+  const char* op = "attention_qkv_fwd";
+  Dims d;
+  MaskView m;
+  int64_t koff = 0;
+  if (auto e = packed_dims(op, qkv, qkv_axis, seed, d, koff); e.failure()) return e;
+  if (auto e = attention_mask(op, mask, mask_kind, d, m); e.failure()) return e;
+  if (auto e = check_buffer(op, "out", *out, qkv.element_type(), d.b * d.sq * d.h * d.d); e.failure()) return e;
+  if (auto e = check_buffer(op, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  return dispatch_float<HostTypes>(qkv.element_type(), op, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    const T* q = data<T>(qkv);
+    attention_fwd<T>(c, q, q + koff, q + 2 * koff, data<T>(out), data<float>(lse));
+    return ffi::Error::Success();
+  });
+}
+
+// dout: T[B, S, H, D]; qkv; out: T[B, S, H, D]; lse: f32[B, H, S]; mask; seed
+//   -> dqkv: qkv's shape; workspaces (GPU scratch, untouched here).
+ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                              ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind,
+                              uint32_t threshold, float keep_scale, int32_t qkv_axis,
+                              ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
+                              ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
+  const char* op = "attention_qkv_bwd";
+  Dims d;
+  MaskView m;
+  int64_t koff = 0;
+  if (auto e = packed_dims(op, qkv, qkv_axis, seed, d, koff); e.failure()) return e;
+  if (auto e = attention_mask(op, mask, mask_kind, d, m); e.failure()) return e;
+  const ffi::DataType t = qkv.element_type();
+  const size_t no = d.b * d.sq * d.h * d.d;
+  if (auto e = check_buffer(op, "dout", dout, t, no); e.failure()) return e;
+  if (auto e = check_buffer(op, "out", out, t, no); e.failure()) return e;
+  if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
+  if (auto e = check_buffer(op, "dqkv", *dqkv, t, qkv.element_count()); e.failure()) return e;
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  return dispatch_float<HostTypes>(t, op, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    const T* q = data<T>(qkv);
+    T* dq = data<T>(dqkv);
+    attention_bwd<T>(c, data<T>(dout), q, q + koff, q + 2 * koff, data<T>(out), data<float>(lse), dq, dq + koff,
+                     dq + 2 * koff);
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace jaxsub
 
@@ -301,5 +372,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
                                   .Ret<xla::ffi::AnyBuffer>()   // dq
                                   .Ret<xla::ffi::AnyBuffer>()   // dk
                                   .Ret<xla::ffi::AnyBuffer>()   // dv
+                                  .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_fwd, jaxsub::AttentionQkvFwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // qkv
+                                  .Arg<xla::ffi::AnyBuffer>()   // mask
+                                  .Arg<xla::ffi::AnyBuffer>()   // seed
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("qkv_axis")
+                                  .Ret<xla::ffi::AnyBuffer>()   // out
+                                  .Ret<xla::ffi::AnyBuffer>());  // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_bwd, jaxsub::AttentionQkvBwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // dout
+                                  .Arg<xla::ffi::AnyBuffer>()   // qkv
+                                  .Arg<xla::ffi::AnyBuffer>()   // out
+                                  .Arg<xla::ffi::AnyBuffer>()   // lse
+                                  .Arg<xla::ffi::AnyBuffer>()   // mask
+                                  .Arg<xla::ffi::AnyBuffer>()   // seed
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("mask_kind")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("qkv_axis")
+                                  .Ret<xla::ffi::AnyBuffer>()   // dqkv
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator

@@ -14,7 +14,9 @@
   X(softmax_dropout_fwd)   \
   X(softmax_dropout_bwd)   \
   X(attention_fwd)         \
-  X(attention_bwd)
+  X(attention_bwd)         \
+  X(attention_qkv_fwd)     \
+  X(attention_qkv_bwd)
 
 // Staged targets: always registered for "cpu"; their CUDA handlers are compiled and
 // exported (cuda_staged_targets) but registered for "CUDA" only when the environment sets

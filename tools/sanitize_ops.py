@@ -39,7 +39,8 @@ def ops(x, key, p32, kernel_config=None):
 
 
 def attention_ops(shape, d, dtype, key):
-    """softmax_dropout on [B, H, Sq, Sk] scores and fused attention on [B, Sq, H, D]."""
+    """softmax_dropout on [B, H, Sq, Sk] scores, fused attention on [B, Sq, H, D], and packed
+    self-attention (attention_packed) on the first min(Sq, Sk) positions."""
     b, h, sq, sk = shape
     ks = jax.random.split(jax.random.key(sq * sk + d), 4)
     scores = jax.random.normal(ks[0], shape).astype(dtype)
@@ -56,6 +57,14 @@ def attention_ops(shape, d, dtype, key):
                                      implementation="fused")
             o2 = jaxsub.ops.attention(q, k, v, dropout_rate=0.1, key=key, implementation="fused")  # plain path
             total = total + (o.astype(jnp.float32) ** 2).sum() + (o2.astype(jnp.float32) ** 2).sum()
+            # Packed self-attention on the first min(Sq, Sk) positions, both packings.
+            n = min(sq, sk)
+            parts = (q[:, :n], k[:, :n], v[:, :n])
+            o3 = jaxsub.ops.attention_packed(jnp.stack(parts, 2), axis=2, mask=pad[:, :n], dropout_rate=0.1, key=key,
+                                             implementation="fused")
+            o4 = jaxsub.ops.attention_packed(jnp.stack(parts, 0), axis=0, causal=True, dropout_rate=0.1, key=key,
+                                             implementation="fused")
+            total = total + (o3.astype(jnp.float32) ** 2).sum() + (o4.astype(jnp.float32) ** 2).sum()
         return total
 
     return f, (scores, q, k, v)

@@ -233,13 +233,15 @@ class EncoderProblem(Problem):
         s = self.spec
         src = parse_label(cand.in_layout)["qkv"]
         dst = parse_label(cand.out_layout)["ctx"]
-        per = src.replace("3", "")
-        q, k, w = (transpose(jax.lax.index_in_dim(v["qkv"], i, src.index("3"), keepdims=False), per, "BSHD")
-                   for i in range(3))
         key = ext["keys"]["attn"]
-        rate = s.attention_dropout_rate if key is not None else 0.0
-        out = ops.attention(q, k, w, mask=ext["mask"], causal=s.causal, dropout_rate=rate, key=key,
-                            implementation=parse_config(cand.config).get("impl", "unfused"))
+        kw = dict(mask=ext["mask"], causal=s.causal, dropout_rate=s.attention_dropout_rate if key is not None else 0.0,
+                  key=key, implementation=parse_config(cand.config).get("impl", "unfused"))
+        if src in ("BS3HD", "3BSHD"):  # one array the fused kernels read in place
+            out = ops.attention_packed(v["qkv"], axis=src.index("3"), **kw)
+        else:
+            per = src.replace("3", "")
+            out = ops.attention(*(transpose(jax.lax.index_in_dim(v["qkv"], i, src.index("3"), keepdims=False), per,
+                                            "BSHD") for i in range(3)), **kw)
         return {"ctx": transpose(out, "BSHD", dst)}
 
     def _out_proj(self, cand, p, v, ext):

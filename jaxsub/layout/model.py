@@ -11,8 +11,8 @@ cache effects, kernel efficiency or what XLA fuses.
 
 Copies assumed: the QKV matmul writes [B·S, 3E] rows (BS3HD) natively, other q/k/v layouts
 cost one permutation of its output; the fused attention kernel reads and writes
-[B,S,H,D], the unfused path's batched matmuls [B,H,S,D]; BS3HD q/k/v are strided
-slices, copied for either; an E- or F-wide matmul keeps the row order of its input
+[B,S,H,D] and takes q/k/v packed as BS3HD or 3BSHD in place (`attention_packed`), the
+unfused path's batched matmuls [B,H,S,D] (other q/k/v layouts: slices, copied); an E- or F-wide matmul keeps the row order of its input
 (BSE -> BSF, SBE -> SBF) and pays a copy to change it; the output projection contracts
 (H, D) in place only from BSHD; row ops run in place unless dropout makes them transpose.
 A row op's kernel configuration moves the same bytes as its default, so it costs the
@@ -79,7 +79,8 @@ def encoder_stage(problem, i: int, cand) -> float:
     elif name == "attention":
         impl = parse_config(cand.config).get("impl", "unfused")
         native = "BSHD" if impl == "fused" else "BHSD"
-        n = 0 if src["qkv"] == "3" + native else 3
+        in_place = ("BS3HD", "3BSHD") if impl == "fused" else ("3BHSD",)
+        n = 0 if src["qkv"] in in_place else 3
         n += 0 if dst["ctx"] == native else 1
         return attention(b, seq, h, d, z, s.dtype, impl, n)
     elif name == "out_proj":

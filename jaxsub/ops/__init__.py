@@ -4,7 +4,7 @@ from jaxsub.ops.dropout import dropout_mask
 from jaxsub.ops.norm import bias_dropout_residual_layer_norm, layer_norm
 from jaxsub.ops.gelu import bias_gelu_dropout
 from jaxsub.ops.softmax import softmax_dropout
-from jaxsub.ops.attn import attention
+from jaxsub.ops.attn import attention, attention_packed
 
 __all__ = [
     "dropout_mask",
@@ -13,4 +13,5 @@ __all__ = [
     "bias_gelu_dropout",
     "softmax_dropout",
     "attention",
+    "attention_packed",
 ]

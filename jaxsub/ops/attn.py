@@ -8,6 +8,12 @@ Two implementations of the same function (cuda/ABI.md, "Attention family"):
 - "fused": one custom call per direction (`jaxsub_attention_fwd/_bwd`) that never writes
   the [B, H, Sq, Sk] probabilities; forward saves only the per-row log-sum-exp.
 
+`attention_packed` is self-attention on q, k, v packed in one array ([B, S, 3, H, D] or
+[3, B, S, H, D], as one QKV projection writes them). Its fused path
+(`jaxsub_attention_qkv_fwd/_bwd`) reads the three in place and writes their gradients
+into one array of the packed shape, so neither the forward's slices nor the backward's
+concatenation is copied.
+
 Both drop exactly the same probabilities: element (b, h, i, j) of the logical
 [B, H, Sq, Sk] tensor is kept or dropped by `dropout_mask(key, (B, H, Sq, Sk), rate)`,
 so `reference_attention(..., keep=that_mask)` reproduces either.
@@ -115,6 +121,31 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
     return dq, dk, dv
 
 
+def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
+    b, s, h, d = _packed_dims(qkv.shape, axis)
+    return _ffi.call(
+        "jaxsub_attention_qkv_fwd",
+        (jax.ShapeDtypeStruct((b, s, h, d), qkv.dtype), jax.ShapeDtypeStruct((b, h, s), _F32)),
+        qkv, mask4d, seed,
+        qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
+    )
+
+
+def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate):
+    b, s, h, d = _packed_dims(qkv.shape, axis)
+    dqkv, _, _ = _ffi.call(
+        "jaxsub_attention_qkv_bwd",
+        (
+            jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
+            jax.ShapeDtypeStruct((b, h, s), _F32),
+            jax.ShapeDtypeStruct((b, s, h, d), _F32),
+        ),
+        dout, qkv, out, lse, mask4d, seed,
+        qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
+    )
+    return dqkv
+
+
 # ---------------------------------------------------------------------------------------
 # custom_vjp for the fused path. The mask and the seed are primals (they may be traced:
 # jit, vmap over masks or keys) that get no cotangent; scale, causal, the mask kind and
@@ -138,6 +169,24 @@ def _fused_bwd(scale, causal, kind, rate, res, dout):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _fused_packed(qkv, mask4d, seed, axis, scale, causal, kind, rate):
+    return _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)[0]
+
+
+def _fused_packed_fwd(qkv, mask4d, seed, axis, scale, causal, kind, rate):
+    out, lse = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)
+    return out, (qkv, out, lse, mask4d, seed)
+
+
+def _fused_packed_bwd(axis, scale, causal, kind, rate, res, dout):
+    qkv, out, lse, mask4d, seed = res
+    return _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate), None, None
+
+
+_fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,6 +242,27 @@ def signature(q, k, mask4d, kind, causal, rate) -> tuple:
             ("mask_shape", mask_shape), ("dropout_rate", float(rate)))
 
 
+def _packed_dims(shape, axis):
+    """(B, S, H, D) of a packed qkv array with the 3 on `axis` (0 or 2)."""
+    return (shape[0], shape[1], shape[3], shape[4]) if axis == 2 else (shape[1], shape[2], shape[3], shape[4])
+
+
+def _check_packed(qkv, axis):
+    op = "attention_packed"
+    qkv = qkv if isinstance(qkv, jax.Array) else jnp.asarray(qkv)
+    if qkv.ndim != 5:
+        raise ValueError(f"jaxsub.{op}: `qkv` must have rank 5 ([B, S, 3, H, D] or [3, B, S, H, D]), "
+                         f"got shape {qkv.shape}")
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool) or int(axis) not in (0, 2, -5, -3):
+        raise ValueError(f"jaxsub.{op}: `axis` must be 2 ([B, S, 3, H, D]) or 0 ([3, B, S, H, D]), got {axis!r}")
+    axis = int(axis) % 5
+    if qkv.shape[axis] != 3:
+        raise ValueError(f"jaxsub.{op}: `qkv` must have size 3 (q, k, v) on axis {axis}, got shape {qkv.shape}")
+    if qkv.dtype not in _DTYPES:
+        raise TypeError(f"jaxsub.{op}: `qkv` must be float32, bfloat16 or float16, got {qkv.dtype}")
+    return qkv, axis
+
+
 def _check_inputs(q, k, v):
     arrays = []
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -246,30 +316,64 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       `dropout_mask(key, (B, H, Sq, Sk), dropout_rate)` is False, in both implementations.
     """
     q, k, v = _check_inputs(q, k, v)
+    return _attention(_OP, q, k, v, None, mask, causal, scale, dropout_rate, key, implementation)
+
+
+def attention_packed(qkv, *, axis=2, mask=None, causal=False, scale=None, dropout_rate=0.0, key=None,
+                     implementation=None):
+    """Self-attention on queries, keys and values packed in one array.
+
+    The same function as `attention(q, k, v, ...)` with q, k, v the three slices of `qkv`
+    along `axis` (index 0, 1, 2), the same dropout masks and the same `implementation`
+    choice; the gradient is one array of qkv's shape. This is the form one QKV projection
+    writes (``einsum("bse,ethd->bsthd", x, w_qkv)``). The fused kernels read q, k and v in
+    place and write dq, dk and dv into one gradient array: the forward copies no slice and
+    the backward concatenates nothing (`attention` on slices of one array does both).
+
+    Args:
+      qkv: [B, S, 3, H, D] (axis=2, the default) or [3, B, S, H, D] (axis=0); float32,
+        bfloat16 or float16.
+      axis: 2 or 0 (or -3, -5): where the q / k / v index is.
+      mask, causal, scale, dropout_rate, key, implementation: as in `attention` (Sq = Sk = S).
+
+    Returns:
+      [B, S, H, D] in qkv's dtype.
+    """
+    qkv, axis = _check_packed(qkv, axis)
+    q, k, v = (jax.lax.index_in_dim(qkv, i, axis, keepdims=False) for i in range(3))
+    return _attention("attention_packed", q, k, v, (qkv, axis), mask, causal, scale, dropout_rate, key,
+                      implementation)
+
+
+def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, implementation):
+    """`attention` after the q, k, v checks; `packed` is (qkv, axis) when q, k, v are its
+    slices (the fused path then reads qkv in place), else None."""
     if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(f"jaxsub.{_OP}: `implementation` must be None, 'fused' or 'unfused', got {implementation!r}")
+        raise ValueError(f"jaxsub.{op}: `implementation` must be None, 'fused' or 'unfused', got {implementation!r}")
     if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"jaxsub.{_OP}: `causal` must be a Python bool, got {causal!r}")
+        raise TypeError(f"jaxsub.{op}: `causal` must be a Python bool, got {causal!r}")
     causal = bool(causal)
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else _masks.check_scale(_OP, scale)
-    rate = _dropout.check_rate(_OP, dropout_rate, "dropout_rate")
-    seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
-    mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True)
+    scale = 1.0 / math.sqrt(d) if scale is None else _masks.check_scale(op, scale)
+    rate = _dropout.check_rate(op, dropout_rate, "dropout_rate")
+    seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
+    mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True)
     mask4d = jax.lax.stop_gradient(mask4d)
 
     if q.size == 0 or k.size == 0:
-        _ffi.fallback(_OP, "zero-size input")
+        _ffi.fallback(op, "zero-size input")
         return jnp.zeros(q.shape, q.dtype)
     if implementation is None:
         implementation = _config.lookup(_OP, signature(q, k, mask4d, kind, causal, rate)).get("impl")
         if implementation not in _IMPLEMENTATIONS:
-            raise ValueError(f"jaxsub.{_OP}: the configuration in effect selects implementation "
+            raise ValueError(f"jaxsub.{op}: the configuration in effect selects implementation "
                              f"{implementation!r}; expected 'fused' or 'unfused'")
     if implementation == "fused":
         reason = _fused_unsupported(q)
         if reason is None:
+            if packed is not None:
+                return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate)
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
-        _ffi.fallback(_OP, reason, instead="the unfused path")
+        _ffi.fallback(op, reason, instead="the unfused path")
     return _unfused(q, k, v, mask4d, kind, causal, scale, rate, key if rate > 0.0 else None)
