@@ -75,9 +75,10 @@ _FUSED = {
     "jaxsub_bias_gelu_dropout_fwd": (ELEMENTWISE, 7), "jaxsub_bias_gelu_dropout_bwd": (ELEMENTWISE, 12),
     "jaxsub_softmax_dropout_fwd": (NORMALIZATION, 7), "jaxsub_softmax_dropout_bwd": (NORMALIZATION, 9),
     "jaxsub_attention_fwd": (CONTRACTION, None), "jaxsub_attention_bwd": (CONTRACTION, None),
+    "jaxsub_attention_qkv_fwd": (CONTRACTION, None), "jaxsub_attention_qkv_bwd": (CONTRACTION, None),
 }
 _WORKSPACES = {"jaxsub_layer_norm_bwd": 1, "jaxsub_bdrln_bwd": 1, "jaxsub_bias_gelu_dropout_bwd": 1,
-               "jaxsub_attention_bwd": 2}
+               "jaxsub_attention_bwd": 2, "jaxsub_attention_qkv_bwd": 2}
 
 
 @dataclasses.dataclass
@@ -140,11 +141,15 @@ def _fused_row(node):
     target = node.params["target_name"]
     cls, per_element = _FUSED.get(target, (ELEMENTWISE, 0))
     results = node.outs[:len(node.outs) - _WORKSPACES.get(target, 0)]
-    if per_element is None:  # attention: q [B, Sq, H, D], k [B, Sk, H, D]
+    if per_element is None:  # attention: q [B, Sq, H, D], k [B, Sk, H, D]; packed: out [B, S, H, D]
         bwd = target.endswith("_bwd")
-        q, k = node.ins[int(bwd)], node.ins[1 + int(bwd)]
-        b, sq, h, d = q.shape
-        flops = (10 if bwd else 4) * b * h * sq * k.shape[1] * d
+        if "_qkv_" in target:
+            b, sq, h, d = (node.ins[0] if bwd else results[0]).shape
+            sk = sq
+        else:
+            q, k = node.ins[int(bwd)], node.ins[1 + int(bwd)]
+            (b, sq, h, d), sk = q.shape, k.shape[1]
+        flops = (10 if bwd else 4) * b * h * sq * sk * d
     else:
         flops = per_element * (_size(node.ins[0]) if node.ins else _size(results[0]))
     moved = sum(_nbytes(r.aval) for r in node.ins) + sum(_nbytes(r.aval) for r in results)

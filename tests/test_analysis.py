@@ -211,6 +211,24 @@ def test_fused_attention_is_a_contraction_with_its_bytes():
                                                      2 * q.nbytes + qkv + lse + 1 + 8 + qkv)
 
 
+def test_packed_attention_counts_as_the_separate_one():
+    b, s, h, d = 2, 8, 2, 4
+    packed = _normal(15, (b, s, 3, h, d))
+
+    def loss(x):
+        return jnp.sum(ops.attention_packed(x, implementation="fused"))
+
+    r = jaxsub.analyze(loss, packed, compare_optimized=False, grad=True)
+    fused = {row.op: row for row in r.ops if row.op in r.targets}
+    out, lse = packed.nbytes // 3, b * h * s * 4
+    assert (fused["jaxsub_attention_qkv_fwd"].cls, fused["jaxsub_attention_qkv_fwd"].flops,
+            fused["jaxsub_attention_qkv_fwd"].bytes) == (CON, 4 * b * h * s * s * d, packed.nbytes + 1 + 8 + out + lse)
+    # bwd reads dout, qkv, out, lse, mask, seed; writes dqkv.
+    assert (fused["jaxsub_attention_qkv_bwd"].cls, fused["jaxsub_attention_qkv_bwd"].flops,
+            fused["jaxsub_attention_qkv_bwd"].bytes) == (CON, 10 * b * h * s * s * d,
+                                                         2 * out + 2 * packed.nbytes + lse + 1 + 8)
+
+
 def test_optimized_function_is_compared_with_its_original():
     fast = jaxsub.optimize(block)
     r = jaxsub.analyze(fast, *BLOCK_ARGS)

@@ -4,8 +4,9 @@ Each source (hand-written jnp in both layouts, jax.nn.dot_product_attention, fla
 and nnx attention) is optimized and compared with the original: outputs and gradients
 within the jaxsub.testing tolerance, the number of attention/softmax forward targets
 in the lowered HLO (`jaxsub_softmax_dropout_fwd` for the unfused path and lone softmaxes,
-`jaxsub_attention_fwd` for the fused path: which one runs is the `layouts=` selection's
-choice), and explain()'s report. With dropout,
+`jaxsub_attention_fwd` for the fused path, `jaxsub_attention_qkv_fwd` for it on q, k, v
+sliced from one array: which one runs is the `layouts=` selection's choice), and
+explain()'s report. With dropout,
 the result is compared with jaxsub.ops.attention for the key the user's code used.
 """
 
@@ -24,7 +25,7 @@ from test_optimize import _assert_same as assert_same
 B, S, H, D = 2, 8, 4, 16
 E = H * D
 RATE = 0.25
-TARGETS = ("jaxsub_softmax_dropout_fwd", "jaxsub_attention_fwd")
+TARGETS = ("jaxsub_softmax_dropout_fwd", "jaxsub_attention_fwd", "jaxsub_attention_qkv_fwd")
 
 
 def _normal(i, shape, dtype=jnp.float32):
@@ -61,6 +62,37 @@ def _check(f, args, totals, argnums=(0, 1, 2)):
 
 # ---------------------------------------------------------------------------------------
 # Hand-written jnp.
+
+
+def attn_packed_slices(x, w, key):
+    """q, k, v sliced from one QKV projection [B, S, 3, H, D], dropout on the probabilities."""
+    qkv = jnp.einsum("bse,ethd->bsthd", x, w)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D), axis=-1)
+    keep = jax.random.bernoulli(key, 1.0 - RATE, p.shape)
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(keep, p / (1.0 - RATE), 0.0), v)
+
+
+def test_qkv_slices_of_one_array_become_attention_packed():
+    x, w = _normal(0, (B, S, E)), _normal(1, (E, 3, H, D)) * 0.2
+    key = jax.random.key(3)
+    report = jaxsub.explain(attn_packed_slices, x, w, key)
+    assert dict(report.totals) == {"attention": 1} and "attention_packed, axis 2" in str(report), str(report)
+    qkv = jnp.einsum("bse,ethd->bsthd", x, w)
+    for impl in ("fused", "unfused"):
+        # layouts="none": the implementation is the enclosing block's (a fresh function per
+        # block: the rewritten function is cached per input shapes).
+        opt = jaxsub.optimize(attn_packed_slices, layouts="none")
+        with ops.config.use({"attention": {"impl": impl}}):
+            got = opt(x, w, key)
+            text = jax.jit(opt).lower(x, w, key).as_text()
+            want = ops.attention_packed(qkv, dropout_rate=RATE, key=key, implementation=impl)
+        assert_close(got, want, what=impl)
+        assert ("@jaxsub_attention_qkv_fwd(" in text) == (impl == "fused"), impl
+    # Slices in another order (k first) are not the packed form: plain attention on them.
+    swapped = lambda x, w: attn_bshd(*(jnp.einsum("bse,ethd->bsthd", x, w)[:, :, i] for i in (1, 0, 2)))
+    assert "attention_packed" not in str(jaxsub.explain(swapped, x, w))
+    assert_same(swapped, (x, w), argnums=(0, 1))
 
 
 def attn_bshd(q, k, v):

@@ -58,13 +58,15 @@ def _targets(f, *args):
 
 
 def _fwd_counts(c):
-    return {"attention_or_softmax": c["jaxsub_attention_fwd"] + c["jaxsub_softmax_dropout_fwd"],
+    return {"attention_or_softmax": c["jaxsub_attention_fwd"] + c["jaxsub_attention_qkv_fwd"]
+            + c["jaxsub_softmax_dropout_fwd"],
             "jaxsub_bdrln_fwd": c["jaxsub_bdrln_fwd"],
             "jaxsub_bias_gelu_dropout_fwd": c["jaxsub_bias_gelu_dropout_fwd"]}
 
 
 def _bwd_counts(c):
-    return {"attention_or_softmax": c["jaxsub_attention_bwd"] + c["jaxsub_softmax_dropout_bwd"],
+    return {"attention_or_softmax": c["jaxsub_attention_bwd"] + c["jaxsub_attention_qkv_bwd"]
+            + c["jaxsub_softmax_dropout_bwd"],
             "jaxsub_bdrln_bwd": c["jaxsub_bdrln_bwd"],
             "jaxsub_bias_gelu_dropout_bwd": c["jaxsub_bias_gelu_dropout_bwd"]}
 

@@ -444,6 +444,28 @@ def _mask_builder(masks, sizes):
     return value
 
 
+def _packed_source(g, att):
+    """(qkv, axis) when q, k and v are slices 0, 1, 2 of one rank-5 array along its axis 0 or
+    2, each squeezed to [B, S, H, D] exactly as the op takes it (one QKV projection's
+    output: `qkv[:, :, i]`); `ops.attention_packed` then reads that array in place. Else None."""
+    if (att.q_labels, att.k_labels, att.v_labels) != (tuple("bqhd"), tuple("bkhd"), tuple("bkhe")):
+        return None
+    src = axis = None
+    for i, ref in enumerate((att.q, att.k, att.v)):
+        sq = g.op(ref, "squeeze")
+        sl = g.op(sq.ins[0], "slice") if sq is not None and len(sq.params["dimensions"]) == 1 else None
+        if sl is None:
+            return None
+        a, x, p = sq.params["dimensions"][0], sl.ins[0], sl.params
+        whole = all(d == a or (b == 0 and e == n) for d, (b, e, n) in
+                    enumerate(zip(p["start_indices"], p["limit_indices"], x.shape)))
+        if (len(x.shape) != 5 or a not in (0, 2) or x.shape[a] != 3 or not whole or p["start_indices"][a] != i
+                or any(st != 1 for st in p["strides"] or ()) or (src is not None and (x is not src or a != axis))):
+            return None
+        src, axis = x, a
+    return src, axis
+
+
 def match_attention(g, anchor, options):
     """softmax(scale * Q Kᵀ (+ masks)) (dropout) · V ending at the dot_general `anchor`."""
     if anchor.prim != "dot_general":
@@ -470,15 +492,24 @@ def match_attention(g, anchor, options):
     mask = _mask_builder(masks, sizes)
     out_dtype = anchor.outs[0].dtype
 
+    packed = _packed_source(g, att)
+
     def build(read):
-        q = _relayout(read(att.q), att.q_labels, "bqhd", sizes)
-        k = _relayout(read(att.k), att.k_labels, "bkhd", sizes)
-        v = _relayout(read(att.v), att.v_labels, "bkhe", sizes)
-        out = ops.attention(q, k, v, mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
-                            key=read(drop.key) if drop is not None else None)
+        kw = dict(mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
+                  key=read(drop.key) if drop is not None else None)
+        if packed is not None:
+            out = ops.attention_packed(read(packed[0]), axis=packed[1], **kw)
+        else:
+            q = _relayout(read(att.q), att.q_labels, "bqhd", sizes)
+            k = _relayout(read(att.k), att.k_labels, "bkhd", sizes)
+            v = _relayout(read(att.v), att.v_labels, "bkhe", sizes)
+            out = ops.attention(q, k, v, **kw)
         return [_relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
 
-    return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), build, _describe(att, causal, rate))
+    detail = _describe(att, causal, rate)
+    if packed is not None:
+        detail += f", q/k/v read in place from one {shapes(packed[0])} array (attention_packed, axis {packed[1]})"
+    return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), build, detail)
 
 
 def _describe(att, causal, rate):
