@@ -356,9 +356,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"(with --small: {','.join(SMALL.configs)})")
     p.add_argument("--rows", type=report.csv_choices(ROWS), default=list(ROWS),
                    help=f"comma-separated subset of {','.join(ROWS)} ({BASELINE} is always run: the baseline)")
-    p.add_argument("--layouts", choices=("none", "heuristic", "auto"), default="none",
-                   help="layouts= of the jaxsub rows (d, e, f): 'none' (default configuration), "
-                        "'heuristic', or 'auto' (times candidates on a cache miss: minutes per shape)")
+    p.add_argument("--layouts", choices=("none", "heuristic", "auto"), default="heuristic",
+                   help="layouts= of the jaxsub rows (d, e, f): 'heuristic' (default: the byte-count "
+                        "model's layouts and attention algorithm, what 'auto' uses without a GPU), 'none' "
+                        "(each op's default: unfused attention), or 'auto' (times candidates on a cache "
+                        "miss: minutes per shape)")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="chart path (default: the JSON path, .png)")
     report.add_run_arguments(p, DEFAULT_JSON, FULL.repeats, SMALL.repeats)
     args = report.parse_run_args(p, argv)
@@ -401,7 +403,8 @@ def main(argv=None) -> int:
     report.write_json(args.json, result)
     plot(rows, args.plot or args.json.with_suffix(".png"), timing.describe_device())
     print()
-    print("rows: " + "; ".join(f"{ROWS[n].letter} {n} = {ROWS[n].label}" for n in args.rows))
+    print("rows: " + "; ".join(f"{ROWS[n].letter} {n} = {ROWS[n].label}" for n in args.rows)
+          + f" (rows d, e, f with layouts={args.layouts!r})")
     print(f"% floor: matmul flops at {rate_source}")
     print(format_table(rows))
     if any(c.stack for c in configs):

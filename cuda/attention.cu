@@ -15,7 +15,6 @@
 // Probabilities enter the P V products unscaled (kept or zero); the dropout scale
 // multiplies the output and dV once, in f32.
 #include <cmath>
-#include <utility>
 
 #include "attention.cuh"
 
@@ -566,16 +565,6 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_
   a.lse = data<float>(lse), a.delta = data<float>(delta), a.dq_acc = data<float>(dq_acc);
   set_attrs(a, scale, causal, threshold, keep_scale);
   return run_bwd(op, stream, qkv.element_type(), d, a);
-}
-
-// The attributes every attention target takes, in ABI.md's order.
-template <typename Binding>
-auto attention_attrs(Binding b) {
-  return std::move(b).template Attr<float>("scale")
-      .template Attr<bool>("causal")
-      .template Attr<int32_t>("mask_kind")
-      .template Attr<uint32_t>("threshold")
-      .template Attr<float>("keep_scale");
 }
 
 }  // namespace

@@ -340,35 +340,25 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
 // Bindings in ABI.md's order: arguments, then attributes, then results.
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_fwd, jaxsub::AttentionFwdCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()   // q
-                                  .Arg<xla::ffi::AnyBuffer>()   // k
-                                  .Arg<xla::ffi::AnyBuffer>()   // v
-                                  .Arg<xla::ffi::AnyBuffer>()   // mask
-                                  .Arg<xla::ffi::AnyBuffer>()   // seed
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("mask_kind")
-                                  .Attr<uint32_t>("threshold")
-                                  .Attr<float>("keep_scale")
+                              jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
+                                                          .Arg<xla::ffi::AnyBuffer>()   // q
+                                                          .Arg<xla::ffi::AnyBuffer>()   // k
+                                                          .Arg<xla::ffi::AnyBuffer>()   // v
+                                                          .Arg<xla::ffi::AnyBuffer>()   // mask
+                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()   // dout
-                                  .Arg<xla::ffi::AnyBuffer>()   // q
-                                  .Arg<xla::ffi::AnyBuffer>()   // k
-                                  .Arg<xla::ffi::AnyBuffer>()   // v
-                                  .Arg<xla::ffi::AnyBuffer>()   // out
-                                  .Arg<xla::ffi::AnyBuffer>()   // lse
-                                  .Arg<xla::ffi::AnyBuffer>()   // mask
-                                  .Arg<xla::ffi::AnyBuffer>()   // seed
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("mask_kind")
-                                  .Attr<uint32_t>("threshold")
-                                  .Attr<float>("keep_scale")
+                              jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
+                                                          .Arg<xla::ffi::AnyBuffer>()   // dout
+                                                          .Arg<xla::ffi::AnyBuffer>()   // q
+                                                          .Arg<xla::ffi::AnyBuffer>()   // k
+                                                          .Arg<xla::ffi::AnyBuffer>()   // v
+                                                          .Arg<xla::ffi::AnyBuffer>()   // out
+                                                          .Arg<xla::ffi::AnyBuffer>()   // lse
+                                                          .Arg<xla::ffi::AnyBuffer>()   // mask
+                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Ret<xla::ffi::AnyBuffer>()   // dq
                                   .Ret<xla::ffi::AnyBuffer>()   // dk
                                   .Ret<xla::ffi::AnyBuffer>()   // dv
@@ -376,32 +366,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_fwd, jaxsub::AttentionQkvFwdCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()   // qkv
-                                  .Arg<xla::ffi::AnyBuffer>()   // mask
-                                  .Arg<xla::ffi::AnyBuffer>()   // seed
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("mask_kind")
-                                  .Attr<uint32_t>("threshold")
-                                  .Attr<float>("keep_scale")
+                              jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
+                                                          .Arg<xla::ffi::AnyBuffer>()   // qkv
+                                                          .Arg<xla::ffi::AnyBuffer>()   // mask
+                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Attr<int32_t>("qkv_axis")
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_bwd, jaxsub::AttentionQkvBwdCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()   // dout
-                                  .Arg<xla::ffi::AnyBuffer>()   // qkv
-                                  .Arg<xla::ffi::AnyBuffer>()   // out
-                                  .Arg<xla::ffi::AnyBuffer>()   // lse
-                                  .Arg<xla::ffi::AnyBuffer>()   // mask
-                                  .Arg<xla::ffi::AnyBuffer>()   // seed
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("mask_kind")
-                                  .Attr<uint32_t>("threshold")
-                                  .Attr<float>("keep_scale")
+                              jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
+                                                          .Arg<xla::ffi::AnyBuffer>()   // dout
+                                                          .Arg<xla::ffi::AnyBuffer>()   // qkv
+                                                          .Arg<xla::ffi::AnyBuffer>()   // out
+                                                          .Arg<xla::ffi::AnyBuffer>()   // lse
+                                                          .Arg<xla::ffi::AnyBuffer>()   // mask
+                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Attr<int32_t>("qkv_axis")
                                   .Ret<xla::ffi::AnyBuffer>()   // dqkv
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: delta

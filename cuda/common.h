@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -354,5 +355,17 @@ inline ffi::Error launch_status(const char* op) {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 #endif  // __CUDACC__
+
+// The FFI attributes every attention-family target binds, in ABI.md's order (CUDA and CPU
+// bindings alike; the packed targets add qkv_axis).
+template <typename Binding>
+auto attention_attrs(Binding b) {
+  return std::move(b)
+      .template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<int32_t>("mask_kind")
+      .template Attr<uint32_t>("threshold")
+      .template Attr<float>("keep_scale");
+}
 
 }  // namespace jaxsub

@@ -381,6 +381,20 @@ def test_fused_on_gpu_with_kernel_and_supported_shape_is_fused(monkeypatch, fall
     assert "jaxsub_attention_fwd" in hlo and not fallback_log
 
 
+@pytest.mark.parametrize("platform,has_kernel,dtype,d,want", [
+    ("gpu", True, BF16, 64, "fused"), ("gpu", True, F16, 32, "fused"), ("gpu", True, BF16, 128, "unfused"),
+    ("gpu", True, F32, 64, "unfused"), ("gpu", False, BF16, 64, "unfused"), ("cpu", True, BF16, 64, "unfused")])
+def test_default_implementation_is_fused_on_gpu_up_to_head_dim_64(monkeypatch, fallback_log, platform, has_kernel,
+                                                                    dtype, d, want):
+    monkeypatch.setattr(attention_module, "_platform", lambda q: platform)
+    monkeypatch.setattr(_ffi, "has_cuda_target", lambda name: has_kernel)
+    q, k, v, _ = qkv(105, 2, 7, 7, 3, d, dtype)
+    hlo = jax.jit(lambda q, k, v: op(q, k, v)).lower(q, k, v).as_text()
+    assert ("jaxsub_attention_fwd" in hlo) == (want == "fused")
+    assert ("jaxsub_softmax_dropout_fwd" in hlo) == (want == "unfused")
+    assert not fallback_log  # the default is no request: nothing to log
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 class TestCuda:

@@ -229,6 +229,17 @@ def _fused_unsupported(q) -> str | None:
     return fused_unsupported(_platform(q), q.dtype, q.shape[-1])
 
 
+def _default_implementation(q) -> str:
+    """`implementation=None` where no configuration block chooses: "fused" on a GPU whose
+    CUDA kernel takes this dtype and head dim, for head dims up to 64; else "unfused".
+    Measured on the H200 (bench/NOTES.md, attention v4 and "Packed q/k/v"): fused is
+    faster fwd+bwd at B8 S512 H16 D64 (281 vs 322 µs; with key padding 313 vs 392) and in
+    the encoder layer; slower at causal S2048 D128 (1369 vs 1285). On the CPU the fused
+    handler is a float64-accumulating oracle, not a fast path."""
+    fast = _platform(q) == "gpu" and _fused_unsupported(q) is None and q.shape[-1] <= 64
+    return "fused" if fast else "unfused"
+
+
 _KIND_NAMES = {_masks.NONE: "none", _masks.BOOLEAN: "boolean", _masks.ADDITIVE: "additive"}
 
 
@@ -304,9 +315,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       implementation: "fused" (one kernel per direction, no [B, H, Sq, Sk] tensor in
         memory), "unfused" (score GEMM, fused softmax-dropout, GEMM), or None: the
         choice of the enclosing `jaxsub.ops.config.use` block (what `jaxsub.optimize`'s
-        `layouts=` selected for this signature), else "unfused" (on the H200 at BERT-large
-        shapes the fused kernel is faster for the op alone, but the encoder layer was not
-        faster with it; bench/NOTES.md, attention v4).
+        `layouts=` selected for this signature), else "fused" on a GPU where the CUDA
+        kernel runs and the head dim is at most 64, and "unfused" otherwise (measured on
+        the H200: fused faster at B8 S512 D64, slower at causal S2048 D128; on the CPU the
+        fused handler is a slow oracle).
         "fused" on a GPU without a CUDA fused kernel for this build, dtype (float32) or head
         dim (not 32, 64 or 128) runs the unfused path with a one-time log line.
 
@@ -369,6 +381,8 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
         if implementation not in _IMPLEMENTATIONS:
             raise ValueError(f"jaxsub.{op}: the configuration in effect selects implementation "
                              f"{implementation!r}; expected 'fused' or 'unfused'")
+        if implementation is None:
+            implementation = _default_implementation(q)
     if implementation == "fused":
         reason = _fused_unsupported(q)
         if reason is None:
