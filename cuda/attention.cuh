@@ -1,7 +1,8 @@
 // The attention kernels' building blocks (attention.cu only): launch constants, the
 // argument block, tile copies, the score rules (scale, mask, causal, bounds), the dropout
-// keep bits of 16 keys, quad reductions, and the backward's warp-tile products and row
-// kernels (delta, dq). Contract: ABI.md ("Attention family").
+// keep bits of 16 keys, quad reductions, the backward's warp-tile products and row
+// kernels (delta, dq), and the host side's shape reading (separate and packed q/k/v) and
+// dispatch. Contract: ABI.md ("Attention family").
 #pragma once
 
 #include <cmath>
@@ -361,7 +362,7 @@ void set_attrs(AttnArgs& a, float scale, bool causal, uint32_t threshold, float 
   a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
 }
 
-// The score rule a call's kernels are instantiated for (MaskMode, attention.cuh);
+// The score rule a call's kernels are instantiated for (MaskMode, above);
 // launching a tile kernel (block kThreads, `smem` bytes of dynamic shared memory, raised
 // past 48 KB once per kernel).
 int mask_mode(const AttnArgs& a) {
