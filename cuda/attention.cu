@@ -472,13 +472,15 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     });
     if (e.failure()) return e;
     const int64_t n = rows * D, hd = a.h * D;
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535));
     auto* dq = static_cast<T*>(a.o);
     if (a.qkv_row == hd && a.q_batch == a.sq * hd) {
-      attention_dq_kernel<T, false><<<blocks, 256, 0, stream>>>(a.dq_acc, dq, n, a.scale, hd, a.sq, hd, a.q_batch);
-    } else {
-      attention_dq_kernel<T, true><<<blocks, 256, 0, stream>>>(a.dq_acc, dq, n, a.scale, hd, a.sq, a.qkv_row,
-                                                               a.q_batch);
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535));
+      attention_dq_kernel<T><<<blocks, 256, 0, stream>>>(a.dq_acc, dq, n, a.scale);
+    } else {  // q's view: (b, i) rows of H * D elements; 128 threads cover 1024 per pass
+      const int64_t dq_rows = a.b * a.sq;
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(dq_rows, 65535));
+      attention_dq_view_kernel<T><<<blocks, 128, 0, stream>>>(a.dq_acc, dq, dq_rows, hd, a.scale, a.sq, a.qkv_row,
+                                                              a.q_batch);
     }
     return launch_status(op);
   });

@@ -290,23 +290,35 @@ __global__ void attention_delta_kernel(AttnArgs a) {
 
 // dq = scale * dq_acc, rounded to T: eight elements per thread and step (two 16-byte
 // loads, one 16-byte store; n is a multiple of 8, D being). The score scale multiplies
-// here once instead of at each of the backward's atomics. dq_acc is a plain [B, Sq, H, D]
-// tensor; dq is q's view (AttnArgs): with kView the element at (b, i, h * D + c) goes to
-// b * q_batch + i * qkv_row + h * D + c (eight elements never straddle a row).
-template <typename T, bool kView>
-__global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale,
-                                    int64_t hd, int64_t sq, int64_t qkv_row, int64_t q_batch) {
+// here once instead of at each of the backward's atomics. dq_acc and dq are plain
+// [B, Sq, H, D] tensors.
+template <typename T>
+__global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale) {
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
     const float4 lo = *reinterpret_cast<const float4*>(acc + i), hi = *reinterpret_cast<const float4*>(acc + i + 4);
     const float x[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
                         hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
-    int64_t o = i;
-    if constexpr (kView) {
-      const int64_t r = i / hd, bb = r / sq;
-      o = bb * q_batch + (r - bb * sq) * qkv_row + (i - r * hd);
+    store_vec<T, 8>(dq + i, x);
+  }
+}
+
+// The same into q's view (AttnArgs, packed q/k/v): row r = (b, i) of dq_acc, H * D
+// elements, goes to b * q_batch + i * qkv_row. Blocks walk rows (one division per row, not
+// per element), threads the row's 16-byte pieces.
+template <typename T>
+__global__ void attention_dq_view_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t rows, int64_t hd,
+                                         float scale, int64_t sq, int64_t qkv_row, int64_t q_batch) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t bb = r / sq;
+    const float* src = acc + r * hd;
+    T* dst = dq + bb * q_batch + (r - bb * sq) * qkv_row;
+    for (int64_t c = threadIdx.x * 8; c < hd; c += blockDim.x * 8) {
+      const float4 lo = *reinterpret_cast<const float4*>(src + c), hi = *reinterpret_cast<const float4*>(src + c + 4);
+      const float x[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
+                          hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
+      store_vec<T, 8>(dst + c, x);
     }
-    store_vec<T, 8>(dq + o, x);
   }
 }
 
