@@ -407,8 +407,16 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
       if (i >= a.sq) continue;
       float* dq_row = dqg + i * out_row + tq * 2;
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn)  // one 8-byte vector atomic per pair (sm_90); the scale: the dq kernel
+      for (int dn = 0; dn < D / 8; ++dn) {  // the scale: the dq kernel
+#if __CUDA_ARCH__ >= 900
+        // One 8-byte vector atomic per pair: the backward was bound by these reductions
+        // (bench/NOTES.md, "Vector atomics"); two scalar ones took 30% longer.
         atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[dn][2 * r], c[dn][2 * r + 1]));
+#else
+        atomicAdd(dq_row + dn * 8, c[dn][2 * r]);
+        atomicAdd(dq_row + dn * 8 + 1, c[dn][2 * r + 1]);
+#endif
+      }
     }
     // No barrier here: after the one above nothing reads this stage, and the next
     // iteration's writes are safe without one. Its copies go to a stage last read before
