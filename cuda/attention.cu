@@ -8,8 +8,9 @@
 // Block: 4 warps. Forward: 64 query rows per block (16 per warp), key tiles of 64 in
 // shared memory. Backward: 64 keys per block (16 per warp), query tiles of 64 in shared
 // memory; dK, dV accumulate in registers, dQ in an f32 workspace through atomics (one per
-// element pair per block and query tile, 8-byte vector atomics on sm_90). Tiles are copied one ahead with cp.async (two
-// shared-memory stages) where shared memory allows. Operands reach the tensor cores
+// element pair per block and query tile, 8-byte vector atomics on sm_90). Tiles are
+// copied one ahead with cp.async (two shared-memory stages) where shared memory allows.
+// Operands reach the tensor cores
 // through ldmatrix. Each kernel is instantiated per score rule (MaskMode): calls without
 // mask and causal carry no mask code, and a key-padding mask is read once per key.
 // Probabilities enter the P V products unscaled (kept or zero); the dropout scale

@@ -293,14 +293,17 @@ __global__ void attention_delta_kernel(AttnArgs a) {
 // here once instead of at each of the backward's atomics. dq_acc and dq are plain
 // [B, Sq, H, D] tensors.
 template <typename T>
+__device__ __forceinline__ void scale_store8(const float* __restrict__ src, T* __restrict__ dst, float scale) {
+  const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
+  const float x[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
+                      hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
+  store_vec<T, 8>(dst, x);
+}
+template <typename T>
 __global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale) {
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
-    const float4 lo = *reinterpret_cast<const float4*>(acc + i), hi = *reinterpret_cast<const float4*>(acc + i + 4);
-    const float x[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
-                        hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
-    store_vec<T, 8>(dq + i, x);
-  }
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8)
+    scale_store8(acc + i, dq + i, scale);
 }
 
 // The same into q's view (AttnArgs, packed q/k/v): row r = (b, i) of dq_acc, H * D
@@ -313,12 +316,7 @@ __global__ void attention_dq_view_kernel(const float* __restrict__ acc, T* __res
     const int64_t bb = r / sq;
     const float* src = acc + r * hd;
     T* dst = dq + bb * q_batch + (r - bb * sq) * qkv_row;
-    for (int64_t c = threadIdx.x * 8; c < hd; c += blockDim.x * 8) {
-      const float4 lo = *reinterpret_cast<const float4*>(src + c), hi = *reinterpret_cast<const float4*>(src + c + 4);
-      const float x[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
-                          hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
-      store_vec<T, 8>(dst + c, x);
-    }
+    for (int64_t c = threadIdx.x * 8; c < hd; c += blockDim.x * 8) scale_store8(src + c, dst + c, scale);
   }
 }
 
