@@ -352,14 +352,15 @@ def attention_packed(qkv, *, axis=2, mask=None, causal=False, scale=None, dropou
       [B, S, H, D] in qkv's dtype.
     """
     qkv, axis = _check_packed(qkv, axis)
-    q, k, v = (jax.lax.index_in_dim(qkv, i, axis, keepdims=False) for i in range(3))
-    return _attention("attention_packed", q, k, v, (qkv, axis), mask, causal, scale, dropout_rate, key,
+    like = jax.ShapeDtypeStruct(_packed_dims(qkv.shape, axis), qkv.dtype)  # q's, k's and v's shape
+    return _attention("attention_packed", like, like, like, (qkv, axis), mask, causal, scale, dropout_rate, key,
                       implementation)
 
 
 def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, implementation):
     """`attention` after the q, k, v checks; `packed` is (qkv, axis) when q, k, v are its
-    slices (the fused path then reads qkv in place), else None."""
+    slices, passed here as shapes only: the fused path reads qkv in place, and only the
+    other paths slice it (eagerly, slices nobody reads would still be copied)."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"jaxsub.{op}: `implementation` must be None, 'fused' or 'unfused', got {implementation!r}")
     if not isinstance(causal, (bool, np.bool_)):
@@ -372,6 +373,7 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
     mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True)
     mask4d = jax.lax.stop_gradient(mask4d)
+    data = q if packed is None else packed[0]  # an array: its platform, dtype and head dim
 
     if q.size == 0 or k.size == 0:
         _ffi.fallback(op, "zero-size input")
@@ -382,12 +384,14 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
             raise ValueError(f"jaxsub.{op}: the configuration in effect selects implementation "
                              f"{implementation!r}; expected 'fused' or 'unfused'")
         if implementation is None:
-            implementation = _default_implementation(q)
+            implementation = _default_implementation(data)
     if implementation == "fused":
-        reason = _fused_unsupported(q)
+        reason = _fused_unsupported(data)
         if reason is None:
             if packed is not None:
                 return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate)
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
         _ffi.fallback(op, reason, instead="the unfused path")
+    if packed is not None:
+        q, k, v = (jax.lax.index_in_dim(packed[0], i, packed[1], keepdims=False) for i in range(3))
     return _unfused(q, k, v, mask4d, kind, causal, scale, rate, key if rate > 0.0 else None)
