@@ -14,10 +14,14 @@
 // through ldmatrix. Each kernel is instantiated per score rule (MaskMode): calls without
 // mask and causal carry no mask code, and a key-padding mask is read once per key.
 // Probabilities enter the P V products unscaled (kept or zero); the dropout scale
-// multiplies the output and dV once, in f32.
+// multiplies the output and dV once, in f32. On Hopper (sm_90a builds, compute capability
+// 9.0) D = 64 and 128 run the same structure on warpgroup tensor cores instead
+// (attention_sm90.cuh); these mma.sync kernels serve D = 32 and other GPUs.
 #include <cmath>
+#include <cstdlib>
 
 #include "attention.cuh"
+#include "attention_sm90.cuh"
 
 namespace jaxsub {
 namespace {
@@ -58,7 +62,6 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
   const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
   const RowCtx rc = row_ctx(a, bb, hh);
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
-  const float scale_log2 = a.scale * kLog2e;
 
   // Q fragments for the warp's 16 rows: rows quad and quad + 8, columns tq*2 (+8).
   uint32_t qf[D / 16][4];
@@ -127,51 +130,10 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
         mma<T>(s[n], qf[kc + 1], b[2], b[3]);
       }
     }
-    // The common case (no mask, no causal, a full key tile, scale > 0) needs no
-    // per-element test (rows past Sq are never stored) and keeps the raw scores: the max
-    // is taken raw and scaled once, and each probability is exp2(s * sc - base), one FFMA.
-    // Otherwise the scores are scaled and masked here (log2 units, sc = 1).
-    const bool plain = kMode == kNoMask && kb + kTile <= a.sk && a.scale > 0.f;
-    // Under a key mask, this thread's 16 keys (shared by its two rows) are read once.
-    const uint32_t vis = kMode == kKeyMask ? key_bits16(a, rc, kb + tq * 16) : 0xffffu;
-    const float sc = plain ? scale_log2 : 1.f;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (!plain) {
-          const int64_t i = q0 + quad + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
-          s[n][e] = score_log2<kMode>(a, rc, s[n][e], i, j, (vis >> (n * 2 + (e & 1))) & 1u);
-        }
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-      }
-    float alpha[2], nbase[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m[r], quad_max(mx[r]) * sc);
-      alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);
-      m[r] = m_new;
-      nbase[r] = m_new == -INFINITY ? 0.f : -m_new;  // exp2(-inf + 0) = 0 for masked entries
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[dn][e] *= alpha[e >> 1];
     uint32_t pf[4][4];  // kept probabilities (unscaled) as A fragments, 16 key slots each
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      float p[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        p[e] = fast_exp2(fmaf(s[n][e], sc, nbase[e >> 1]));
-        l[e >> 1] += p[e];
-        if (!((keep[e >> 1] >> (n * 2 + (e & 1))) & 1u)) p[e] = 0.f;
-      }
-      pf[n / 2][(n & 1) * 2 + 0] = pack2<T>(p[0], p[1]);
-      pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]);
-    }
+    fwd_softmax_tile<T, kMode, D>(
+        a, rc, [&](int n, int e) -> float& { return s[n][e]; }, [&](int dn, int e) -> float& { return o[dn][e]; },
+        m, l, keep, q0 + quad, kb, tq, pf);
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
@@ -327,60 +289,21 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     // warp's 16 keys, columns = the tile's 64 queries.
     float p[8][4];
     keys_by_queries<T, D>(p, sm.k + a_off, qs + plain_off);
-    // The keep bits of this thread's 32 entries, gathered once per tile: bit 4 n + e is
-    // entry (n, e) = (query il(n, e) of the tile, key quad + 8 (e / 2) of the warp).
-    auto il_of = [&](int n, int e) { return n * 8 + tq * 2 + (e & 1); };
-    uint32_t kbits = 0xffffffffu;
-    if (a.threshold != 0) {
-      kbits = 0u;
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const uint32_t w = sm.keep[warp][il_of(n, c)] >> quad;
-          kbits |= (w & 1u) << (4 * n + c);
-          kbits |= ((w >> 8) & 1u) << (4 * n + 2 + c);
-        }
-    }
-    auto kept = [&](int n, int e) { return ((kbits >> (4 * n + e)) & 1u) != 0u; };
+    const uint32_t kbits = bwd_keep_bits(a, sm.keep[warp], quad, tq);
     {
       uint32_t pdf[4][4];  // kept Pᵀ (unscaled) as A fragments, 16 queries each
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        float pd[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int il = il_of(n, e), jl = quad + (e >> 1) * 8;
-          float x;
-          if constexpr (kMode == kNoMask) {
-            // No per-element branch: the key's bit is its bounds; a query past Sq has
-            // nlse2 = -inf. (The same select under kKeyMask, with the causal test, ran
-            // 7% slower than the rule below: bench/NOTES.md, attention v4.)
-            x = (kvis >> (e >> 1)) & 1u ? fmaf(p[n][e], scale_log2, nlse2[il]) : -INFINITY;
-          } else {
-            x = score_log2<kMode>(a, rc, p[n][e], qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) + nlse2[il];
-          }
-          p[n][e] = fast_exp2(x);  // 0 for masked scores and empty rows
-          pd[e] = kept(n, e) ? p[n][e] : 0.f;
-        }
-        pdf[n / 2][(n & 1) * 2 + 0] = pack2<T>(pd[0], pd[1]);
-        pdf[n / 2][(n & 1) * 2 + 1] = pack2<T>(pd[2], pd[3]);
-      }
+      bwd_probs<T, kMode>(a, rc, [&](int n, int e) -> float& { return p[n][e]; }, nlse2, kvis, kbits, qb, k0, scale_log2,
+                          quad, tq, pdf);
       add_keys_by_d<T, D>(dv, pdf, dos + trans_off);
     }
     {
       float dpt[8][4];
       keys_by_queries<T, D>(dpt, sm.v + a_off, dos + plain_off);
       uint32_t dsf[4][4];  // dSᵀ as A fragments (16 queries each)
+      bwd_dscores<T>(a, [&](int n, int e) { return p[n][e]; }, [&](int n, int e) { return dpt[n][e]; }, kbits, delta, tq,
+                     dsf);
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        float ds[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          ds[e] = p[n][e] * ((kept(n, e) ? dpt[n][e] * a.keep_scale : 0.f) - delta[il_of(n, e)]);
-        dsf[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
-        dsf[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
-        // dSᵀ to shared memory for dQ = dS K.
+      for (int n = 0; n < 8; ++n) {  // dSᵀ to shared memory for dQ = dS K
         T* w = sm.ds + (warp * 16 + quad) * kDsRow + n * 8 + tq * 2;
         *reinterpret_cast<uint32_t*>(w) = dsf[n / 2][(n & 1) * 2 + 0];
         *reinterpret_cast<uint32_t*>(w + 8 * kDsRow) = dsf[n / 2][(n & 1) * 2 + 1];
@@ -446,6 +369,23 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
 // ---------------------------------------------------------------------------------------
 // Launchers and FFI handlers.
 
+// Whether the forward and backward run the wgmma kernels (attention_sm90.cuh) at D = 64
+// and 128: device code for sm_90a was built and the current device has compute capability
+// 9.0. JAXSUB_ATTENTION_SM90=0 in the environment keeps the mma.sync kernels (for comparisons).
+bool use_sm90() {
+#ifdef JAXSUB_SM90A
+  const char* off = std::getenv("JAXSUB_ATTENTION_SM90");  // read per call: tests compare both kernels
+  int dev = 0, major = 0, minor = 0;
+  if ((off != nullptr && std::string(off) == "0") || cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
 // The forward for a's views, pointers and attributes: out [B, Sq, H, D], lse [B, H, Sq].
 ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, const AttnArgs& a) {
   if (a.b * a.h * a.sq == 0) return ffi::Error::Success();
@@ -453,9 +393,14 @@ ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     using T = typename decltype(tt)::type;
     constexpr int D = decltype(dd)::value;
     const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
-    constexpr size_t smem = sizeof(FwdSmem<T, D>);
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
-      return launch_tile_kernel<attention_fwd_kernel<T, D, decltype(mode)::value>>(op, grid, smem, stream, a);
+      constexpr int kMode = decltype(mode)::value;
+      if constexpr (D >= 64) {
+        if (use_sm90())
+          return launch_tile_kernel<attention_fwd_sm90_kernel<T, D, kMode>>(op, grid, sm90_fwd_smem<D>() + 1024,
+                                                                             stream, a);
+      }
+      return launch_tile_kernel<attention_fwd_kernel<T, D, kMode>>(op, grid, sizeof(FwdSmem<T, D>), stream, a);
     });
     if (e.failure()) return e;
     return launch_status(op);
@@ -473,9 +418,14 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     attention_delta_kernel<T, D>
         <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
-    constexpr size_t smem = sizeof(BwdSmem<T, D>);
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
-      return launch_tile_kernel<attention_bwd_kernel<T, D, decltype(mode)::value>>(op, grid, smem, stream, a);
+      constexpr int kMode = decltype(mode)::value;
+      if constexpr (D >= 64) {
+        if (use_sm90())
+          return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode>>(op, grid, sm90_bwd_smem<D>() + 1024,
+                                                                             stream, a);
+      }
+      return launch_tile_kernel<attention_bwd_kernel<T, D, kMode>>(op, grid, sizeof(BwdSmem<T, D>), stream, a);
     });
     if (e.failure()) return e;
     const int64_t n = rows * D, hd = a.h * D;
@@ -577,6 +527,18 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_
 }
 
 }  // namespace
+
+// For the module (module.cc): whether attention at D = 64 or 128 on the current device
+// runs the wgmma kernels now, and whether they were built at all.
+bool attention_sm90() { return use_sm90(); }
+bool attention_sm90_built() {
+#ifdef JAXSUB_SM90A
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace jaxsub
 
 namespace ffi = xla::ffi;

@@ -218,6 +218,62 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// One key tile of the forward's online softmax (both forward kernels), for a thread's two
+// query rows qrow, qrow + 8 and its 16 keys: score element (n, e), S(n, e), is row
+// qrow + 8 (e / 2), key kb + 16 tq + 2 n + e % 2 (the key order of attention.cu). Scales
+// and masks the raw scores, updates the running max m and sum l, rescales the output
+// accumulator (O(dn, e), rows as S's), and packs the probabilities kept by `keep`
+// (unscaled) into pf, A fragments of 16 key slots each.
+template <typename T, int kMode, int D, typename SF, typename OF>
+__device__ __forceinline__ void fwd_softmax_tile(const AttnArgs& a, const RowCtx& rc, SF&& S, OF&& O, float (&m)[2],
+                                                 float (&l)[2], const uint32_t (&keep)[2], int64_t qrow, int64_t kb,
+                                                 int tq, uint32_t (&pf)[4][4]) {
+  // The common case (no mask, no causal, a full key tile, scale > 0) needs no
+  // per-element test (rows past Sq are never stored) and keeps the raw scores: the max
+  // is taken raw and scaled once, and each probability is exp2(s * sc - base), one FFMA.
+  // Otherwise the scores are scaled and masked here (log2 units, sc = 1).
+  const bool plain = kMode == kNoMask && kb + kTile <= a.sk && a.scale > 0.f;
+  // Under a key mask, this thread's 16 keys (shared by its two rows) are read once.
+  const uint32_t vis = kMode == kKeyMask ? key_bits16(a, rc, kb + tq * 16) : 0xffffu;
+  const float sc = plain ? a.scale * kLog2e : 1.f;
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!plain) {
+        const int64_t i = qrow + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
+        S(n, e) = score_log2<kMode>(a, rc, S(n, e), i, j, (vis >> (n * 2 + (e & 1))) & 1u);
+      }
+      mx[e >> 1] = fmaxf(mx[e >> 1], S(n, e));
+    }
+  float alpha[2], nbase[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], quad_max(mx[r]) * sc);
+    alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);
+    m[r] = m_new;
+    nbase[r] = m_new == -INFINITY ? 0.f : -m_new;  // exp2(-inf + 0) = 0 for masked entries
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) O(dn, e) *= alpha[e >> 1];
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      p[e] = fast_exp2(fmaf(S(n, e), sc, nbase[e >> 1]));
+      l[e >> 1] += p[e];
+      if (!((keep[e >> 1] >> (n * 2 + (e & 1))) & 1u)) p[e] = 0.f;
+    }
+    pf[n / 2][(n & 1) * 2 + 0] = pack2<T>(p[0], p[1]);
+    pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]);
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Backward building blocks: its warp-tile products and its two row kernels.
 
@@ -257,6 +313,70 @@ __device__ __forceinline__ void add_keys_by_d(float (&acc)[D / 8][4], const uint
       mma<T>(acc[dn], frag[kc], bf[0], bf[1]);
       mma<T>(acc[dn + 1], frag[kc], bf[2], bf[3]);
     }
+}
+
+// The backward's element-wise steps for a warp's tile Sᵀ [16 keys][64 queries] (both
+// backward kernels): entry (n, e) of a thread is query il(n, e) = 8 n + 2 tq + e % 2 of the
+// tile and key quad + 8 (e / 2) of the warp.
+//
+// The keep bits of a thread's 32 entries (bit 4 n + e), gathered from the warp's per-query
+// keep words (`keep[il]`: bit t = key t of the warp); all kept without dropout.
+__device__ __forceinline__ uint32_t bwd_keep_bits(const AttnArgs& a, const uint16_t* keep, int quad, int tq) {
+  if (a.threshold == 0) return 0xffffffffu;
+  uint32_t kbits = 0u;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t w = keep[n * 8 + tq * 2 + c] >> quad;
+      kbits |= (w & 1u) << (4 * n + c);
+      kbits |= ((w >> 8) & 1u) << (4 * n + 2 + c);
+    }
+  return kbits;
+}
+// Probabilities in place of the raw scores P(n, e) (from -lse in log2 units per query,
+// nlse2; kvis: the visibility of the thread's two keys), and the kept ones (unscaled) as
+// A fragments of Pᵀ, 16 queries each.
+template <typename T, int kMode, typename PF>
+__device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, PF&& P, const float* nlse2,
+                                          uint32_t kvis, uint32_t kbits, int64_t qb, int64_t k0, float scale_log2,
+                                          int quad, int tq, uint32_t (&pdf)[4][4]) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    float pd[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int il = n * 8 + tq * 2 + (e & 1), jl = quad + (e >> 1) * 8;
+      float x;
+      if constexpr (kMode == kNoMask) {
+        // No per-element branch: the key's bit is its bounds; a query past Sq has
+        // nlse2 = -inf. (The same select under kKeyMask, with the causal test, ran
+        // 7% slower than the rule below: bench/NOTES.md, attention v4.)
+        x = (kvis >> (e >> 1)) & 1u ? fmaf(P(n, e), scale_log2, nlse2[il]) : -INFINITY;
+      } else {
+        x = score_log2<kMode>(a, rc, P(n, e), qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) + nlse2[il];
+      }
+      P(n, e) = fast_exp2(x);  // 0 for masked scores and empty rows
+      pd[e] = (kbits >> (4 * n + e)) & 1u ? P(n, e) : 0.f;
+    }
+    pdf[n / 2][(n & 1) * 2 + 0] = pack2<T>(pd[0], pd[1]);
+    pdf[n / 2][(n & 1) * 2 + 1] = pack2<T>(pd[2], pd[3]);
+  }
+}
+// dSᵀ = P ∘ (dropout'(dPᵀ) - delta) from the probabilities P(n, e) and dPdᵀ(n, e) = (V dOᵀ)
+// entries, as A fragments of 16 queries each.
+template <typename T, typename PF, typename DF>
+__device__ __forceinline__ void bwd_dscores(const AttnArgs& a, PF&& P, DF&& DP, uint32_t kbits, const float* delta,
+                                            int tq, uint32_t (&dsf)[4][4]) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    float ds[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      ds[e] = P(n, e) * (((kbits >> (4 * n + e)) & 1u ? DP(n, e) * a.keep_scale : 0.f) - delta[n * 8 + tq * 2 + (e & 1)]);
+    dsf[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
+    dsf[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
+  }
 }
 
 // delta[b, h, i] = sum_d dout * out, and dq_acc = 0. Each row (b, i, h) is read by D / 8

@@ -49,6 +49,13 @@ py::dict cuda_staged_targets() {
 
 }  // namespace
 
+#ifdef JAXSUB_WITH_CUDA
+namespace jaxsub {
+bool attention_sm90();        // attention.cu
+bool attention_sm90_built();  // attention.cu
+}
+#endif
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "jaxsub native handlers (XLA FFI)";
   m.def("cpu_targets", &cpu_targets, "FFI handlers for the cpu platform");
@@ -57,6 +64,11 @@ PYBIND11_MODULE(_C, m) {
         "CUDA handlers not yet registered by default (targets.h: JAXSUB_STAGED_TARGETS)");
 #ifdef JAXSUB_WITH_CUDA
   m.attr("built_with_cuda") = true;
+  m.def("attention_sm90", &jaxsub::attention_sm90,
+        "whether attention at head dim 64 or 128 runs the wgmma (sm_90a) kernels, forward and backward, on the "
+        "current device now (JAXSUB_ATTENTION_SM90=0 turns them off)");
+  m.def("attention_sm90_built", &jaxsub::attention_sm90_built,
+        "whether the attention kernels were built with sm_90a (wgmma) device code");
 #else
   m.attr("built_with_cuda") = false;
 #endif

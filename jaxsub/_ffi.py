@@ -66,6 +66,19 @@ def cuda_available() -> bool:
         return False
 
 
+def attention_sm90() -> bool:
+    """Whether fused attention at head dims 64 and 128 runs the wgmma (sm_90a) kernels on
+    the default GPU: device code for sm_90a was built, the GPU has compute capability 9.0,
+    and JAXSUB_ATTENTION_SM90 is not "0" (the CUDA handlers read it at each call)."""
+    if not cuda_built() or not _C.attention_sm90_built() or os.environ.get("JAXSUB_ATTENTION_SM90") == "0":
+        return False
+    try:
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return False
+    return bool(gpus) and getattr(gpus[0], "compute_capability", None) == "9.0"
+
+
 @functools.cache
 def _warn_once(key: str, message: str) -> None:
     log.warning(message)

@@ -12,7 +12,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsub
-from jaxsub import _ffi
+from jaxsub import _C, _ffi
 from jaxsub.ops.attn import reference_attention
 from jaxsub.testing import assert_close
 
@@ -381,13 +381,16 @@ def test_fused_on_gpu_with_kernel_and_supported_shape_is_fused(monkeypatch, fall
     assert "jaxsub_attention_fwd" in hlo and not fallback_log
 
 
-@pytest.mark.parametrize("platform,has_kernel,dtype,d,want", [
-    ("gpu", True, BF16, 64, "fused"), ("gpu", True, F16, 32, "fused"), ("gpu", True, BF16, 128, "unfused"),
-    ("gpu", True, F32, 64, "unfused"), ("gpu", False, BF16, 64, "unfused"), ("cpu", True, BF16, 64, "unfused")])
-def test_default_implementation_is_fused_on_gpu_up_to_head_dim_64(monkeypatch, fallback_log, platform, has_kernel,
-                                                                    dtype, d, want):
+@pytest.mark.parametrize("platform,has_kernel,sm90,dtype,d,want", [
+    ("gpu", True, False, BF16, 64, "fused"), ("gpu", True, False, F16, 32, "fused"),
+    ("gpu", True, False, BF16, 128, "unfused"), ("gpu", True, True, BF16, 128, "fused"),
+    ("gpu", True, True, F32, 64, "unfused"), ("gpu", False, True, BF16, 64, "unfused"),
+    ("cpu", True, True, BF16, 64, "unfused"), ("cpu", True, True, BF16, 128, "unfused")])
+def test_default_implementation_is_fused_on_gpu_where_faster(monkeypatch, fallback_log, platform, has_kernel, sm90,
+                                                             dtype, d, want):
     monkeypatch.setattr(attention_module, "_platform", lambda q: platform)
     monkeypatch.setattr(_ffi, "has_cuda_target", lambda name: has_kernel)
+    monkeypatch.setattr(_ffi, "attention_sm90", lambda: sm90)
     q, k, v, _ = qkv(105, 2, 7, 7, 3, d, dtype)
     hlo = jax.jit(lambda q, k, v: op(q, k, v)).lower(q, k, v).as_text()
     assert ("jaxsub_attention_fwd" in hlo) == (want == "fused")
@@ -429,15 +432,55 @@ class TestCuda:
     def test_long_causal_d128_matches_cpu(self, implementation):
         self._cuda_vs_cpu(1, 2048, 2048, 4, 128, causal=True, rate=0.1, implementation=implementation)
 
+    @pytest.fixture(params=["sm90", "mma"])
+    def fwd_kernel(self, request, monkeypatch):
+        """The kernels at D = 64 and 128: the wgmma ones where the build and the device
+        have them (sm_90a), or the mma.sync ones (JAXSUB_ATTENTION_SM90=0, read by the
+        handlers at each call); D = 32 always runs the mma.sync ones."""
+        if request.param == "mma":
+            monkeypatch.setenv("JAXSUB_ATTENTION_SM90", "0")
+            assert not _C.attention_sm90()
+        else:
+            monkeypatch.delenv("JAXSUB_ATTENTION_SM90", raising=False)
+            if jax.devices()[0].compute_capability != "9.0":
+                pytest.skip("the wgmma kernels need compute capability 9.0")
+            assert _C.attention_sm90(), "built without sm_90a device code"
+        return request.param
+
     @pytest.mark.parametrize("d", [32, 64, 128])
     @pytest.mark.parametrize("sq,sk,mask_kind,causal", [
         (1, 7, None, False), (7, 130, "padding", True), (130, 128, "additive", False),
         (128, 1, "bool4d", False), (130, 130, "additive", True), (65, 200, None, True),
         (200, 65, None, True),  # Sq > Sk, causal: the first 135 queries see no key
         (7, 130, "headkeys", False), (130, 65, "batch", True)])  # key masks: [1, H, 1, Sk], [B, 1, 1, 1]
-    def test_fused_odd_sizes_match_cpu(self, sq, sk, mask_kind, causal, d):
-        self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused",
-                          dtype=F16 if d == 32 else BF16, mask_kind=mask_kind, seed=sq * 1000 + sk + d)
+    def test_fused_odd_sizes_match_cpu(self, sq, sk, mask_kind, causal, d, fwd_kernel):
+        dtype = F16 if d == 32 or (d == 64 and sq % 2) else BF16
+        self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused", dtype=dtype,
+                          mask_kind=mask_kind, seed=sq * 1000 + sk + d)
+
+    def test_bert_large_dropout_matches_cpu_mma_kernels(self, monkeypatch):
+        # test_bert_large_dropout_matches_cpu runs the default (sm90 where built) kernels.
+        monkeypatch.setenv("JAXSUB_ATTENTION_SM90", "0")
+        self._cuda_vs_cpu(8, 512, 512, 16, 64, causal=False, rate=0.1, implementation="fused", mask_kind="padding")
+
+    @pytest.mark.parametrize("dtype", [BF16, F16])
+    @pytest.mark.parametrize("d,causal,mask_kind", [(64, False, None), (64, True, "padding"), (128, False, "additive"),
+                                                    (128, True, None)])
+    def test_sm90_and_mma_kernels_agree(self, monkeypatch, d, causal, mask_kind, dtype):
+        b, s, h = 2, 300, 4
+        q, k, v, dout = qkv(141, b, s, s, h, d, dtype)
+        mask = make_mask(mask_kind, 142, b, h, s, s)
+        key = jax.random.key(143)
+        run = jax.jit(lambda *args: run_vjp(*args, causal=causal, rate=0.1, implementation="fused"))
+        if jax.devices()[0].compute_capability != "9.0":
+            pytest.skip("the wgmma kernels need compute capability 9.0")
+        monkeypatch.delenv("JAXSUB_ATTENTION_SM90", raising=False)
+        assert _C.attention_sm90(), "built without sm_90a device code"
+        sm90 = run(q, k, v, dout, mask, key)
+        monkeypatch.setenv("JAXSUB_ATTENTION_SM90", "0")
+        mma = run(q, k, v, dout, mask, key)
+        for name, x, y in zip(("out", "dq", "dk", "dv"), sm90, mma):
+            assert_close(x, y, dtype, reduction=s, grad=name != "out", what=name)
 
     @pytest.mark.parametrize("d", [64, 128])
     def test_fused_matches_unfused_on_gpu(self, d):

@@ -231,12 +231,15 @@ def _fused_unsupported(q) -> str | None:
 
 def _default_implementation(q) -> str:
     """`implementation=None` where no configuration block chooses: "fused" on a GPU whose
-    CUDA kernel takes this dtype and head dim, for head dims up to 64; else "unfused".
-    Measured on the H200 (bench/NOTES.md, attention v4 and "Packed q/k/v"): fused is
-    faster fwd+bwd at B8 S512 H16 D64 (281 vs 322 µs; with key padding 313 vs 392) and in
-    the encoder layer; slower at causal S2048 D128 (1369 vs 1285). On the CPU the fused
-    handler is a float64-accumulating oracle, not a fast path."""
-    fast = _platform(q) == "gpu" and _fused_unsupported(q) is None and q.shape[-1] <= 64
+    CUDA kernel takes this dtype and head dim, for head dims up to 64, and at 128 where the
+    wgmma kernels run (sm_90a); else "unfused". Measured on the H200 (bench/NOTES.md,
+    "Hopper kernels"): fused fwd+bwd 214.6 µs against unfused 328.2 at B8 S512 H16 D64
+    (242.1 against 397.2 with key padding), 1046.1 against 1292.7 at causal S2048 D128;
+    the mma.sync kernels were slower than unfused there (1369 vs 1285, attention v4). On
+    the CPU the fused handler is a float64-accumulating oracle, not a fast path."""
+    d = q.shape[-1]
+    fast = (_platform(q) == "gpu" and _fused_unsupported(q) is None
+            and (d <= 64 or (d == 128 and _ffi.attention_sm90())))
     return "fused" if fast else "unfused"
 
 
@@ -316,9 +319,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         memory), "unfused" (score GEMM, fused softmax-dropout, GEMM), or None: the
         choice of the enclosing `jaxsub.ops.config.use` block (what `jaxsub.optimize`'s
         `layouts=` selected for this signature), else "fused" on a GPU where the CUDA
-        kernel runs and the head dim is at most 64, and "unfused" otherwise (measured on
-        the H200: fused faster at B8 S512 D64, slower at causal S2048 D128; on the CPU the
-        fused handler is a slow oracle).
+        kernel runs and the head dim is at most 64, or 128 where the Hopper (sm_90a)
+        kernels run, and "unfused" otherwise (measured on the H200: fused faster at B8
+        S512 D64, and at causal S2048 D128 with the Hopper kernels; on the CPU the fused
+        handler is a slow oracle).
         "fused" on a GPU without a CUDA fused kernel for this build, dtype (float32) or head
         dim (not 32, 64 or 128) runs the unfused path with a one-time log line.
 

@@ -1,0 +1,355 @@
+// The attention forward on Hopper's warpgroup tensor cores (attention.cu only; sm_90a,
+// D = 64 and 128). Same contract, grid, key order and results as attention_fwd_kernel
+// (attention.cu): one warpgroup (the block's four warps) owns 64 query rows; Q stays in
+// registers; S = Q Kᵀ and O += P V are wgmma products with the B operands (the K and V
+// tiles) read from 128-byte-swizzled shared memory (wgmma.cuh) and the A operands (Q, the
+// kept probabilities) from registers, in the layout of the mma.sync kernel's fragments.
+// The products run asynchronously: the keep bits of a tile are computed while its scores
+// are multiplied, and O += P V of one tile runs under the next tile's copies and scores.
+// Three shared-memory stages: tile t + 2 is copied once P V of tile t - 1 has read its stage.
+#pragma once
+
+#include "attention.cuh"
+#include "wgmma.cuh"
+
+namespace jaxsub {
+namespace {
+
+constexpr int kSm90Stages = 3;
+
+// Shared memory of the Hopper forward: per stage, the K tile and the V tile (64 keys, each
+// a [64][D] swizzled tile of D / 64 panels). Launched with 1024 bytes more than this so
+// that the tiles can be aligned to 1024 bytes (the swizzle works on address bits 4-9).
+template <int D>
+constexpr size_t sm90_fwd_smem() { return 2 * kSm90Stages * static_cast<size_t>(kTile) * D * 2; }
+// Blocks per multiprocessor: four at D = 64 (48 KB each), two at D = 128.
+template <int D>
+constexpr int sm90_fwd_min_blocks() { return D <= 64 ? 4 : 2; }
+
+// Starts copying rows [row0, row0 + 64) of one head of a [B, S, H, D] view into a swizzled
+// tile at `dst` (rows past `rows` zero-filled); with kSlots, tile row r goes to tile row
+// slot_of(r) (the forward's key order, attention.cuh). Thread t copies 16-byte piece
+// t % (D / 8) of rows t / (D / 8) + p * (128 / (D / 8)).
+template <typename T, int D, bool kSlots>
+__device__ __forceinline__ void load_tile_swz(unsigned char* dst, const T* src, int64_t row0, int64_t rows,
+                                              int64_t row_stride) {
+  constexpr int kChunks = D / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  constexpr int kPasses = kTile / kRowsPerPass;
+  const int r0 = threadIdx.x / kChunks, part = threadIdx.x % kChunks;
+  const int64_t left = rows - row0 - r0;
+  const T* s = src + (row0 + r0) * row_stride + part * 8;
+  const int64_t step = kRowsPerPass * row_stride;
+  auto slot = [](int r) { return kSlots ? slot_of(r) : r; };
+  const int slot0 = slot(r0);
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const bool full = p * kRowsPerPass < left;
+    const int row = slot0 + slot(p * kRowsPerPass);  // the bits of r0 and p kRowsPerPass are disjoint
+    cp_async16(dst + swz_offset(row, part * 8), full ? s + p * step : src, full);
+  }
+}
+
+template <typename T, int D, int kMode>
+__global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_fwd_sm90_kernel(AttnArgs a) {
+#ifdef JAXSUB_WGMMA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kTileBytes = kTile * D * 2;
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw_addr);
+  auto k_stage = [&](int st) { return smem + st * 2 * kTileBytes; };
+  auto v_stage = [&](int st) { return smem + st * 2 * kTileBytes + kTileBytes; };
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
+  const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile + warp * 16;  // warp's first query row
+  const int64_t row_stride = a.qkv_row;
+  const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
+  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
+  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
+  const RowCtx rc = row_ctx(a, bb, hh);
+  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+
+  // Q fragments for the warp's 16 rows (A of S = Q Kᵀ): rows quad and quad + 8, columns tq*2 (+8).
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t i = q0 + quad + (r & 1) * 8;
+      const int col = kc * 16 + tq * 2 + (r >> 1) * 8;
+      qf[kc][r] = i < a.sq ? ld32(qg + i * row_stride + col) : 0u;
+    }
+
+  float o[D / 2];  // o[4 dn + e]: row quad + 8 (e / 2), column 8 dn + 2 tq + e % 2
+#pragma unroll
+  for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), sum
+  int64_t key_end = a.sk;
+  if (a.causal) {
+    const int64_t last = static_cast<int64_t>(blockIdx.x) * kTile + kTile + a.sk - a.sq;
+    key_end = last < a.sk ? last : a.sk;
+  }
+  const int tiles = static_cast<int>((key_end + kTile - 1) / kTile);
+  auto load_kv = [&](int t) {
+    if (t < tiles) {
+      const int st = t % kSm90Stages;
+      load_tile_swz<T, D, true>(k_stage(st), kg, static_cast<int64_t>(t) * kTile, a.sk, row_stride);
+      load_tile_swz<T, D, true>(v_stage(st), vg, static_cast<int64_t>(t) * kTile, a.sk, row_stride);
+    }
+    cp_async_commit();  // empty groups keep the count: tile t is always group t
+  };
+  load_kv(0);
+  load_kv(1);
+  uint32_t pf[4][4] = {};  // kept probabilities of the tile whose P V is in flight
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t kb = static_cast<int64_t>(t) * kTile;
+    const int st = t % kSm90Stages;
+    cp_async_wait<1>();  // tile t landed (t + 1 may still be in flight)
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t kaddr = static_cast<uint32_t>(__cvta_generic_to_shared(k_stage(st)));
+    const uint32_t vaddr = static_cast<uint32_t>(__cvta_generic_to_shared(v_stage(st)));
+
+    float s[32];  // s[4 n + e]: row quad + 8 (e / 2), key kb + 16 tq + 2 n + e % 2
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc)
+      wgmma_rs<T, 64, false>(s, qf[kc], wgmma_desc(kaddr + (kc / 4) * kPanelBytes + (kc % 4) * 32), kc > 0);
+    wgmma_commit();
+    // Keep bits while the scores are multiplied.
+    uint32_t keep[2] = {0xffffu, 0xffffu};
+    if (a.threshold != 0) {
+      keep[0] = keep16(a, seed, bh, q0 + quad, kb + tq * 16);
+      keep[1] = keep16(a, seed, bh, q0 + quad + 8, kb + tq * 16);
+    }
+    wgmma_wait<0>();  // S of this tile and P V of the previous one are done
+#pragma unroll
+    for (int x = 0; x < 32; ++x) reg_fence(s[x]);
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) reg_fence(o[x]);
+    // The stage P V of tile t - 1 read is free: copy tile t + 2 into it.
+    load_kv(t + 2);
+
+    fwd_softmax_tile<T, kMode, D>(
+        a, rc, [&](int n, int e) -> float& { return s[4 * n + e]; }, [&](int dn, int e) -> float& { return o[4 * dn + e]; },
+        m, l, keep, q0 + quad, kb, tq, pf);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, D, true>(o, pf[kc], wgmma_desc(vaddr + kc * 16 * 128), true);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int x = 0; x < D / 2; ++x) reg_fence(o[x]);
+  cp_async_wait<0>();
+
+  const int64_t out_row = a.h * D;  // out is a plain [B, Sq, H, D] tensor
+  T* og = static_cast<T*>(a.o) + (bb * a.sq * a.h + hh) * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float total = quad_sum(l[r]);
+    const float inv = total > 0.f ? a.keep_scale / total : 0.f;
+    const int64_t i = q0 + quad + r * 8;
+    if (i >= a.sq) continue;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<uint32_t*>(og + i * out_row + dn * 8 + tq * 2) =
+          pack2<T>(o[4 * dn + 2 * r] * inv, o[4 * dn + 2 * r + 1] * inv);
+    if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? (m[r] + __log2f(total)) * kLn2 : -INFINITY;
+  }
+#else
+  __trap();  // launched without sm_90a device code: a build error, never a wrong result
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// The backward on the warpgroup tensor cores: same contract, grid and results as
+// attention_bwd_kernel (attention.cu). One warpgroup owns 64 keys (warp w: keys 16 w ..
+// 16 w + 15, the M rows of its products); per query tile of 64:
+//   Sᵀ = K Qᵀ (A = K, B = Q, both K-major in shared memory) -> P (in place);
+//   dV += Pdᵀ dO (A = kept Pᵀ in registers, B = dO MN-major) and dPdᵀ = V dOᵀ (A = V,
+//   B = dO K-major), issued together; dSᵀ; dK += dSᵀ Q (A = dSᵀ in registers, B = Q
+//   MN-major) while dSᵀ goes to shared memory; then dQ = dS K (A = dSᵀ MN-major, that is
+//   dS, B = K MN-major; warp w: queries 16 w ..) added to the f32 workspace.
+// Shared memory: K, V, two stages of Q and dO, dSᵀ (swizzled tiles), then per stage the
+// tile's lse and delta, then the warps' keep words.
+template <int D>
+__host__ __device__ constexpr size_t sm90_bwd_tiles() { return 6 * static_cast<size_t>(kTile) * D * 2 + kTile * kTile * 2; }
+template <int D>
+constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + kWarps * kTile * 2; }
+// Blocks per multiprocessor: three at D = 64 (58 KB each, 168 registers), two at D = 128
+// (106 KB). At D = 64 ptxas then serializes the products (too few registers to keep two in
+// flight); two blocks of 198 registers without that measured slower (bench/NOTES.md,
+// "Hopper kernels").
+template <int D>
+constexpr int sm90_bwd_min_blocks() { return D <= 64 ? 3 : 2; }
+
+template <typename T, int D, int kMode>
+__global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_bwd_sm90_kernel(AttnArgs a) {
+#ifdef JAXSUB_WGMMA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kTileBytes = kTile * D * 2;
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw_addr);
+  unsigned char* k_s = smem;
+  unsigned char* v_s = smem + kTileBytes;
+  auto q_s = [&](int st) { return smem + (2 + st) * kTileBytes; };
+  auto do_s = [&](int st) { return smem + (4 + st) * kTileBytes; };
+  unsigned char* ds_s = smem + 6 * kTileBytes;
+  float* lse_s = reinterpret_cast<float*>(smem + sm90_bwd_tiles<D>());  // [2][64]
+  float* delta_s = lse_s + 2 * kTile;                                     // [2][64]
+  uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [4 warps][64]
+  auto addr = [](const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); };
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
+  const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
+  const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t k0 = kblock + warp * 16;  // warp's first key
+  const int64_t row_stride = a.qkv_row, out_row = a.h * D;  // dout and dq_acc: plain [B, Sq, H, D]
+  const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
+  const T* dog = static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D;
+  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
+  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
+  float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
+  const RowCtx rc = row_ctx(a, bb, hh);
+  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const float scale_log2 = a.scale * kLog2e;
+
+  int64_t q_begin = 0;  // queries before the block's first visible one are never needed
+  if (a.causal) {
+    const int64_t first = kblock - (a.sk - a.sq);
+    q_begin = first > 0 ? first / kTile * kTile : 0;
+  }
+  const int tiles = a.sq > q_begin ? static_cast<int>((a.sq - q_begin + kTile - 1) / kTile) : 0;
+  auto load_query_tile = [&](int t, int st) {
+    const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
+    load_tile_swz<T, D, false>(q_s(st), qg, qb, a.sq, row_stride);
+    load_tile_swz<T, D, false>(do_s(st), dog, qb, a.sq, out_row);
+    if (threadIdx.x < kTile) {
+      const int64_t i = qb + threadIdx.x;
+      const bool in = i < a.sq;
+      cp_async4(lse_s + st * kTile + threadIdx.x, a.lse + bh * a.sq + (in ? i : 0), in);
+      cp_async4(delta_s + st * kTile + threadIdx.x, a.delta + bh * a.sq + (in ? i : 0), in);
+    }
+  };
+  load_tile_swz<T, D, false>(k_s, kg, kblock, a.sk, row_stride);
+  load_tile_swz<T, D, false>(v_s, vg, kblock, a.sk, row_stride);
+  if (tiles > 0) load_query_tile(0, 0);
+  cp_async_commit();
+
+  float dk[D / 2], dv[D / 2];  // [4 dn + e]: key quad + 8 (e / 2) of the warp, column 8 dn + 2 tq + e % 2
+#pragma unroll
+  for (int x = 0; x < D / 2; ++x) dk[x] = dv[x] = 0.f;
+  auto visible = [&](int64_t j) { return kMode == kKeyMask ? key_visible(a, rc, j) : j < a.sk; };
+  const uint32_t kvis = static_cast<uint32_t>(visible(k0 + quad)) | static_cast<uint32_t>(visible(k0 + quad + 8)) << 1;
+  // K-major operand descriptors step 32 bytes per 16 columns inside a panel; MN-major
+  // ones 16 rows (2048 bytes) per 16 of the reduction dim.
+  auto kmajor = [](uint32_t tile, int kc) { return wgmma_desc(tile + (kc / 4) * kPanelBytes + (kc % 4) * 32); };
+  auto mnmajor = [](uint32_t tile, int kc) { return wgmma_desc(tile + kc * 2048); };
+
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
+    const int buf = t & 1;
+    // The other stage was last read by the previous tile's products, all waited for.
+    if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    float* nlse2 = lse_s + buf * kTile;
+    const float* delta = delta_s + buf * kTile;
+    if (threadIdx.x < kTile) {  // this thread's own copy has landed: -lse in log2 units, -inf: p = 0
+      const float lse = nlse2[threadIdx.x];
+      nlse2[threadIdx.x] = qb + threadIdx.x < a.sq && lse != -INFINITY ? -lse * kLog2e : -INFINITY;
+    }
+    if (a.threshold != 0) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) keep_s[warp * kTile + lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t qa = addr(q_s(buf)), da = addr(do_s(buf));
+
+    float p[32];  // Sᵀ, then P: [4 n + e] = query 8 n + 2 tq + e % 2 of the tile, key quad + 8 (e / 2)
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) wgmma_ss<T, 64, false, false>(p, kmajor(addr(k_s), kc), kmajor(qa, kc), kc > 0);
+    wgmma_commit();
+    const uint32_t kbits = bwd_keep_bits(a, keep_s + warp * kTile, quad, tq);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int x = 0; x < 32; ++x) reg_fence(p[x]);
+    uint32_t pdf[4][4];
+    bwd_probs<T, kMode>(a, rc, [&](int n, int e) -> float& { return p[4 * n + e]; }, nlse2, kvis, kbits, qb, k0,
+                        scale_log2, quad, tq, pdf);
+    float dpt[32];  // dPdᵀ = V dOᵀ, entries as p's
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, D, true>(dv, pdf[kc], mnmajor(da, kc), true);
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) wgmma_ss<T, 64, false, false>(dpt, kmajor(addr(v_s), kc), kmajor(da, kc), kc > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int x = 0; x < 32; ++x) reg_fence(dpt[x]);
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) reg_fence(dv[x]);
+    uint32_t dsf[4][4];
+    bwd_dscores<T>(a, [&](int n, int e) { return p[4 * n + e]; }, [&](int n, int e) { return dpt[4 * n + e]; }, kbits,
+                   delta, tq, dsf);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, D, true>(dk, dsf[kc], mnmajor(qa, kc), true);
+    wgmma_commit();
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {  // dSᵀ to shared memory: row = key of the block, column = query
+      const int row = warp * 16 + quad, col = n * 8 + tq * 2;
+      *reinterpret_cast<uint32_t*>(ds_s + swz_offset(row, col)) = dsf[n / 2][(n & 1) * 2 + 0];
+      *reinterpret_cast<uint32_t*>(ds_s + swz_offset(row + 8, col)) = dsf[n / 2][(n & 1) * 2 + 1];
+    }
+    fence_proxy_async();
+    __syncthreads();
+    float c[D / 2];  // dQ of the warp's 16 queries: [4 dn + e] = query 16 warp + quad + 8 (e / 2), column 8 dn + 2 tq + e % 2
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) wgmma_ss<T, D, true, true>(c, mnmajor(addr(ds_s), kc), mnmajor(addr(k_s), kc), kc > 0);
+    wgmma_commit();
+    wgmma_wait<0>();  // dK and dQ: Q, dO and dSᵀ are free after this
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) reg_fence(c[x]), reg_fence(dk[x]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = qb + warp * 16 + quad + r * 8;
+      if (i >= a.sq) continue;
+      float* dq_row = dqg + i * out_row + tq * 2;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)  // the scale: the dq kernel
+        atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]));
+    }
+    // dSᵀ and keep_s are rewritten next iteration only after its first barrier, which
+    // every warp reaches after its own wait above.
+  }
+  cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
+
+  T* dkg = static_cast<T*>(a.dk) + bb * a.kv_batch + hh * D;
+  T* dvg = static_cast<T*>(a.dv) + bb * a.kv_batch + hh * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = k0 + quad + r * 8;
+    if (j >= a.sk) continue;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(dkg + j * row_stride + dn * 8 + tq * 2) =
+          pack2<T>(dk[4 * dn + 2 * r] * a.scale, dk[4 * dn + 2 * r + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(dvg + j * row_stride + dn * 8 + tq * 2) =
+          pack2<T>(dv[4 * dn + 2 * r] * a.keep_scale, dv[4 * dn + 2 * r + 1] * a.keep_scale);
+    }
+  }
+#else
+  __trap();  // launched without sm_90a device code: a build error, never a wrong result
+#endif
+}
+
+}  // namespace
+}  // namespace jaxsub
