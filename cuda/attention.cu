@@ -63,16 +63,8 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
   const RowCtx rc = row_ctx(a, bb, hh);
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
 
-  // Q fragments for the warp's 16 rows: rows quad and quad + 8, columns tq*2 (+8).
-  uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t i = q0 + quad + (r & 1) * 8;
-      const int col = kc * 16 + tq * 2 + (r >> 1) * 8;
-      qf[kc][r] = i < a.sq ? ld32(qg + i * row_stride + col) : 0u;
-    }
+  uint32_t qf[D / 16][4];  // the warp's 16 query rows, A of S = Q Kᵀ
+  load_q_frags<T, D>(qf, a, qg, q0, quad, tq);
 
   // This lane's ldmatrix row addresses. K (plain, B of Q Kᵀ): matrix m = lane / 8 is
   // (key rows key_of(8 n + r), d columns 16 kc + 8 (m % 2) + 16 (m / 2)). V (transposed, B
@@ -84,13 +76,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
 
   float o[D / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), sum
-  // Keys beyond the block's last visible one are never needed.
-  int64_t key_end = a.sk;
-  if (a.causal) {
-    const int64_t last = static_cast<int64_t>(blockIdx.x) * kTile + kTile + a.sk - a.sq;
-    key_end = last < a.sk ? last : a.sk;
-  }
-  const int tiles = static_cast<int>((key_end + kTile - 1) / kTile);
+  const int tiles = fwd_key_tiles(a);
   if (tiles > 0) {
     load_tile<T, D, true>(sm.k[0], kg, 0, a.sk, row_stride);
     load_tile<T, D, true>(sm.v[0], vg, 0, a.sk, row_stride);
@@ -146,21 +132,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
 
-  const int64_t out_row = a.h * D;  // out is a plain [B, Sq, H, D] tensor
-  T* og = static_cast<T*>(a.o) + (bb * a.sq * a.h + hh) * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float total = quad_sum(l[r]);
-    // The dropout scale multiplies the output once, after the bf16/f16 product.
-    const float inv = total > 0.f ? a.keep_scale / total : 0.f;
-    const int64_t i = q0 + quad + r * 8;
-    if (i >= a.sq) continue;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn)
-      *reinterpret_cast<uint32_t*>(og + i * out_row + dn * 8 + tq * 2) =
-          pack2<T>(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
-    if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? (m[r] + __log2f(total)) * kLn2 : -INFINITY;
-  }
+  fwd_store<T, D>(a, [&](int dn, int e) { return o[dn][e]; }, m, l, bh, bb, hh, q0, quad, tq);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -217,23 +189,14 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   const float scale_log2 = a.scale * kLog2e;
 
   // Queries before the block's first visible one are never needed.
-  int64_t q_begin = 0;
-  if (a.causal) {
-    const int64_t first = kblock - (a.sk - a.sq);
-    q_begin = first > 0 ? first / kTile * kTile : 0;
-  }
+  const int64_t q_begin = bwd_query_begin(a, kblock);
   const int tiles = a.sq > q_begin ? static_cast<int>((a.sq - q_begin + kTile - 1) / kTile) : 0;
   // Starts the copies of query tile t into stage `st`.
   auto load_query_tile = [&](int t, int st) {
     const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
     load_tile<T, D>(sm.q[st], qg, qb, a.sq, row_stride);
     load_tile<T, D>(sm.dout[st], dog, qb, a.sq, out_row);
-    if (threadIdx.x < kTile) {
-      const int64_t i = qb + threadIdx.x;
-      const bool in = i < a.sq;
-      cp_async4(&sm.lse[st][threadIdx.x], a.lse + bh * a.sq + (in ? i : 0), in);
-      cp_async4(&sm.delta[st][threadIdx.x], a.delta + bh * a.sq + (in ? i : 0), in);
-    }
+    load_lse_delta(a, sm.lse[st], sm.delta[st], bh, qb);
   };
 
   load_tile<T, D>(sm.k, kg, kblock, a.sk, row_stride);
@@ -270,14 +233,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
       cp_async_commit();
       cp_async_wait<0>();
     }
-    if (threadIdx.x < kTile) {  // this thread's own copy has landed: -lse in log2 units, -inf: p = 0
-      const float lse = sm.lse[buf][threadIdx.x];
-      sm.lse[buf][threadIdx.x] = qb + threadIdx.x < a.sq && lse != -INFINITY ? -lse * kLog2e : -INFINITY;
-    }
-    if (a.threshold != 0) {
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) sm.keep[warp][lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
-    }
+    bwd_tile_rows(a, seed, bh, qb, k0, sm.lse[buf], sm.keep[warp], lane);
     __syncthreads();
     const T* qs = sm.q[buf];
     const T* dos = sm.dout[buf];
@@ -350,20 +306,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
 
-  T* dkg = static_cast<T*>(a.dk) + bb * a.kv_batch + hh * D;
-  T* dvg = static_cast<T*>(a.dv) + bb * a.kv_batch + hh * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = k0 + quad + r * 8;
-    if (j >= a.sk) continue;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<uint32_t*>(dkg + j * row_stride + dn * 8 + tq * 2) =
-          pack2<T>(dk[dn][2 * r] * a.scale, dk[dn][2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(dvg + j * row_stride + dn * 8 + tq * 2) =
-          pack2<T>(dv[dn][2 * r] * a.keep_scale, dv[dn][2 * r + 1] * a.keep_scale);
-    }
-  }
+  bwd_store<T, D>(a, [&](int dn, int e) { return dk[dn][e]; }, [&](int dn, int e) { return dv[dn][e]; }, bb, hh, k0, quad,
+                  tq);
 }
 
 // ---------------------------------------------------------------------------------------

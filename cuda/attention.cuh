@@ -218,6 +218,57 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// ---------------------------------------------------------------------------------------
+// Pieces both forward kernels share (attention.cu: mma.sync; attention_sm90.cuh: wgmma):
+// the Q fragments, the key tiles a block needs, the output rows and lse.
+
+// Q fragments of a warp's 16 rows q0 .. q0 + 15 (rows quad and quad + 8, columns tq*2
+// (+8)), the A operand of S = Q Kᵀ in both kernels; zero past Sq.
+template <typename T, int D>
+__device__ __forceinline__ void load_q_frags(uint32_t (&qf)[D / 16][4], const AttnArgs& a, const T* qg, int64_t q0,
+                                             int quad, int tq) {
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t i = q0 + quad + (r & 1) * 8;
+      const int col = kc * 16 + tq * 2 + (r >> 1) * 8;
+      qf[kc][r] = i < a.sq ? ld32(qg + i * a.qkv_row + col) : 0u;
+    }
+}
+// Key tiles of 64 the forward block blockIdx.x needs: keys beyond its last visible one
+// are never needed (causal).
+__device__ __forceinline__ int fwd_key_tiles(const AttnArgs& a) {
+  int64_t key_end = a.sk;
+  if (a.causal) {
+    const int64_t last = static_cast<int64_t>(blockIdx.x) * kTile + kTile + a.sk - a.sq;
+    key_end = last < a.sk ? last : a.sk;
+  }
+  return static_cast<int>((key_end + kTile - 1) / kTile);
+}
+// The forward's results for a thread's rows q0 + quad (+8): out (O(dn, e) the unnormalized
+// accumulator, rows as in fwd_softmax_tile) over the row sums l, with the dropout scale,
+// and the log-sum-exp from the running max m (log2 units).
+template <typename T, int D, typename OF>
+__device__ __forceinline__ void fwd_store(const AttnArgs& a, OF&& O, const float (&m)[2], const float (&l)[2],
+                                          int64_t bh, int64_t bb, int64_t hh, int64_t q0, int quad, int tq) {
+  const int64_t out_row = a.h * D;  // out is a plain [B, Sq, H, D] tensor
+  T* og = static_cast<T*>(a.o) + (bb * a.sq * a.h + hh) * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float total = quad_sum(l[r]);
+    // The dropout scale multiplies the output once, after the bf16/f16 product.
+    const float inv = total > 0.f ? a.keep_scale / total : 0.f;
+    const int64_t i = q0 + quad + r * 8;
+    if (i >= a.sq) continue;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<uint32_t*>(og + i * out_row + dn * 8 + tq * 2) =
+          pack2<T>(O(dn, 2 * r) * inv, O(dn, 2 * r + 1) * inv);
+    if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? (m[r] + __log2f(total)) * kLn2 : -INFINITY;
+  }
+}
+
 // One key tile of the forward's online softmax (both forward kernels), for a thread's two
 // query rows qrow, qrow + 8 and its 16 keys: score element (n, e), S(n, e), is row
 // qrow + 8 (e / 2), key kb + 16 tq + 2 n + e % 2 (the key order of attention.cu). Scales
@@ -376,6 +427,61 @@ __device__ __forceinline__ void bwd_dscores(const AttnArgs& a, PF&& P, DF&& DP, 
       ds[e] = P(n, e) * (((kbits >> (4 * n + e)) & 1u ? DP(n, e) * a.keep_scale : 0.f) - delta[n * 8 + tq * 2 + (e & 1)]);
     dsf[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
     dsf[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
+  }
+}
+
+// Pieces both backward kernels share besides the element-wise steps above: where the
+// block's query tiles start, the per-query values of a tile, and the dK, dV stores.
+
+// The first query the backward block blockIdx.x (keys kblock ..) needs, a multiple of 64
+// (causal: queries before its first visible key see none of its keys).
+__device__ __forceinline__ int64_t bwd_query_begin(const AttnArgs& a, int64_t kblock) {
+  if (!a.causal) return 0;
+  const int64_t first = kblock - (a.sk - a.sq);
+  return first > 0 ? first / kTile * kTile : 0;
+}
+// Starts copying the lse and delta of queries qb .. qb + 63 (threads 0 .. 63; zero-filled
+// past Sq).
+__device__ __forceinline__ void load_lse_delta(const AttnArgs& a, float* lse, float* delta, int64_t bh, int64_t qb) {
+  if (threadIdx.x < kTile) {
+    const int64_t i = qb + threadIdx.x;
+    const bool in = i < a.sq;
+    cp_async4(lse + threadIdx.x, a.lse + bh * a.sq + (in ? i : 0), in);
+    cp_async4(delta + threadIdx.x, a.delta + bh * a.sq + (in ? i : 0), in);
+  }
+}
+// Once a tile's copies have landed: its lse becomes -lse in log2 units (-inf for queries
+// past Sq and empty rows: p = 0), and each warp's keep words (bit t: key k0 + t of the
+// warp) for the tile's 64 queries.
+__device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
+                                              int64_t k0, float* nlse2, uint16_t* keep, int lane) {
+  if (threadIdx.x < kTile) {  // this thread's own copy has landed
+    const float lse = nlse2[threadIdx.x];
+    nlse2[threadIdx.x] = qb + threadIdx.x < a.sq && lse != -INFINITY ? -lse * kLog2e : -INFINITY;
+  }
+  if (a.threshold != 0) {
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) keep[lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
+  }
+}
+// dK (times the score scale) and dV (times the dropout scale) of a thread's keys
+// k0 + quad (+8): DK(dn, e), DV(dn, e) with e / 2 the key and 8 dn + 2 tq + e % 2 the column.
+template <typename T, int D, typename KF, typename VF>
+__device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, int64_t bb, int64_t hh, int64_t k0,
+                                          int quad, int tq) {
+  T* dkg = static_cast<T*>(a.dk) + bb * a.kv_batch + hh * D;
+  T* dvg = static_cast<T*>(a.dv) + bb * a.kv_batch + hh * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = k0 + quad + r * 8;
+    if (j >= a.sk) continue;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(dkg + j * a.qkv_row + dn * 8 + tq * 2) =
+          pack2<T>(DK(dn, 2 * r) * a.scale, DK(dn, 2 * r + 1) * a.scale);
+      *reinterpret_cast<uint32_t*>(dvg + j * a.qkv_row + dn * 8 + tq * 2) =
+          pack2<T>(DV(dn, 2 * r) * a.keep_scale, DV(dn, 2 * r + 1) * a.keep_scale);
+    }
   }
 }
 

@@ -50,14 +50,19 @@ __device__ __forceinline__ void load_tile_swz(unsigned char* dst, const T* src, 
   }
 }
 
+// Bytes from the dynamic shared memory's start to its first 1024-byte boundary (both
+// kernels are launched with 1024 bytes more than they use).
+__device__ __forceinline__ uint32_t offset_to_1024(const void* raw) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
+  return ((addr + 1023u) & ~1023u) - addr;
+}
+
 template <typename T, int D, int kMode>
 __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_fwd_sm90_kernel(AttnArgs a) {
 #ifdef JAXSUB_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kTileBytes = kTile * D * 2;
-  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t base = (raw_addr + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (base - raw_addr);
+  unsigned char* smem = smem_raw + offset_to_1024(smem_raw);
   auto k_stage = [&](int st) { return smem + st * 2 * kTileBytes; };
   auto v_stage = [&](int st) { return smem + st * 2 * kTileBytes + kTileBytes; };
 
@@ -71,27 +76,14 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
   const RowCtx rc = row_ctx(a, bb, hh);
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
 
-  // Q fragments for the warp's 16 rows (A of S = Q Kᵀ): rows quad and quad + 8, columns tq*2 (+8).
-  uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t i = q0 + quad + (r & 1) * 8;
-      const int col = kc * 16 + tq * 2 + (r >> 1) * 8;
-      qf[kc][r] = i < a.sq ? ld32(qg + i * row_stride + col) : 0u;
-    }
+  uint32_t qf[D / 16][4];  // the warp's 16 query rows, A of S = Q Kᵀ
+  load_q_frags<T, D>(qf, a, qg, q0, quad, tq);
 
   float o[D / 2];  // o[4 dn + e]: row quad + 8 (e / 2), column 8 dn + 2 tq + e % 2
 #pragma unroll
   for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), sum
-  int64_t key_end = a.sk;
-  if (a.causal) {
-    const int64_t last = static_cast<int64_t>(blockIdx.x) * kTile + kTile + a.sk - a.sq;
-    key_end = last < a.sk ? last : a.sk;
-  }
-  const int tiles = static_cast<int>((key_end + kTile - 1) / kTile);
+  const int tiles = fwd_key_tiles(a);
   auto load_kv = [&](int t) {
     if (t < tiles) {
       const int st = t % kSm90Stages;
@@ -145,20 +137,7 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
   for (int x = 0; x < D / 2; ++x) reg_fence(o[x]);
   cp_async_wait<0>();
 
-  const int64_t out_row = a.h * D;  // out is a plain [B, Sq, H, D] tensor
-  T* og = static_cast<T*>(a.o) + (bb * a.sq * a.h + hh) * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float total = quad_sum(l[r]);
-    const float inv = total > 0.f ? a.keep_scale / total : 0.f;
-    const int64_t i = q0 + quad + r * 8;
-    if (i >= a.sq) continue;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn)
-      *reinterpret_cast<uint32_t*>(og + i * out_row + dn * 8 + tq * 2) =
-          pack2<T>(o[4 * dn + 2 * r] * inv, o[4 * dn + 2 * r + 1] * inv);
-    if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? (m[r] + __log2f(total)) * kLn2 : -INFINITY;
-  }
+  fwd_store<T, D>(a, [&](int dn, int e) { return o[4 * dn + e]; }, m, l, bh, bb, hh, q0, quad, tq);
 #else
   __trap();  // launched without sm_90a device code: a build error, never a wrong result
 #endif
@@ -191,9 +170,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
 #ifdef JAXSUB_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kTileBytes = kTile * D * 2;
-  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t base = (raw_addr + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (base - raw_addr);
+  unsigned char* smem = smem_raw + offset_to_1024(smem_raw);
   unsigned char* k_s = smem;
   unsigned char* v_s = smem + kTileBytes;
   auto q_s = [&](int st) { return smem + (2 + st) * kTileBytes; };
@@ -218,22 +195,13 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
   const float scale_log2 = a.scale * kLog2e;
 
-  int64_t q_begin = 0;  // queries before the block's first visible one are never needed
-  if (a.causal) {
-    const int64_t first = kblock - (a.sk - a.sq);
-    q_begin = first > 0 ? first / kTile * kTile : 0;
-  }
+  const int64_t q_begin = bwd_query_begin(a, kblock);
   const int tiles = a.sq > q_begin ? static_cast<int>((a.sq - q_begin + kTile - 1) / kTile) : 0;
   auto load_query_tile = [&](int t, int st) {
     const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
     load_tile_swz<T, D, false>(q_s(st), qg, qb, a.sq, row_stride);
     load_tile_swz<T, D, false>(do_s(st), dog, qb, a.sq, out_row);
-    if (threadIdx.x < kTile) {
-      const int64_t i = qb + threadIdx.x;
-      const bool in = i < a.sq;
-      cp_async4(lse_s + st * kTile + threadIdx.x, a.lse + bh * a.sq + (in ? i : 0), in);
-      cp_async4(delta_s + st * kTile + threadIdx.x, a.delta + bh * a.sq + (in ? i : 0), in);
-    }
+    load_lse_delta(a, lse_s + st * kTile, delta_s + st * kTile, bh, qb);
   };
   load_tile_swz<T, D, false>(k_s, kg, kblock, a.sk, row_stride);
   load_tile_swz<T, D, false>(v_s, vg, kblock, a.sk, row_stride);
@@ -259,14 +227,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     cp_async_wait<1>();
     float* nlse2 = lse_s + buf * kTile;
     const float* delta = delta_s + buf * kTile;
-    if (threadIdx.x < kTile) {  // this thread's own copy has landed: -lse in log2 units, -inf: p = 0
-      const float lse = nlse2[threadIdx.x];
-      nlse2[threadIdx.x] = qb + threadIdx.x < a.sq && lse != -INFINITY ? -lse * kLog2e : -INFINITY;
-    }
-    if (a.threshold != 0) {
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) keep_s[warp * kTile + lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
-    }
+    bwd_tile_rows(a, seed, bh, qb, k0, nlse2, keep_s + warp * kTile, lane);
     fence_proxy_async();
     __syncthreads();
     const uint32_t qa = addr(q_s(buf)), da = addr(do_s(buf));
@@ -332,20 +293,8 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
 
-  T* dkg = static_cast<T*>(a.dk) + bb * a.kv_batch + hh * D;
-  T* dvg = static_cast<T*>(a.dv) + bb * a.kv_batch + hh * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = k0 + quad + r * 8;
-    if (j >= a.sk) continue;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<uint32_t*>(dkg + j * row_stride + dn * 8 + tq * 2) =
-          pack2<T>(dk[4 * dn + 2 * r] * a.scale, dk[4 * dn + 2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(dvg + j * row_stride + dn * 8 + tq * 2) =
-          pack2<T>(dv[4 * dn + 2 * r] * a.keep_scale, dv[4 * dn + 2 * r + 1] * a.keep_scale);
-    }
-  }
+  bwd_store<T, D>(a, [&](int dn, int e) { return dk[4 * dn + e]; }, [&](int dn, int e) { return dv[4 * dn + e]; }, bb, hh,
+                  k0, quad, tq);
 #else
   __trap();  // launched without sm_90a device code: a build error, never a wrong result
 #endif
