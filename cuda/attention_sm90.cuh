@@ -1,12 +1,14 @@
-// The attention forward on Hopper's warpgroup tensor cores (attention.cu only; sm_90a,
-// D = 64 and 128). Same contract, grid, key order and results as attention_fwd_kernel
-// (attention.cu): one warpgroup (the block's four warps) owns 64 query rows; Q stays in
-// registers; S = Q Kᵀ and O += P V are wgmma products with the B operands (the K and V
-// tiles) read from 128-byte-swizzled shared memory (wgmma.cuh) and the A operands (Q, the
-// kept probabilities) from registers, in the layout of the mma.sync kernel's fragments.
-// The products run asynchronously: the keep bits of a tile are computed while its scores
-// are multiplied, and O += P V of one tile runs under the next tile's copies and scores.
-// Three shared-memory stages: tile t + 2 is copied once P V of tile t - 1 has read its stage.
+// Fused attention on Hopper's warpgroup tensor cores (attention.cu only; sm_90a, D = 64
+// and 128), forward and backward. Same contract, grids, key order and results as the
+// mma.sync kernels of attention.cu: one warpgroup (the block's four warps) owns 64 rows;
+// the products are wgmma with B (and in the backward some A) operands read from
+// 128-byte-swizzled shared memory (wgmma.cuh) and the other A operands from registers, in
+// the layout of the mma.sync kernels' fragments, so the element-wise steps are shared
+// (attention.cuh).
+// Forward: Q stays in registers; the keep bits of a tile are computed while its scores are
+// multiplied, and O += P V of one tile runs under the next tile's copies and scores. Three
+// shared-memory stages: tile t + 2 is copied once P V of tile t - 1 has read its stage.
+// Backward: below, before its kernel.
 #pragma once
 
 #include "attention.cuh"
