@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: build with CUDA, run the GPU tests, compute-sanitizer on the kernels,
 # and the benchmarks. Prints a short summary last.
-# Usage: tools/gpu_check.sh [steps...]; steps: build test sanitize native bench attn encoder
-# layout (default: build test sanitize bench; `native`: the row kernels under
-# compute-sanitizer without XLA, tools/sanitize_rows.cu). Environment:
+# Usage: tools/gpu_check.sh [steps...]; steps: build probe test sanitize native bench attn
+# encoder layout (default: build test sanitize bench; `native`: the row kernels under
+# compute-sanitizer without XLA, tools/sanitize_rows.cu; `probe`: the wgmma building blocks
+# without JAX, tools/probe_wgmma.cu). Environment:
 #   PREBUILT=1        skip `build`: use the extension already in jaxsub/ (built elsewhere for
 #                     this Python and carried) with PYTHONPATH=$PWD
 #   GPU_TESTS="..."   test files for `test` (default: every file, -m gpu)
@@ -28,6 +29,16 @@ elif has build; then
   summary+=("build: ok ($(( $(date +%s) - t0 )) s)")
 fi
 python3 -c "import jaxsub; assert jaxsub.cuda_available(), 'CUDA targets not available'; print('cuda_available True')" || exit 1
+python3 -c "from jaxsub import _C; print('attention on wgmma (sm_90a):', _C.attention_sm90())"
+if has probe; then
+  if nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icuda tools/probe_wgmma.cu -o /tmp/probe_wgmma \
+      >"$OUT/probe_build.log" 2>&1; then
+    /tmp/probe_wgmma 2>&1 | tee "$OUT/probe.log" | tail -9
+    summary+=("probe: $(tail -1 "$OUT/probe.log")")
+  else
+    summary+=("probe: build failed (probe_build.log)")
+  fi
+fi
 if has test; then
   (cd tests && python3 -m pytest -q -m gpu -rf ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25)
   summary+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")")
