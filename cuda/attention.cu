@@ -473,15 +473,8 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_
 }  // namespace
 
 // For the module (module.cc): whether attention at D = 64 or 128 on the current device
-// runs the wgmma kernels now, and whether they were built at all.
+// runs the wgmma kernels now (false without a device).
 bool attention_sm90() { return use_sm90(); }
-bool attention_sm90_built() {
-#ifdef JAXSUB_SM90A
-  return true;
-#else
-  return false;
-#endif
-}
 
 }  // namespace jaxsub
 

@@ -51,8 +51,7 @@ py::dict cuda_staged_targets() {
 
 #ifdef JAXSUB_WITH_CUDA
 namespace jaxsub {
-bool attention_sm90();        // attention.cu
-bool attention_sm90_built();  // attention.cu
+bool attention_sm90();  // attention.cu
 }
 #endif
 
@@ -67,8 +66,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_sm90", &jaxsub::attention_sm90,
         "whether attention at head dim 64 or 128 runs the wgmma (sm_90a) kernels, forward and backward, on the "
         "current device now (JAXSUB_ATTENTION_SM90=0 turns them off)");
-  m.def("attention_sm90_built", &jaxsub::attention_sm90_built,
-        "whether the attention kernels were built with sm_90a (wgmma) device code");
 #else
   m.attr("built_with_cuda") = false;
 #endif

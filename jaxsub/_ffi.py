@@ -67,16 +67,10 @@ def cuda_available() -> bool:
 
 
 def attention_sm90() -> bool:
-    """Whether fused attention at head dims 64 and 128 runs the wgmma (sm_90a) kernels on
-    the default GPU: device code for sm_90a was built, the GPU has compute capability 9.0,
-    and JAXSUB_ATTENTION_SM90 is not "0" (the CUDA handlers read it at each call)."""
-    if not cuda_built() or not _C.attention_sm90_built() or os.environ.get("JAXSUB_ATTENTION_SM90") == "0":
-        return False
-    try:
-        gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
-        return False
-    return bool(gpus) and getattr(gpus[0], "compute_capability", None) == "9.0"
+    """Whether fused attention at head dims 64 and 128 runs the wgmma (sm_90a) kernels now:
+    the CUDA handlers' own decision (sm_90a device code built, a compute capability 9.0
+    device, JAXSUB_ATTENTION_SM90 not "0"); False without a CUDA build or a GPU."""
+    return cuda_built() and bool(_C.attention_sm90())
 
 
 @functools.cache
