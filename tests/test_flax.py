@@ -182,3 +182,51 @@ def test_lazy_export_and_bad_hidden_size():
     assert jaxsub.flax.EncoderLayer is EncoderLayer
     with pytest.raises(ValueError, match="num_heads"):
         EncoderLayer(num_heads=5, mlp_dim=F).init(jax.random.key(0), jnp.ones((1, 3, E)))
+
+
+def _scanned_train_step(dtype, hidden, heads, seq, layouts="none"):
+    """A training step of the scanned Encoder with dropout, its arguments, for HLO checks."""
+    module = Encoder(num_layers=3, num_heads=heads, mlp_dim=2 * hidden, dtype=dtype, dropout_rate=0.1,
+                     attention_dropout_rate=0.1, layouts=layouts)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, seq, hidden)), dtype)
+    params = module.init(jax.random.key(1), x)["params"]
+
+    def loss(p, x, key):
+        y = module.apply({"params": p}, x, None, False, rngs={"dropout": key})
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x, jax.random.key(2))
+
+
+def _forward_targets(text: str, pattern: str) -> dict:
+    import collections
+    import re
+
+    return collections.Counter(m for m in re.findall(pattern, text) if m.endswith("_fwd"))
+
+
+def test_every_custom_call_result_passes_an_optimization_barrier():
+    """jaxsub._ffi.call puts each custom call's results behind an optimization barrier, so
+    that XLA's GPU dynamic-slice fusion cannot run a forward kernel a second time to write
+    a scan residual in place (see the GPU test below, and the comment in _ffi.call)."""
+    step, args = _scanned_train_step(jnp.float32, E, H, S)
+    text = step.lower(*args).as_text()
+    calls = text.count("stablehlo.custom_call @jaxsub_")
+    assert calls >= 4
+    assert text.count("stablehlo.optimization_barrier") == calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs CUDA kernels and a GPU")
+def test_scanned_encoder_runs_each_forward_kernel_once():
+    """In the compiled scanned stack, each forward custom call appears as often as in the
+    traced program: XLA did not clone a forward kernel into a dynamic-slice fusion that
+    writes the stacked residual (which ran attention, GELU and BDRLN forward twice per
+    layer before the barrier)."""
+    for layouts in ("none", "heuristic"):  # unfused and fused attention at D = 64
+        step, args = _scanned_train_step(jnp.bfloat16, 128, 2, 128, layouts)
+        lowered = step.lower(*args)
+        traced = _forward_targets(lowered.as_text(), r"stablehlo.custom_call @(jaxsub_\w+)")
+        compiled = _forward_targets(lowered.compile().as_text(), r'custom_call_target="(jaxsub_\w+)"')
+        assert {"jaxsub_bdrln_fwd", "jaxsub_bias_gelu_dropout_fwd"} <= set(traced), traced
+        assert compiled == traced, layouts
