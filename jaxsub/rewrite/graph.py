@@ -154,6 +154,16 @@ def _body(params):
     return body, []
 
 
+def scan_counts(params) -> tuple[int, int]:
+    """(number of consts, number of carries) of a scan equation's operands: jax <= 0.10
+    names them (num_consts, num_carry); jax 0.11 describes the operands by a flat tree,
+    ft_in, of three groups (consts, carry, xs) whose leaves are the operands."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))
+
+
 class _Builder:
     def __init__(self, graph: Graph):
         self.g = graph

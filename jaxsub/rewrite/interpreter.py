@@ -24,7 +24,7 @@ from jaxsub.rewrite import patterns as P
 
 def _scan(node, plan, vals):
     p = node.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = G.scan_counts(p)
     consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
 
     def body(carry, x):
