@@ -180,16 +180,20 @@ def test_trace_idle_gaps_between_device_kernels():
         trace.idle_gaps(events, steps=2)
 
 
-def _profile_layer():
-    """tools/profile_layer.py, loaded from its path (tools/ is not a package)."""
+def _tool(name):
+    """tools/<name>.py, loaded from its path (tools/ is not a package)."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "profile_layer.py"
-    spec = importlib.util.spec_from_file_location("jaxsub_tools_profile_layer", path)
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"jaxsub_tools_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _profile_layer():
+    return _tool("profile_layer")
 
 
 def test_profile_layer_groups_kernels():
@@ -208,6 +212,14 @@ def test_profile_layer_runs_on_a_small_config(capsys):
         assert "kernels" in printed and "idle between kernels" in printed
     else:
         assert "no device events" in printed
+
+
+def test_host_cost_runs_on_a_small_config(capsys):
+    assert _tool("host_cost").main(["--config", "small-b2s64-bf16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "small-b2s64-bf16 xla", "small-b2s64-bf16 jaxsub", "50 jaxsub layer_norm calls", "50 XLA fusions"]
+    assert all("enqueue" in line for line in lines)
 
 
 def test_trace_finds_device_kernels_only_on_a_gpu():
