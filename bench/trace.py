@@ -8,7 +8,8 @@ Comparing the two tells launch overhead from slow kernels.
 
 Usage: `kernel_times(fn, args, repeats=10)` -> {kernel name: µs per call}; empty where
 the trace holds no device events (CPU). `trace_events` and `idle_gaps` give the raw events
-and the device's idle stretches between kernels (launch gaps, host-bound stretches).
+and the device's idle stretches between kernels (launch gaps, host-bound stretches);
+`step_gaps` the idle time between consecutive runs of a program dispatched back to back.
 """
 
 from __future__ import annotations
@@ -39,14 +40,19 @@ def kernel_times_from_events(events, repeats: int) -> dict[str, float]:
     return {name: us / repeats for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def trace_events(fn, args, *, repeats: int = 10) -> list[dict]:
+def trace_events(fn, args, *, repeats: int = 10, back_to_back: bool = False) -> list[dict]:
     """Runs fn(*args) once to warm up, then `repeats` times under the profiler; the
-    trace's events ([] where it wrote none)."""
+    trace's events ([] where it wrote none). Each call is waited for, unless
+    `back_to_back`: then all are dispatched before one wait, as a training loop runs, so
+    the device's time between calls is what a loop sees (`step_gaps`)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            for _ in range(repeats):
-                jax.block_until_ready(fn(*args))
+            if back_to_back:
+                jax.block_until_ready([fn(*args) for _ in range(repeats)])
+            else:
+                for _ in range(repeats):
+                    jax.block_until_ready(fn(*args))
         paths = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
         if not paths:
             return []
@@ -81,6 +87,26 @@ def idle_gaps(events, *, steps: int = 1, min_gap_us: float = 0.0) -> list[tuple[
             if busy_until is None or end > busy_until:
                 busy_until, last = end, e["name"]
     return sorted(gaps, key=lambda g: -g[0])
+
+
+def step_gaps(events, *, steps: int) -> list[tuple[float, str, str]]:
+    """The device's idle time between consecutive runs of one compiled program (the trace
+    holds `steps` runs with the same number of device events, as `idle_gaps`): for each
+    boundary, (µs from the end of the run's last busy stretch to the next run's first
+    event, kernel before, kernel after), in trace order. ValueError when the events do not
+    split evenly."""
+    evs = sorted(device_events(events), key=lambda e: float(e["ts"]))
+    if len(evs) % steps:
+        raise ValueError(f"step_gaps: {len(evs)} device events do not split into {steps} equal steps")
+    per_step = len(evs) // steps
+    gaps = []
+    for k in range(steps - 1):
+        run = evs[k * per_step:(k + 1) * per_step]
+        last = max(run, key=lambda e: float(e["ts"]) + float(e.get("dur", 0.0)))
+        end = float(last["ts"]) + float(last.get("dur", 0.0))
+        nxt = evs[(k + 1) * per_step]
+        gaps.append((max(0.0, float(nxt["ts"]) - end), last["name"], nxt["name"]))
+    return gaps
 
 
 def per_application(fn, args, applications: int, *, repeats: int = 3) -> tuple[float | None, dict[str, float]]:

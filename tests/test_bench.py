@@ -180,6 +180,25 @@ def test_trace_idle_gaps_between_device_kernels():
         trace.idle_gaps(events, steps=2)
 
 
+def test_trace_step_gaps_between_runs():
+    from bench import trace
+
+    meta = {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}}
+
+    def ev(ts, dur, name, tid=7):
+        return {"ph": "X", "pid": 2, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+    # Three runs of (a, b); in the first, b ends after a on another stream; the second
+    # starts before the first has ended (overlap: no idle time).
+    events = [meta, {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 500.0, "name": "host"},
+              ev(0, 5, "a"), ev(1, 9, "b", tid=8), ev(12, 5, "a"), ev(17, 3, "b"), ev(27, 5, "a"), ev(32, 3, "b")]
+    assert trace.step_gaps(events, steps=3) == [(2.0, "b", "a"), (7.0, "b", "a")]
+    with pytest.raises(ValueError, match="equal steps"):
+        trace.step_gaps(events, steps=4)
+    overlapping = [meta, ev(0, 10, "a"), ev(2, 10, "b", tid=8), ev(8, 5, "a"), ev(13, 1, "b")]
+    assert trace.step_gaps(overlapping, steps=2) == [(0.0, "b", "a")]
+
+
 def _tool(name):
     """tools/<name>.py, loaded from its path (tools/ is not a package)."""
     import importlib.util

@@ -3,7 +3,8 @@
 Runs the encoder benchmark's step (loss = sum(layer(params, x, key) * dy), value and
 gradients) for each named row under the JAX profiler (bench.trace) and prints, per row,
 the kernels' device time grouped into matmuls, jaxsub kernels and XLA's own kernels, then
-the largest kernels and the largest idle stretches between kernels (launch gaps).
+the largest kernels, the largest idle stretches between kernels (launch gaps) and the
+device's idle time between steps (the 10 traced steps are dispatched back to back).
 
 Usage: python3 tools/profile_layer.py [--config b8s512-bf16] [--rows xla,jaxsub]
 [--layouts none|heuristic|auto] [--top 14]; config and rows as bench.encoder's. The small
@@ -54,7 +55,7 @@ def profile(config_name: str, row_names: list[str], top: int, layouts: str | Non
             jax.block_until_ready(out)
             walls.append((time.perf_counter() - t0) / 10 * 1e6)
         wall_us = statistics.median(walls)
-        events = trace.trace_events(step, args, repeats=10)
+        events = trace.trace_events(step, args, repeats=10, back_to_back=True)
         times = trace.kernel_times_from_events(events, 10)
         if not times:
             print(f"{name}: no device events in the trace (not a GPU run)")
@@ -69,8 +70,7 @@ def profile(config_name: str, row_names: list[str], top: int, layouts: str | Non
         for kernel, us in list(times.items())[:top]:
             print(f"  {us:8.1f} us  {category(kernel):6s}  {kernel[:110]}")
         # Idle time between kernels inside each of the 10 traced steps, per pair (kernel
-        # before -> kernel after); the gaps between steps (the host waits for each) are not
-        # the step's.
+        # before -> kernel after); the time between steps is printed on its own below.
         try:
             gaps = trace.idle_gaps(events, steps=10)
         except ValueError as e:
@@ -82,6 +82,16 @@ def profile(config_name: str, row_names: list[str], top: int, layouts: str | Non
         print(f"  idle between kernels: {sum(g[0] for g in gaps) / 10:.1f} us per step; largest (per step):")
         for (before, after), uss in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]:
             print(f"  {sum(uss) / 10:8.1f} us  x{len(uss) / 10:g}  {before[:55]}  ->  {after[:55]}")
+        # The steps were dispatched back to back, as a training loop runs them: the device's
+        # idle time from one step's last kernel to the next step's first.
+        try:
+            boundary = trace.step_gaps(events, steps=10)
+        except ValueError as e:
+            print(f"  between steps: {e}")
+            continue
+        worst = max(boundary)
+        print(f"  between steps: median {statistics.median(g[0] for g in boundary):.1f} us, largest {worst[0]:.1f} us "
+              f"({worst[1][:45]}  ->  {worst[2][:45]})")
 
 
 def main(argv: list[str]) -> int:
