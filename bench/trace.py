@@ -66,6 +66,15 @@ def kernel_times(fn, args, *, repeats: int = 10) -> dict[str, float]:
     return kernel_times_from_events(trace_events(fn, args, repeats=repeats), repeats)
 
 
+def _runs(events, steps: int, who: str) -> list[list[dict]]:
+    """The device events by start time, split into `steps` runs of equal length."""
+    evs = sorted(device_events(events), key=lambda e: float(e["ts"]))
+    if len(evs) % steps:
+        raise ValueError(f"{who}: {len(evs)} device events do not split into {steps} equal steps")
+    per_step = len(evs) // steps
+    return [evs[k * per_step:(k + 1) * per_step] for k in range(steps)]
+
+
 def idle_gaps(events, *, steps: int = 1, min_gap_us: float = 0.0) -> list[tuple[float, str, str]]:
     """The idle stretches between consecutive device events (by start time, all of the
     device's streams together): (µs, kernel before, kernel after), largest first. Work
@@ -73,14 +82,10 @@ def idle_gaps(events, *, steps: int = 1, min_gap_us: float = 0.0) -> list[tuple[
     one compiled program, each the same number of device events; the gaps between runs
     (the host waiting for each) are left out. ValueError when the events do not split
     evenly."""
-    evs = sorted(device_events(events), key=lambda e: float(e["ts"]))
-    if len(evs) % steps:
-        raise ValueError(f"idle_gaps: {len(evs)} device events do not split into {steps} equal steps")
-    per_step = len(evs) // steps
     gaps = []
-    for k in range(steps):
+    for run in _runs(events, steps, "idle_gaps"):
         busy_until, last = None, None
-        for e in evs[k * per_step:(k + 1) * per_step]:
+        for e in run:
             ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
             if busy_until is not None and ts - busy_until > min_gap_us:
                 gaps.append((ts - busy_until, last, e["name"]))
@@ -95,17 +100,12 @@ def step_gaps(events, *, steps: int) -> list[tuple[float, str, str]]:
     boundary, (µs from the end of the run's last busy stretch to the next run's first
     event, kernel before, kernel after), in trace order. ValueError when the events do not
     split evenly."""
-    evs = sorted(device_events(events), key=lambda e: float(e["ts"]))
-    if len(evs) % steps:
-        raise ValueError(f"step_gaps: {len(evs)} device events do not split into {steps} equal steps")
-    per_step = len(evs) // steps
+    runs = _runs(events, steps, "step_gaps")
     gaps = []
-    for k in range(steps - 1):
-        run = evs[k * per_step:(k + 1) * per_step]
+    for run, nxt in zip(runs, runs[1:]):
         last = max(run, key=lambda e: float(e["ts"]) + float(e.get("dur", 0.0)))
         end = float(last["ts"]) + float(last.get("dur", 0.0))
-        nxt = evs[(k + 1) * per_step]
-        gaps.append((max(0.0, float(nxt["ts"]) - end), last["name"], nxt["name"]))
+        gaps.append((max(0.0, float(nxt[0]["ts"]) - end), last["name"], nxt[0]["name"]))
     return gaps
 
 
