@@ -207,9 +207,82 @@ def test_flax_linen_causal_mask():
     assert "causal" in str(_check(f, (params, x), {"attention": 1}, argnums=(0, 1)))
 
 
+PACKED = "computed as one product with the weights stacked (attention_packed, axis 2)"
+
+
+def _packed_targets(f, *args):
+    """The fused attention targets in the lowered HLO of optimize(f) on the fused path."""
+    opt = jaxsub.optimize(f, layouts="none")
+    with ops.config.use({"attention": {"impl": "fused"}}):
+        text = jax.jit(opt).lower(*args).as_text()
+    return {t: text.count(f"@{t}(") for t in ("jaxsub_attention_fwd", "jaxsub_attention_qkv_fwd")}
+
+
 def test_flax_nnx():
     layer = nnx.MultiHeadAttention(num_heads=H, in_features=E, decode=False, rngs=nnx.Rngs(0))
-    _check(lambda x: layer(x), (_normal(0, (B, S, E)),), {"attention": 1}, argnums=(0,))
+    report = _check(lambda x: layer(x), (_normal(0, (B, S, E)),), {"attention": 1}, argnums=(0,))
+    assert PACKED in str(report), str(report)
+
+
+def test_flax_linen_projections_become_one_packed_product():
+    """MultiHeadDotProductAttention's three DenseGenerals (with biases) of one input: one
+    product with the weights stacked, read in place by attention_packed; values and
+    gradients (the three kernels and biases included) as the original's."""
+    m, params, x = _linen()
+
+    def f(params, x):
+        return m.apply(params, x)
+
+    report = _check(f, (params, x), {"attention": 1}, argnums=(0, 1))
+    assert PACKED in str(report) and "+ bias" in str(report), str(report)
+    assert _packed_targets(f, params, x) == {"jaxsub_attention_fwd": 0, "jaxsub_attention_qkv_fwd": 1}
+    # Without biases as well.
+    m2 = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, use_bias=False)
+    p2 = m2.init(jax.random.key(0), x)
+    report = _check(lambda p, x: m2.apply(p, x), (p2, x), {"attention": 1}, argnums=(0, 1))
+    assert PACKED in str(report) and "+ bias" not in str(report), str(report)
+
+
+def _projected(x, y, w, b, i):
+    return jnp.einsum("bse,ehd->bshd", (x, x, y)[i], w[i]) + b[i]
+
+
+def test_jnp_projections_become_one_packed_product():
+    x, y = _normal(0, (B, S, E)), _normal(1, (B, S, E))
+    w, b = _normal(2, (3, E, H, D)) * 0.2, _normal(3, (3, H, D))
+
+    def self_attention(x, w, b):
+        return attn_bshd(*(_projected(x, x, w, b, i) for i in range(3)))
+
+    report = _check(self_attention, (x, w, b), {"attention": 1})
+    assert PACKED in str(report), str(report)
+    assert _packed_targets(self_attention, x, w, b)["jaxsub_attention_qkv_fwd"] == 1
+
+
+def test_projections_left_alone_when_not_one_input_or_not_private():
+    """Cross-attention (v from another input), q returned beside the output, projections
+    of different widths: attention is fused on q, k, v as they are, not packed."""
+    x, y = _normal(0, (B, S, E)), _normal(1, (B, S, E))
+    w, b = _normal(2, (3, E, H, D)) * 0.2, _normal(3, (3, H, D))
+
+    def cross(x, y, w, b):
+        return attn_bshd(*(_projected(x, y, w, b, i) for i in range(3)))
+
+    def q_returned(x, w, b):
+        q, k, v = (_projected(x, x, w, b, i) for i in range(3))
+        return attn_bshd(q, k, v), q
+
+    def k_unbiased(x, w, b):
+        q, k, v = (_projected(x, x, w, b, i) for i in range(3))
+        return attn_bshd(q, k - b[1], v)
+
+    for f, args in ((cross, (x, y, w, b)), (q_returned, (x, w, b)), (k_unbiased, (x, w, b))):
+        report = jaxsub.explain(f, *args)
+        assert report.totals == {"attention": 1} and "attention_packed" not in str(report), str(report)
+        assert _packed_targets(f, *args) == {"jaxsub_attention_fwd": 1, "jaxsub_attention_qkv_fwd": 0}
+        outs, refs = jax.tree.leaves(jaxsub.optimize(f)(*args)), jax.tree.leaves(f(*args))
+        for o, r in zip(outs, refs):
+            assert_close(o, r, reduction=S * D)
 
 
 # ---------------------------------------------------------------------------------------

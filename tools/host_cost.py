@@ -1,14 +1,14 @@
 """Is the encoder training step host-bound? (GPU; on CPU the numbers say nothing.)
 
-For the plain XLA row and jaxsub's EncoderLayer (bench.encoder's b8s512-bf16 step,
+For bench.encoder rows (default: plain XLA and jaxsub's EncoderLayer; b8s512-bf16 step,
 heuristic layouts) it prints the host time to enqueue a step (10 steps dispatched back to
 back, before waiting) beside the time per step including the wait, and the latency of a
 single step on an idle device. Then the host cost of a custom call: 50 chained jaxsub
 layer_norm calls on a tiny input against 50 chained XLA fusions of similar work.
 A step is host-bound when its enqueue time approaches its time per step.
 
-Usage: python3 tools/host_cost.py [--config b8s512-bf16]; any bench.encoder config (the small
-ones, e.g. small-b2s64-bf16, for a quick run on CPU).
+Usage: python3 tools/host_cost.py [--config b8s512-bf16] [--rows xla,jaxsub]; any bench.encoder
+config (the small ones, e.g. small-b2s64-bf16, for a quick run on CPU) and rows.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def _enqueue_and_total(fn, args, calls: int = 10, repeats: int = 9) -> tuple[flo
     return statistics.median(enq), statistics.median(tot)
 
 
-def steps(config: str) -> None:
+def steps(config: str, rows: list[str]) -> None:
     sizes = {**encoder.FULL.configs, **encoder.SMALL.configs}
     cfg = dataclasses.replace(sizes[config], layouts="heuristic")
     params, x, dy, key = encoder.make_inputs(cfg, seed=0)
-    for name in ("xla", "jaxsub"):
+    for name in rows:
         impl = ROWS[name]
         args = (impl.to_row(params), x, dy, key)
         step = jax.jit(encoder.make_step(impl.forward(cfg, False))).lower(*args).compile()
@@ -85,8 +85,9 @@ def custom_calls(n: int = 50) -> None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="b8s512-bf16", help="a bench.encoder config name")
+    p.add_argument("--rows", default="xla,jaxsub", help="bench.encoder rows, comma-separated")
     a = p.parse_args(argv)
-    steps(a.config)
+    steps(a.config, a.rows.split(","))
     custom_calls()
     return 0
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
-from jaxsub.rewrite import match_dropout
+from jaxsub.rewrite import match_dropout, projections
 from jaxsub.rewrite.match_softmax import parse
 from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, private_violation, shapes
 
@@ -466,6 +466,28 @@ def _packed_source(g, att):
     return src, axis
 
 
+def _packed_projections(g, att):
+    """projections.Packed when q, k and v are three projections of one input that only this
+    attention uses (see projections.py); else None."""
+    refs, unit = [], []
+    for ref, labels, want in ((att.q, att.q_labels, "bqhd"), (att.k, att.k_labels, "bkhd"),
+                              (att.v, att.v_labels, "bkhe")):
+        node = g.op(ref, "reshape")  # nnx's grouped-query view [B, S, H, 1, D]
+        if node is not None and _unit_reshape(node):
+            ref, labels = node.ins[0], _backward(node, labels)
+            unit.append(node)
+        if labels != tuple(want):
+            return None
+        refs.append(ref)
+    found = projections.pack(g, *refs)
+    if found is None:
+        return None
+    found = dataclasses.replace(found, nodes=[*unit, *found.nodes])
+    if private_violation(g, [*att.nodes, *found.nodes], att.anchor, att.roles) is not None:
+        return None
+    return found
+
+
 def match_attention(g, anchor, options):
     """softmax(scale * Q Kᵀ (+ masks)) (dropout) · V ending at the dot_general `anchor`."""
     if anchor.prim != "dot_general":
@@ -493,12 +515,17 @@ def match_attention(g, anchor, options):
     out_dtype = anchor.outs[0].dtype
 
     packed = _packed_source(g, att)
+    projected = None if packed is not None else _packed_projections(g, att)
+    if projected is not None:
+        att.take(projected.nodes, "q/k/v projection")
 
     def build(read):
         kw = dict(mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
                   key=read(drop.key) if drop is not None else None)
         if packed is not None:
             out = ops.attention_packed(read(packed[0]), axis=packed[1], **kw)
+        elif projected is not None:
+            out = ops.attention_packed(projected.build(read), axis=2, **kw)
         else:
             q = _relayout(read(att.q), att.q_labels, "bqhd", sizes)
             k = _relayout(read(att.k), att.k_labels, "bkhd", sizes)
@@ -509,6 +536,8 @@ def match_attention(g, anchor, options):
     detail = _describe(att, causal, rate)
     if packed is not None:
         detail += f", q/k/v read in place from one {shapes(packed[0])} array (attention_packed, axis {packed[1]})"
+    elif projected is not None:
+        detail += f", {projected.describe()} (attention_packed, axis 2)"
     return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), build, detail)
 
 

@@ -1,0 +1,110 @@
+"""Packing the q, k and v projections of self-attention into one (the paper's algebraic
+fusion of the QKV projections), for the attention matcher.
+
+Flax's `MultiHeadDotProductAttention` and `nnx.MultiHeadAttention` project the input with
+three `DenseGeneral`s: q = x·W_q + b_q, k = x·W_k + b_k, v = x·W_v + b_v, each a
+dot_general of the same x (and a bias add). When the three agree in everything but the
+weights, their results are the slices of one product with the weights stacked:
+x·[W_q | W_k | W_v] + [b_q | b_k | b_v], each output element the same dot product over the
+same contraction. That product has the [B, S, 3, H, D] layout `ops.attention_packed`
+reads in place, so the fused kernels take q, k and v from it without copies, and the
+backward has one input-gradient product and one bias reduction instead of three of each
+and the additions between them (bench/NOTES.md, "Packed Flax projections").
+
+Taken only when the projections are private to the attention (each product used only by
+its bias add, each q/k/v only by the attention), which the matcher checks with the
+nodes returned here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxsub.rewrite import graph as G
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    x: G.Ref
+    w: G.Ref
+    bias: G.Ref | None
+    dot: G.Node
+    add: G.Node | None
+
+
+def _projection(g: G.Graph, ref) -> Projection | None:
+    """ref = dot_general(x, w) [+ bias], no batch dims, bias of the product's rank and dtype."""
+    add = g.op(ref, "add")
+    if add is None:
+        dot = g.op(ref, "dot_general")
+        return Projection(dot.ins[0], dot.ins[1], None, dot, None) if dot is not None else None
+    for prod, bias in (add.ins, add.ins[::-1]):
+        dot = g.op(prod, "dot_general")
+        if (dot is not None and prod is not bias and prod.shape == ref.shape and prod.dtype == ref.dtype
+                and bias.dtype == ref.dtype and len(bias.shape) == len(ref.shape)
+                and all(b in (1, r) for b, r in zip(bias.shape, ref.shape))):
+            return Projection(dot.ins[0], dot.ins[1], bias, dot, add)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """q, k and v as one projection; `build(read)` gives the [B, S, 3, H, D] array."""
+    projections: tuple
+    nodes: list
+    w_axis: int      # where the weights are stacked
+    dims: tuple      # the packed product's dimension numbers
+
+    def build(self, read):
+        first = self.projections[0]
+        w = jnp.stack([read(p.w) for p in self.projections], axis=self.w_axis)
+        params = {**first.dot.params, "dimension_numbers": self.dims}
+        out = first.dot.eqn.primitive.bind(read(first.x), w, **params)
+        if first.bias is None:
+            return out
+        # Each bias has the product's rank (unit or full dims): stacked on the new axis,
+        # it broadcasts against the packed product as each did against its own. Unit
+        # token dims are dropped, so that the add is a broadcast of a [3, H, D] vector
+        # along the tokens, the form XLA folds into the GEMM's bias epilogue (a broadcast
+        # of the [1, 1, 3, H, D] stack measured 16 us more per b8 x s512 step as its own
+        # add kernel).
+        bias = jnp.stack([read(p.bias) for p in self.projections], axis=2)
+        lead = 0
+        while lead < 2 and bias.shape[lead] == 1:
+            lead += 1
+        return out + bias.reshape(bias.shape[lead:]) if lead == 2 else out + bias
+
+    def describe(self) -> str:
+        p = self.projections[0]
+        bias = " + bias" if p.bias is not None else ""
+        return (f"q/k/v projections x{list(p.x.shape)} @ w{list(p.w.shape)}{bias} computed as one product "
+                f"with the weights stacked")
+
+
+def pack(g: G.Graph, q, k, v) -> Packed | None:
+    """The packed form of q, k, v ([B, S, H, D] each) when each is x·W_i (+ b_i) of one x,
+    with the same dimension numbers, dtypes and parameters; else None."""
+    projs = [_projection(g, r) for r in (q, k, v)]
+    if any(p is None for p in projs) or len({id(r) for r in (q, k, v)}) != 3:
+        return None
+    first = projs[0]
+    (lc, rc), (lb, rb) = first.dot.params["dimension_numbers"]
+    if lb or rb or len(first.x.shape) - len(lc) != 2 or len(first.dot.outs[0].shape) != 4:
+        return None
+    same = {k_: v_ for k_, v_ in first.dot.params.items()}
+    for p in projs:
+        if (p.x is not first.x or p.w.shape != first.w.shape or p.w.dtype != first.w.dtype
+                or dict(p.dot.params) != same or (p.bias is None) != (first.bias is None)
+                or (p.bias is not None and p.bias.shape != first.bias.shape)
+                or p.dot.outs[0].shape != first.dot.outs[0].shape):
+            return None
+    # Stack the weights on a new axis before their first free dim: the product's output
+    # is (x's free dims, w's free dims in order), so the new axis lands right after x's
+    # two free dims, at position 2 of [B, S, 3, H, D].
+    free = [d for d in range(len(first.w.shape)) if d not in rc]
+    axis = free[0]
+    dims = ((tuple(lc), tuple(c + (c >= axis) for c in rc)), ((), ()))
+    nodes = [n for p in projs for n in (p.dot, p.add) if n is not None]
+    return Packed(tuple(projs), nodes, axis, dims)
