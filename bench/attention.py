@@ -119,14 +119,16 @@ def _cases(*cases: Case) -> dict[str, Case]:
 FULL = Size(
     cases=_cases(Case("bert", 8, 512, 16, 64, causal=False, padded=False),
                  Case("bert-pad", 8, 512, 16, 64, causal=False, padded=True),
-                 Case("causal", 2, 2048, 16, 128, causal=True, padded=False)),
+                 Case("causal", 2, 2048, 16, 128, causal=True, padded=False),
+                 Case("short", 96, 128, 16, 64, causal=False, padded=False)),  # the b96 x s128 layer's
     softmax_shape=(8, 16, 512, 512), k1=2, k2=6,
     copy_buffer_bytes=64 << 20, copy_k1=4, copy_k2=16, repeats=10)
 # Same case names and code paths; the sizes only keep a CPU run short.
 SMALL = Size(
     cases=_cases(Case("bert", 2, 64, 2, 32, causal=False, padded=False),
                  Case("bert-pad", 2, 64, 2, 32, causal=False, padded=True),
-                 Case("causal", 1, 128, 2, 64, causal=True, padded=False)),
+                 Case("causal", 1, 128, 2, 64, causal=True, padded=False),
+                 Case("short", 4, 32, 2, 32, causal=False, padded=False)),
     softmax_shape=(2, 2, 64, 64), k1=1, k2=2,
     copy_buffer_bytes=4 << 20, copy_k1=2, copy_k2=6, repeats=3)
 

@@ -18,6 +18,7 @@
 // 9.0) D = 64 and 128 run the same structure on warpgroup tensor cores instead
 // (attention_sm90.cuh); these mma.sync kernels serve D = 32 and other GPUs.
 #include <cmath>
+#include <atomic>
 #include <cstdlib>
 
 #include "attention.cuh"
@@ -351,23 +352,74 @@ ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
   });
 }
 
+// Launches the wgmma backward with the key blocks of each (b, h) as one thread block
+// cluster (kClusterDq: dq written by the kernel). False, launching nothing, when the GPU
+// cannot co-schedule such a cluster (asked once per kernel and cluster size).
+template <auto Kernel>
+bool launch_cluster_bwd(dim3 grid, size_t smem, cudaStream_t stream, const AttnArgs& a) {
+  static std::atomic<int> ok[9];  // per cluster size: 0 unknown, 1 yes, -1 no
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = smem, config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = grid.x, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  config.attrs = attr, config.numAttrs = 1;
+  if (ok[grid.x].load() == 0) {
+    int clusters = 0;
+    const bool fits = cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess && clusters > 0;
+    cudaGetLastError();  // a refused query leaves no sticky error
+    ok[grid.x].store(fits ? 1 : -1);
+  }
+  return ok[grid.x].load() > 0 && cudaLaunchKernelEx(&config, Kernel, a) == cudaSuccess;
+}
+
+// Whether the backward reduces dq inside clusters (attention_sm90.cuh, kClusterDq): the
+// wgmma kernels run, no causal mask (every key block then visits the same query tiles),
+// at most two query tiles (Sq <= 128: each keeps its stage) and at most 8 key blocks
+// (Sk <= 512; 8 is the portable cluster size). JAXSUB_ATTENTION_CLUSTER_DQ=0 keeps the f32
+// accumulator and atomics (for comparisons).
+bool use_cluster_dq(const AttnArgs& a) {
+  const char* off = std::getenv("JAXSUB_ATTENTION_CLUSTER_DQ");
+  return !(off != nullptr && std::string(off) == "0") && !a.causal && a.sq <= 2 * kTile &&
+         (a.sk + kTile - 1) / kTile <= 8;
+}
+
 // The backward (a.b * a.h and a.sq * a.sk nonzero): delta and the zeroed dq accumulator,
-// the tile kernel (dk, dv, dq_acc), then dq from dq_acc into q's view.
+// the tile kernel (dk, dv, dq_acc), then dq from dq_acc into q's view; or, where the
+// clusters reduce dq (use_cluster_dq), delta and the tile kernel (dk, dv, dq).
 ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, const AttnArgs& a) {
   return dispatch_attention(op, t, d, [&](auto tt, auto dd) {
     using T = typename decltype(tt)::type;
     constexpr int D = decltype(dd)::value;
     const int64_t rows = a.b * a.sq * a.h;
     constexpr int kLanes = D * static_cast<int>(sizeof(T)) / 16;
-    attention_delta_kernel<T, D>
-        <<<static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
+    const unsigned delta_blocks = static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads);
+    if constexpr (D >= 64) {
+      if (use_sm90() && use_cluster_dq(a)) {
+        AttnArgs no_acc = a;
+        no_acc.dq_acc = nullptr;  // the delta kernel leaves the accumulator alone
+        attention_delta_kernel<T, D><<<delta_blocks, kThreads, 0, stream>>>(no_acc);
+        bool launched = false;
+        const ffi::Error e = by_mask_mode(a, [&](auto mode) -> ffi::Error {
+          constexpr int kMode = decltype(mode)::value;
+          constexpr auto kernel = attention_bwd_sm90_kernel<T, D, kMode, true>;
+          if (auto e = smem_opt_in<kernel>(op, sm90_bwd_smem<D>() + 1024); e.failure()) return e;
+          launched = launch_cluster_bwd<kernel>(grid, sm90_bwd_smem<D>() + 1024, stream, a);
+          return ffi::Error::Success();
+        });
+        if (e.failure()) return e;
+        if (launched) return launch_status(op);
+        cudaGetLastError();  // not launched: the accumulator path below, delta again with it
+      }
+    }
+    attention_delta_kernel<T, D><<<delta_blocks, kThreads, 0, stream>>>(a);
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
         if (use_sm90())
-          return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode>>(op, grid, sm90_bwd_smem<D>() + 1024,
-                                                                             stream, a);
+          return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false>>(
+              op, grid, sm90_bwd_smem<D>() + 1024, stream, a);
       }
       return launch_tile_kernel<attention_bwd_kernel<T, D, kMode>>(op, grid, sizeof(BwdSmem<T, D>), stream, a);
     });

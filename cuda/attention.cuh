@@ -485,7 +485,7 @@ __device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, i
   }
 }
 
-// delta[b, h, i] = sum_d dout * out, and dq_acc = 0. Each row (b, i, h) is read by D / 8
+// delta[b, h, i] = sum_d dout * out, and dq_acc = 0 (when given). Each row (b, i, h) is read by D / 8
 // consecutive lanes in 16-byte pieces and summed with shuffles; grid ceil(B*Sq*H*D/8 /
 // 128), block 128.
 template <typename T, int D>
@@ -501,10 +501,13 @@ __global__ void attention_delta_kernel(AttnArgs a) {
     load_vec<T, kVec>(static_cast<const T*>(a.out) + row * D + part * kVec, y);
 #pragma unroll
     for (int t = 0; t < kVec; ++t) acc += x[t] * y[t];
-    // The dq accumulator has the same [B, Sq, H, D] layout: zeroed here, not by a memset.
-    float4* z = reinterpret_cast<float4*>(a.dq_acc + row * D + part * kVec);
+    // The dq accumulator has the same [B, Sq, H, D] layout: zeroed here, not by a memset
+    // (none where the backward reduces dq in clusters).
+    if (a.dq_acc != nullptr) {
+      float4* z = reinterpret_cast<float4*>(a.dq_acc + row * D + part * kVec);
 #pragma unroll
-    for (int t = 0; t < kVec / 4; ++t) z[t] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int t = 0; t < kVec / 4; ++t) z[t] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 #pragma unroll
   for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);

@@ -156,6 +156,55 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
 //   dS, B = K MN-major; warp w: queries 16 w ..) added to the f32 workspace.
 // Shared memory: K, V, two stages of Q and dO, dSᵀ (swizzled tiles), then per stage the
 // tile's lse and delta, then the warps' keep words.
+// kClusterDq's dQ (see below). Element (row, col) of a [64][D] f32 exchange buffer sits at
+// row * D + (col ^ 4 (row % 8)): the writers' float2 and the readers' float4 stay whole.
+template <int D>
+__device__ __forceinline__ int dq_slot(int row, int col) { return row * D + (col ^ ((row & 7) << 2)); }
+
+// This warp's dQ partial of one query tile (the dQ product's accumulator c) into the
+// block's exchange buffer x (the stage's Q and dO tiles, free once every warp's products
+// are done with them).
+template <int D>
+__device__ __forceinline__ void bwd_stash_dq(const float (&c)[D / 2], float* x, int warp, int quad, int tq) {
+  __syncthreads();  // every warp's products have read this stage's Q and dO
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + quad + r * 8;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<float2*>(x + dq_slot<D>(row, dn * 8 + tq * 2)) =
+          make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]);
+  }
+}
+
+// After the loop: block r of the cluster sums rows r * 64 / C .. of every block's partials
+// of query tile t (buffer x(t)) through distributed shared memory, in rank order, and
+// stores dq = scale * sum in the output dtype.
+template <typename T, int D, typename X>
+__device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles, int64_t bb, int64_t hh) {
+  cluster_sync();  // every block's partials are written
+  const int ranks = static_cast<int>(cluster_size()), me = static_cast<int>(cluster_rank());
+  const int per = (kTile + ranks - 1) / ranks, r0 = me * per, r1 = min(r0 + per, kTile);
+  T* dq = static_cast<T*>(a.o) + bb * a.q_batch + hh * D;
+  for (int t = 0; t < tiles; ++t) {
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(x(t)));
+    for (int idx = threadIdx.x; idx < (r1 - r0) * (D / 4); idx += kThreads) {
+      const int row = r0 + idx / (D / 4), col = idx % (D / 4) * 4;
+      const int64_t i = static_cast<int64_t>(t) * kTile + row;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int p = 0; p < ranks; ++p) {  // rank order: the same sum on every run
+        const float4 v = cluster_load4(base + 4 * dq_slot<D>(row, col), static_cast<uint32_t>(p));
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+      }
+      if (i < a.sq) {
+        const float out[4] = {sum.x * a.scale, sum.y * a.scale, sum.z * a.scale, sum.w * a.scale};
+        store_vec<T, 4>(dq + i * a.qkv_row + col, out);
+      }
+    }
+  }
+  cluster_sync();  // no block leaves while another still reads its shared memory
+}
+
 template <int D>
 __host__ __device__ constexpr size_t sm90_bwd_tiles() { return 6 * static_cast<size_t>(kTile) * D * 2 + kTile * kTile * 2; }
 template <int D>
@@ -167,17 +216,27 @@ constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 
 template <int D>
 constexpr int sm90_bwd_min_blocks() { return D <= 64 ? 3 : 2; }
 
-template <typename T, int D, int kMode>
+//
+//
+// kClusterDq (short sequences: at most two query tiles, Sq <= 128, so each tile keeps its
+// stage; no causal mask; at most 8 key blocks): the key blocks of one (b, h) form a thread
+// block cluster. Each block leaves its dQ partial of query tile t, f32, in the shared
+// memory of stage t's Q and dO tiles (64 x D x 4 bytes, exactly the two tiles), and after
+// the loop the cluster reduces them (bwd_cluster_dq): no f32 accumulator to zero and
+// convert, no atomics, a deterministic dQ, and no barrier across blocks inside the loop
+// (one per query tile measured slower: bench/NOTES.md).
+template <typename T, int D, int kMode, bool kClusterDq>
 __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_bwd_sm90_kernel(AttnArgs a) {
 #ifdef JAXSUB_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  constexpr int kTileBytes = kTile * D * 2;
+  constexpr int kTileBytes = kTile * D * 2, kDsBytes = kTile * kTile * 2;
   unsigned char* smem = smem_raw + offset_to_1024(smem_raw);
+  // K, V, Q0, dO0, dSᵀ, Q1, dO1: each stage's Q and dO tiles are adjacent.
   unsigned char* k_s = smem;
   unsigned char* v_s = smem + kTileBytes;
-  auto q_s = [&](int st) { return smem + (2 + st) * kTileBytes; };
-  auto do_s = [&](int st) { return smem + (4 + st) * kTileBytes; };
-  unsigned char* ds_s = smem + 6 * kTileBytes;
+  auto q_s = [&](int st) { return smem + (st ? 4 * kTileBytes + kDsBytes : 2 * kTileBytes); };
+  auto do_s = [&](int st) { return q_s(st) + kTileBytes; };
+  unsigned char* ds_s = smem + 4 * kTileBytes;
   float* lse_s = reinterpret_cast<float*>(smem + sm90_bwd_tiles<D>());  // [2][64]
   float* delta_s = lse_s + 2 * kTile;                                     // [2][64]
   uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [4 warps][64]
@@ -281,19 +340,24 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     wgmma_wait<0>();  // dK and dQ: Q, dO and dSᵀ are free after this
 #pragma unroll
     for (int x = 0; x < D / 2; ++x) reg_fence(c[x]), reg_fence(dk[x]);
+    if constexpr (kClusterDq) {
+      bwd_stash_dq<D>(c, reinterpret_cast<float*>(q_s(buf)), warp, quad, tq);
+    } else {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t i = qb + warp * 16 + quad + r * 8;
-      if (i >= a.sq) continue;
-      float* dq_row = dqg + i * out_row + tq * 2;
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = qb + warp * 16 + quad + r * 8;
+        if (i >= a.sq) continue;
+        float* dq_row = dqg + i * out_row + tq * 2;
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn)  // the scale: the dq kernel
-        atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]));
+        for (int dn = 0; dn < D / 8; ++dn)  // the scale: the dq kernel
+          atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]));
+      }
     }
     // dSᵀ and keep_s are rewritten next iteration only after its first barrier, which
     // every warp reaches after its own wait above.
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
+  if constexpr (kClusterDq) bwd_cluster_dq<T, D>(a, [&](int t) { return reinterpret_cast<float*>(q_s(t)); }, tiles, bb, hh);
 
   bwd_store<T, D>(a, [&](int dn, int e) { return dk[4 * dn + e]; }, [&](int dn, int e) { return dv[4 * dn + e]; }, bb, hh,
                   k0, quad, tq);

@@ -69,6 +69,42 @@ __device__ __forceinline__ void fence_proxy_async() {
 // asynchronous product that writes it.
 __device__ __forceinline__ void reg_fence(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 
+// Thread block clusters (sm_90): this block's rank in its cluster, the cluster's size, a
+// barrier over every thread of the cluster (release / acquire: shared-memory writes before
+// it are visible to the cluster's loads after it), and a 16-byte load from the shared
+// memory of block `rank` at the offset of the local shared address `addr`.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#ifdef JAXSUB_WGMMA
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_size() {
+  uint32_t n = 1;
+#ifdef JAXSUB_WGMMA
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+#endif
+  return n;
+}
+__device__ __forceinline__ void cluster_sync() {
+#ifdef JAXSUB_WGMMA
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ float4 cluster_load4(uint32_t addr, uint32_t rank) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#ifdef JAXSUB_WGMMA
+  uint32_t remote = 0;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+#endif
+  return v;
+}
+
 #define JAXSUB_WG_D8(i) "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
     "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define JAXSUB_WG_D32 JAXSUB_WG_D8(0), JAXSUB_WG_D8(8), JAXSUB_WG_D8(16), JAXSUB_WG_D8(24)

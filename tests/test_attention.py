@@ -482,6 +482,32 @@ class TestCuda:
         for name, x, y in zip(("out", "dq", "dk", "dv"), sm90, mma):
             assert_close(x, y, dtype, reduction=s, grad=name != "out", what=name)
 
+    @pytest.mark.parametrize("d,sq,sk,mask_kind", [(64, 128, 128, "padding"), (64, 64, 512, None),
+                                                   (128, 100, 449, "additive"), (64, 7, 130, "headkeys"),
+                                                   (64, 100, 600, None), (64, 130, 128, None)])
+    def test_cluster_dq_matches_the_accumulator(self, monkeypatch, d, sq, sk, mask_kind):
+        """Non-causal, Sq <= 128 and Sk <= 512 on the wgmma kernels: the key blocks of a (b, h)
+        reduce dq in a thread block cluster (in rank order: the same bits on every run).
+        Against the f32 accumulator and atomics (JAXSUB_ATTENTION_CLUSTER_DQ=0): out, dk and
+        dv bitwise, dq within tolerance. Sk = 600 (10 key blocks) and Sq = 130 (3 query
+        tiles) take the accumulator either way."""
+        if jax.devices()[0].compute_capability != "9.0":
+            pytest.skip("the wgmma kernels need compute capability 9.0")
+        monkeypatch.delenv("JAXSUB_ATTENTION_SM90", raising=False)
+        monkeypatch.delenv("JAXSUB_ATTENTION_CLUSTER_DQ", raising=False)
+        q, k, v, dout = qkv(151, 2, sq, sk, 3, d, BF16)
+        mask = make_mask(mask_kind, 152, 2, 3, sq, sk)
+        key = jax.random.key(153)
+        run = jax.jit(lambda *args: run_vjp(*args, causal=False, rate=0.1, implementation="fused"))
+        cluster = run(q, k, v, dout, mask, key)
+        if sq <= 128 and sk <= 512:
+            np.testing.assert_array_equal(cluster[1], run(q, k, v, dout, mask, key)[1])
+        monkeypatch.setenv("JAXSUB_ATTENTION_CLUSTER_DQ", "0")
+        acc = run(q, k, v, dout, mask, key)
+        for name, x, y in zip(("out", "dk", "dv"), (cluster[0], *cluster[2:]), (acc[0], *acc[2:])):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+        assert_close(cluster[1], acc[1], BF16, reduction=sk, grad=True, what="dq")
+
     @pytest.mark.parametrize("d", [64, 128])
     def test_fused_matches_unfused_on_gpu(self, d):
         b, s, h = 4, 512, 8
