@@ -243,6 +243,13 @@ def test_host_cost_runs_on_a_small_config(capsys):
     assert capsys.readouterr().out.splitlines()[0].startswith("small-b2s64-bf16 opt-flax: enqueue")
 
 
+def test_bias_epilogue_runs_on_a_small_config(capsys):
+    assert _tool("bias_epilogue").main(["--small"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and lines[0].startswith("parameter [3, H, D]")
+    assert all("epilogues" in line and "writers of y" in line for line in lines)
+
+
 def test_trace_finds_device_kernels_only_on_a_gpu():
     import jax.numpy as jnp
 

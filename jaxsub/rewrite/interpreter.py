@@ -152,6 +152,10 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
     softmax+dropout) call the fused ops, everything else runs exactly as before. See
     `jaxsub.explain`.
 
+    When attention's q, k and v are three projections x·W_i (+ b_i) of one x used only by
+    the attention (Flax's MultiHeadDotProductAttention, nnx.MultiHeadAttention), the three
+    weights are stacked into one product, which the fused attention reads in place.
+
     Attention masked with `where(mask, scores, big_negative)` is rewritten as a boolean
     mask: equal wherever a query sees at least one key; a fully masked query row gives 0
     where the original gives the mean of v (explain() says so per match).
