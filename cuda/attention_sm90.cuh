@@ -183,7 +183,9 @@ __device__ __forceinline__ void bwd_stash_dq(const float (&c)[D / 2], float* x, 
 template <typename T, int D, typename X>
 __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles, int64_t bb, int64_t hh) {
   cluster_sync();  // every block's partials are written
-  const int ranks = static_cast<int>(cluster_size()), me = static_cast<int>(cluster_rank());
+  uint32_t rank = 0, size = 1;
+  cluster_rank_size(rank, size);
+  const int ranks = static_cast<int>(size), me = static_cast<int>(rank);
   const int per = (kTile + ranks - 1) / ranks, r0 = me * per, r1 = min(r0 + per, kTile);
   T* dq = static_cast<T*>(a.o) + bb * a.q_batch + hh * D;
   for (int t = 0; t < tiles; ++t) {

@@ -69,23 +69,15 @@ __device__ __forceinline__ void fence_proxy_async() {
 // asynchronous product that writes it.
 __device__ __forceinline__ void reg_fence(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 
-// Thread block clusters (sm_90): this block's rank in its cluster, the cluster's size, a
-// barrier over every thread of the cluster (release / acquire: shared-memory writes before
-// it are visible to the cluster's loads after it), and a 16-byte load from the shared
-// memory of block `rank` at the offset of the local shared address `addr`.
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r = 0;
+// Thread block clusters (sm_90): this block's rank in its cluster and the cluster's size,
+// a barrier over every thread of the cluster (release / acquire: shared-memory writes
+// before it are visible to the cluster's loads after it), and a 16-byte load from the
+// shared memory of block `rank` at the offset of the local shared address `addr`.
+__device__ __forceinline__ void cluster_rank_size(uint32_t& rank, uint32_t& size) {
+  rank = 0, size = 1;
 #ifdef JAXSUB_WGMMA
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\nmov.u32 %1, %%cluster_nctarank;\n" : "=r"(rank), "=r"(size));
 #endif
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_size() {
-  uint32_t n = 1;
-#ifdef JAXSUB_WGMMA
-  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
-#endif
-  return n;
 }
 __device__ __forceinline__ void cluster_sync() {
 #ifdef JAXSUB_WGMMA
