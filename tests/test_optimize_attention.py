@@ -259,6 +259,18 @@ def test_jnp_projections_become_one_packed_product():
     assert _packed_targets(self_attention, x, w, b)["jaxsub_attention_qkv_fwd"] == 1
 
 
+def test_projections_with_the_contraction_last_in_the_weights():
+    """Weights [H, D, E] (contracted on their last axis): stacked on their first."""
+    x = _normal(0, (B, S, E))
+    w = _normal(2, (3, H, D, E)) * 0.2
+
+    def f(x, w):
+        return attn_bshd(*(jnp.einsum("bse,hde->bshd", x, w[i]) for i in range(3)))
+
+    report = _check(f, (x, w), {"attention": 1}, argnums=(0, 1))
+    assert PACKED in str(report) and f"w[{H}, {D}, {E}]" in str(report), str(report)
+
+
 def test_projections_left_alone_when_not_one_input_or_not_private():
     """Cross-attention (v from another input), q returned beside the output, projections
     of different widths: attention is fused on q, k, v as they are, not packed."""

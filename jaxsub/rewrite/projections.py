@@ -9,7 +9,8 @@ x·[W_q | W_k | W_v] + [b_q | b_k | b_v], each output element the same dot produ
 same contraction. That product has the [B, S, 3, H, D] layout `ops.attention_packed`
 reads in place, so the fused kernels take q, k and v from it without copies, and the
 backward has one input-gradient product and one bias reduction instead of three of each
-and the additions between them (bench/NOTES.md, "Packed Flax projections").
+and the additions between them (bench/NOTES.md, "Packed projections and short-sequence
+dQ").
 
 Taken only when the projections are private to the attention (each product used only by
 its bias add, each q/k/v only by the attention), which the matcher checks with the
@@ -65,16 +66,10 @@ class Packed:
         if first.bias is None:
             return out
         # Each bias has the product's rank (unit or full dims): stacked on the new axis,
-        # it broadcasts against the packed product as each did against its own. Unit
-        # token dims are dropped, so that the add is a broadcast of a [3, H, D] vector
-        # along the tokens, the form XLA folds into the GEMM's bias epilogue (a broadcast
-        # of the [1, 1, 3, H, D] stack measured 16 us more per b8 x s512 step as its own
-        # add kernel).
-        bias = jnp.stack([read(p.bias) for p in self.projections], axis=2)
-        lead = 0
-        while lead < 2 and bias.shape[lead] == 1:
-            lead += 1
-        return out + bias.reshape(bias.shape[lead:]) if lead == 2 else out + bias
+        # it broadcasts against the packed product as each did against its own. (XLA runs
+        # this add as a kernel of its own: it folds only a bias that is a parameter of the
+        # jitted function into the GEMM's epilogue; tools/bias_epilogue.py.)
+        return out + jnp.stack([read(p.bias) for p in self.projections], axis=2)
 
     def describe(self) -> str:
         p = self.projections[0]
@@ -93,7 +88,7 @@ def pack(g: G.Graph, q, k, v) -> Packed | None:
     (lc, rc), (lb, rb) = first.dot.params["dimension_numbers"]
     if lb or rb or len(first.x.shape) - len(lc) != 2 or len(first.dot.outs[0].shape) != 4:
         return None
-    same = {k_: v_ for k_, v_ in first.dot.params.items()}
+    same = dict(first.dot.params)
     for p in projs:
         if (p.x is not first.x or p.w.shape != first.w.shape or p.w.dtype != first.w.dtype
                 or dict(p.dot.params) != same or (p.bias is None) != (first.bias is None)
