@@ -485,9 +485,9 @@ __device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, i
   }
 }
 
-// delta[b, h, i] = sum_d dout * out, and dq_acc = 0 (when given). Each row (b, i, h) is read by D / 8
-// consecutive lanes in 16-byte pieces and summed with shuffles; grid ceil(B*Sq*H*D/8 /
-// 128), block 128.
+// delta[b, h, i] = sum_d dout * out, and dq_acc = 0 (when given). Each row (b, i, h) is
+// read by D / 8 consecutive lanes in 16-byte pieces and summed with shuffles; grid
+// ceil(B*Sq*H*D/8 / 128), block 128.
 template <typename T, int D>
 __global__ void attention_delta_kernel(AttnArgs a) {
   constexpr int kVec = 16 / sizeof(T), kLanes = D / kVec;  // lanes per row: 4, 8 or 16

@@ -145,19 +145,9 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
 #endif
 }
 
-// ---------------------------------------------------------------------------------------
-// The backward on the warpgroup tensor cores: same contract, grid and results as
-// attention_bwd_kernel (attention.cu). One warpgroup owns 64 keys (warp w: keys 16 w ..
-// 16 w + 15, the M rows of its products); per query tile of 64:
-//   Sᵀ = K Qᵀ (A = K, B = Q, both K-major in shared memory) -> P (in place);
-//   dV += Pdᵀ dO (A = kept Pᵀ in registers, B = dO MN-major) and dPdᵀ = V dOᵀ (A = V,
-//   B = dO K-major), issued together; dSᵀ; dK += dSᵀ Q (A = dSᵀ in registers, B = Q
-//   MN-major) while dSᵀ goes to shared memory; then dQ = dS K (A = dSᵀ MN-major, that is
-//   dS, B = K MN-major; warp w: queries 16 w ..) added to the f32 workspace.
-// Shared memory: K, V, two stages of Q and dO, dSᵀ (swizzled tiles), then per stage the
-// tile's lse and delta, then the warps' keep words.
-// kClusterDq's dQ (see below). Element (row, col) of a [64][D] f32 exchange buffer sits at
-// row * D + (col ^ 4 (row % 8)): the writers' float2 and the readers' float4 stay whole.
+// The backward's cluster reduction of dQ (kClusterDq, below). Element (row, col) of a
+// [64][D] f32 exchange buffer sits at row * D + (col ^ 4 (row % 8)): the writers' float2
+// and the readers' float4 stay whole.
 template <int D>
 __device__ __forceinline__ int dq_slot(int row, int col) { return row * D + (col ^ ((row & 7) << 2)); }
 
@@ -179,7 +169,8 @@ __device__ __forceinline__ void bwd_stash_dq(const float (&c)[D / 2], float* x, 
 
 // After the loop: block r of the cluster sums rows r * 64 / C .. of every block's partials
 // of query tile t (buffer x(t)) through distributed shared memory, in rank order, and
-// stores dq = scale * sum in the output dtype.
+// stores dq = scale * sum in the output dtype. Tile t holds queries 64 t .. (no causal
+// mask: every block's queries start at 0).
 template <typename T, int D, typename X>
 __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles, int64_t bb, int64_t hh) {
   cluster_sync();  // every block's partials are written
@@ -207,6 +198,17 @@ __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles
   cluster_sync();  // no block leaves while another still reads its shared memory
 }
 
+// ---------------------------------------------------------------------------------------
+// The backward on the warpgroup tensor cores: same contract, grid and results as
+// attention_bwd_kernel (attention.cu). One warpgroup owns 64 keys (warp w: keys 16 w ..
+// 16 w + 15, the M rows of its products); per query tile of 64:
+//   Sᵀ = K Qᵀ (A = K, B = Q, both K-major in shared memory) -> P (in place);
+//   dV += Pdᵀ dO (A = kept Pᵀ in registers, B = dO MN-major) and dPdᵀ = V dOᵀ (A = V,
+//   B = dO K-major), issued together; dSᵀ; dK += dSᵀ Q (A = dSᵀ in registers, B = Q
+//   MN-major) while dSᵀ goes to shared memory; then dQ = dS K (A = dSᵀ MN-major, that is
+//   dS, B = K MN-major; warp w: queries 16 w ..) added to the f32 workspace.
+// Shared memory: K, V, stage 0's Q and dO, dSᵀ, stage 1's Q and dO (swizzled tiles), then
+// per stage the tile's lse and delta, then the warps' keep words.
 template <int D>
 __host__ __device__ constexpr size_t sm90_bwd_tiles() { return 6 * static_cast<size_t>(kTile) * D * 2 + kTile * kTile * 2; }
 template <int D>
@@ -218,7 +220,6 @@ constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 
 template <int D>
 constexpr int sm90_bwd_min_blocks() { return D <= 64 ? 3 : 2; }
 
-//
 //
 // kClusterDq (short sequences: at most two query tiles, Sq <= 128, so each tile keeps its
 // stage; no causal mask; at most 8 key blocks): the key blocks of one (b, h) form a thread
