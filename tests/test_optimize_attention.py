@@ -247,6 +247,33 @@ def _projected(x, y, w, b, i):
     return jnp.einsum("bse,ehd->bshd", (x, x, y)[i], w[i]) + b[i]
 
 
+def test_projections_that_differ_are_reported():
+    x = _normal(0, (B, S, E))
+    w = _normal(2, (3, E, H, D)) * 0.2
+    wv = _normal(4, (E // 2, H, D)) * 0.2
+
+    def f(x, w, wv):
+        q, k = (jnp.einsum("bse,ehd->bshd", x, w[i]) for i in range(2))
+        return attn_bshd(q, k, jnp.einsum("bse,ehd->bshd", x[..., : E // 2], wv))
+
+    report = _check(f, (x, w, wv), {"attention": 1})
+    assert "not packed" not in str(report)  # v projects another input (a slice of x)
+
+    def g(x, w):
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, w[i]) for i in range(3))
+        return attn_bshd(q, k, v.astype(jnp.bfloat16).astype(jnp.float32))
+
+    assert "not packed" not in str(jaxsub.explain(g, x, w))  # v is converted after its projection
+
+    def h(x, w):
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, w[i], precision=p)
+                   for i, p in enumerate(("highest", None, None)))
+        return attn_bshd(q, k, v)
+
+    report = _check(h, (x, w), {"attention": 1}, argnums=(0, 1))
+    assert "q/k/v projections of one input not packed: their dot_general parameters differ" in str(report)
+
+
 def test_jnp_projections_become_one_packed_product():
     x, y = _normal(0, (B, S, E)), _normal(1, (B, S, E))
     w, b = _normal(2, (3, E, H, D)) * 0.2, _normal(3, (3, H, D))
@@ -272,8 +299,9 @@ def test_projections_with_the_contraction_last_in_the_weights():
 
 
 def test_projections_left_alone_when_not_one_input_or_not_private():
-    """Cross-attention (v from another input), q returned beside the output, projections
-    of different widths: attention is fused on q, k, v as they are, not packed."""
+    """Cross-attention (v from another input), q returned beside the output (explain() says
+    why those three projections were not packed), k changed after its projection:
+    attention is fused on q, k, v as they are, not packed."""
     x, y = _normal(0, (B, S, E)), _normal(1, (B, S, E))
     w, b = _normal(2, (3, E, H, D)) * 0.2, _normal(3, (3, H, D))
 
@@ -288,9 +316,14 @@ def test_projections_left_alone_when_not_one_input_or_not_private():
         q, k, v = (_projected(x, x, w, b, i) for i in range(3))
         return attn_bshd(q, k - b[1], v)
 
+    why = {cross: None, q_returned: "q/k/v projection float32[2, 8, 4, 16] (add) is returned as an output",
+           k_unbiased: None}
     for f, args in ((cross, (x, y, w, b)), (q_returned, (x, w, b)), (k_unbiased, (x, w, b))):
         report = jaxsub.explain(f, *args)
         assert report.totals == {"attention": 1} and "attention_packed" not in str(report), str(report)
+        # explain() says why three projections of one input were not packed.
+        assert ("not packed" in str(report)) == (why[f] is not None), str(report)
+        assert why[f] is None or f"not packed: {why[f]}" in str(report), str(report)
         assert _packed_targets(f, *args) == {"jaxsub_attention_fwd": 1, "jaxsub_attention_qkv_fwd": 0}
         outs, refs = jax.tree.leaves(jaxsub.optimize(f)(*args)), jax.tree.leaves(f(*args))
         for o, r in zip(outs, refs):

@@ -468,7 +468,8 @@ def _packed_source(g, att):
 
 def _packed_projections(g, att):
     """projections.Packed when q, k and v are three projections of one input that only this
-    attention uses (see projections.py); else None."""
+    attention uses (see projections.py); the reason as a string when they are three
+    projections of one input that cannot be packed; else None."""
     refs, unit = [], []
     for ref, labels, want in ((att.q, att.q_labels, "bqhd"), (att.k, att.k_labels, "bkhd"),
                               (att.v, att.v_labels, "bkhe")):
@@ -480,12 +481,12 @@ def _packed_projections(g, att):
             return None
         refs.append(ref)
     found = projections.pack(g, *refs)
-    if found is None:
-        return None
+    if not isinstance(found, projections.Packed):
+        return found
     found = dataclasses.replace(found, nodes=[*unit, *found.nodes])
-    if private_violation(g, [*att.nodes, *found.nodes], att.anchor, att.roles) is not None:
-        return None
-    return found
+    roles = {**att.roles, **{n: "q/k/v projection" for n in found.nodes}}
+    why = private_violation(g, [*att.nodes, *found.nodes], att.anchor, roles)
+    return found if why is None else why
 
 
 def match_attention(g, anchor, options):
@@ -516,6 +517,8 @@ def match_attention(g, anchor, options):
 
     packed = _packed_source(g, att)
     projected = None if packed is not None else _packed_projections(g, att)
+    unpacked = projected if isinstance(projected, str) else None
+    projected = None if unpacked is not None else projected
     if projected is not None:
         att.take(projected.nodes, "q/k/v projection")
 
@@ -538,6 +541,8 @@ def match_attention(g, anchor, options):
         detail += f", q/k/v read in place from one {shapes(packed[0])} array (attention_packed, axis {packed[1]})"
     elif projected is not None:
         detail += f", {projected.describe()} (attention_packed, axis 2)"
+    elif unpacked is not None:
+        detail += f", q/k/v projections of one input not packed: {unpacked}"
     return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), build, detail)
 
 

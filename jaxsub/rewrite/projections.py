@@ -78,23 +78,25 @@ class Packed:
                 f"with the weights stacked")
 
 
-def pack(g: G.Graph, q, k, v) -> Packed | None:
+def pack(g: G.Graph, q, k, v) -> Packed | str | None:
     """The packed form of q, k, v ([B, S, H, D] each) when each is x·W_i (+ b_i) of one x,
-    with the same dimension numbers, dtypes and parameters; else None."""
+    with the same dimension numbers, dtypes and parameters. When they are three
+    projections of one x that cannot be packed, the reason (for explain()); else None."""
     projs = [_projection(g, r) for r in (q, k, v)]
-    if any(p is None for p in projs) or len({id(r) for r in (q, k, v)}) != 3:
+    if (any(p is None for p in projs) or len({id(r) for r in (q, k, v)}) != 3
+            or any(p.x is not projs[0].x for p in projs)):
         return None
     first = projs[0]
     (lc, rc), (lb, rb) = first.dot.params["dimension_numbers"]
     if lb or rb or len(first.x.shape) - len(lc) != 2 or len(first.dot.outs[0].shape) != 4:
-        return None
-    same = dict(first.dot.params)
+        return "the products are not [B, S, E] x weights -> [B, S, H, D]"
     for p in projs:
-        if (p.x is not first.x or p.w.shape != first.w.shape or p.w.dtype != first.w.dtype
-                or dict(p.dot.params) != same or (p.bias is None) != (first.bias is None)
-                or (p.bias is not None and p.bias.shape != first.bias.shape)
-                or p.dot.outs[0].shape != first.dot.outs[0].shape):
-            return None
+        if p.w.shape != first.w.shape or p.w.dtype != first.w.dtype:
+            return "their weights differ in shape or dtype"
+        if dict(p.dot.params) != dict(first.dot.params) or p.dot.outs[0].shape != first.dot.outs[0].shape:
+            return "their dot_general parameters differ"
+        if (p.bias is None) != (first.bias is None) or (p.bias is not None and p.bias.shape != first.bias.shape):
+            return "their biases differ (present in some only, or in shape)"
     # Stack the weights on a new axis before their first free dim: the product's output
     # is (x's free dims, w's free dims in order), so the new axis lands right after x's
     # two free dims, at position 2 of [B, S, 3, H, D].
