@@ -273,6 +273,17 @@ def test_projections_that_differ_are_reported():
     report = _check(h, (x, w), {"attention": 1}, argnums=(0, 1))
     assert "q/k/v projections of one input not packed: their dot_general parameters differ" in str(report)
 
+    def k_biased_by_q(x, w, r):  # full-size "biases"; k's is q itself
+        q = jnp.einsum("bse,ehd->bshd", x, w[0]) + r[0]
+        k = jnp.einsum("bse,ehd->bshd", x, w[1]) + q
+        return attn_bshd(q, k, jnp.einsum("bse,ehd->bshd", x, w[2]) + r[1])
+
+    r = _normal(5, (2, B, S, H, D))
+    report = jaxsub.explain(k_biased_by_q, x, w, r)
+    assert report.totals == {"attention": 1}
+    assert_close(jaxsub.optimize(k_biased_by_q)(x, w, r), k_biased_by_q(x, w, r), reduction=S * D)
+    assert "not packed: an input of a projection is computed inside the attention" in str(report), str(report)
+
 
 def test_jnp_projections_become_one_packed_product():
     x, y = _normal(0, (B, S, E)), _normal(1, (B, S, E))

@@ -484,8 +484,11 @@ def _packed_projections(g, att):
     if not isinstance(found, projections.Packed):
         return found
     found = dataclasses.replace(found, nodes=[*unit, *found.nodes])
+    members = {*att.nodes, *found.nodes}
+    if any(g.producer.get(r) in members for r in found.inputs()):
+        return "an input of a projection is computed inside the attention"
     roles = {**att.roles, **{n: "q/k/v projection" for n in found.nodes}}
-    why = private_violation(g, [*att.nodes, *found.nodes], att.anchor, roles)
+    why = private_violation(g, list(members), att.anchor, roles)
     return found if why is None else why
 
 

@@ -71,6 +71,10 @@ class Packed:
         # jitted function into the GEMM's epilogue; tools/bias_epilogue.py.)
         return out + jnp.stack([read(p.bias) for p in self.projections], axis=2)
 
+    def inputs(self) -> list:
+        """The values `build` reads: x, the weights and the biases."""
+        return [self.projections[0].x, *(r for p in self.projections for r in (p.w, p.bias) if r is not None)]
+
     def describe(self) -> str:
         p = self.projections[0]
         bias = " + bias" if p.bias is not None else ""
