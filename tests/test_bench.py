@@ -211,12 +211,8 @@ def _tool(name):
     return module
 
 
-def _profile_layer():
-    return _tool("profile_layer")
-
-
 def test_profile_layer_groups_kernels():
-    profile_layer = _profile_layer()
+    profile_layer = _tool("profile_layer")
     assert profile_layer.category("void jaxsub::(anonymous namespace)::norm_fwd_kernel<...>") == "jaxsub"
     assert profile_layer.category("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_NNT") == "matmul"
     assert profile_layer.category("gemm_fusion_dot_9") == "matmul"
@@ -224,7 +220,7 @@ def test_profile_layer_groups_kernels():
 
 
 def test_profile_layer_runs_on_a_small_config(capsys):
-    profile_layer = _profile_layer()
+    profile_layer = _tool("profile_layer")
     assert profile_layer.main(["--config", "small-b2s64-bf16", "--rows", "jaxsub", "--top", "3"]) == 0
     printed = capsys.readouterr().out
     if jax.devices()[0].platform == "gpu":

@@ -467,9 +467,9 @@ def _packed_source(g, att):
 
 
 def _packed_projections(g, att):
-    """projections.Packed when q, k and v are three projections of one input that only this
-    attention uses (see projections.py); the reason as a string when they are three
-    projections of one input that cannot be packed; else None."""
+    """(projections.Packed, None) when q, k and v are three projections of one input that
+    only this attention uses (see projections.py); (None, the reason) when they are three
+    projections of one input that cannot be packed; else (None, None)."""
     refs, unit = [], []
     for ref, labels, want in ((att.q, att.q_labels, "bqhd"), (att.k, att.k_labels, "bkhd"),
                               (att.v, att.v_labels, "bkhe")):
@@ -478,18 +478,18 @@ def _packed_projections(g, att):
             ref, labels = node.ins[0], _backward(node, labels)
             unit.append(node)
         if labels != tuple(want):
-            return None
+            return None, None
         refs.append(ref)
     found = projections.pack(g, *refs)
     if not isinstance(found, projections.Packed):
-        return found
+        return None, found
     found = dataclasses.replace(found, nodes=[*unit, *found.nodes])
     members = {*att.nodes, *found.nodes}
     if any(g.producer.get(r) in members for r in found.inputs()):
-        return "an input of a projection is computed inside the attention"
+        return None, "an input of a projection is computed inside the attention"
     roles = {**att.roles, **{n: "q/k/v projection" for n in found.nodes}}
     why = private_violation(g, list(members), att.anchor, roles)
-    return found if why is None else why
+    return (found, None) if why is None else (None, why)
 
 
 def match_attention(g, anchor, options):
@@ -519,9 +519,7 @@ def match_attention(g, anchor, options):
     out_dtype = anchor.outs[0].dtype
 
     packed = _packed_source(g, att)
-    projected = None if packed is not None else _packed_projections(g, att)
-    unpacked = projected if isinstance(projected, str) else None
-    projected = None if unpacked is not None else projected
+    projected, unpacked = (None, None) if packed is not None else _packed_projections(g, att)
     if projected is not None:
         att.take(projected.nodes, "q/k/v projection")
 
