@@ -330,6 +330,12 @@ bool use_sm90() {
   return false;
 #endif
 }
+// use_sm90() for one call's views: the wgmma kernels address a thread's rows of a tile
+// with 32-bit byte offsets (load_tile_swz), so every row stride stays below 2^24 elements.
+bool use_sm90(const AttnArgs& a, int d) {
+  constexpr int64_t kMaxStride = int64_t{1} << 24;
+  return a.qkv_row < kMaxStride && a.h * d < kMaxStride && use_sm90();
+}
 
 // The forward for a's views, pointers and attributes: out [B, Sq, H, D], lse [B, H, Sq].
 ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, const AttnArgs& a) {
@@ -341,7 +347,7 @@ ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
-        if (use_sm90())
+        if (use_sm90(a, D))
           return launch_tile_kernel<attention_fwd_sm90_kernel<T, D, kMode>>(op, grid, sm90_fwd_smem<D>() + 1024,
                                                                              stream, a);
       }
@@ -352,25 +358,38 @@ ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
   });
 }
 
-// Launches the wgmma backward with the key blocks of each (b, h) as one thread block
-// cluster (kClusterDq: dq written by the kernel). False, launching nothing, when the GPU
-// cannot co-schedule such a cluster (asked once per kernel and cluster size).
-template <auto Kernel>
-bool launch_cluster_bwd(dim3 grid, size_t smem, cudaStream_t stream, const AttnArgs& a) {
-  static std::atomic<int> ok[9];  // per cluster size: 0 unknown, 1 yes, -1 no
+// The launch configuration of the wgmma backward with the key blocks of each (b, h) as one
+// thread block cluster (kClusterDq).
+struct ClusterLaunch {
   cudaLaunchConfig_t config{};
-  config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = smem, config.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = grid.x, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  config.attrs = attr, config.numAttrs = 1;
-  if (ok[grid.x].load() == 0) {
-    int clusters = 0;
-    const bool fits = cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess && clusters > 0;
-    cudaGetLastError();  // a refused query leaves no sticky error
-    ok[grid.x].store(fits ? 1 : -1);
+  ClusterLaunch(dim3 grid, size_t smem, cudaStream_t stream) {
+    config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = smem, config.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = grid.x, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    config.attrs = attr, config.numAttrs = 1;
   }
-  return ok[grid.x].load() > 0 && cudaLaunchKernelEx(&config, Kernel, a) == cudaSuccess;
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attr
+};
+
+// Whether the current GPU can co-schedule such a cluster of Kernel (asked once per device,
+// kernel and cluster size; unknown devices past the table are asked every time).
+template <auto Kernel>
+bool cluster_fits(ClusterLaunch& l) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> ok[kMaxDevices][9];  // per cluster size: 0 unknown, 1 yes, -1 no
+  const unsigned size = l.config.gridDim.x;
+  int dev = 0;
+  if (size > 8 || cudaGetDevice(&dev) != cudaSuccess) return false;
+  auto ask = [&] {
+    int clusters = 0;
+    const bool fits = cudaOccupancyMaxActiveClusters(&clusters, Kernel, &l.config) == cudaSuccess && clusters > 0;
+    cudaGetLastError();  // a refused query leaves no sticky error
+    return fits;
+  };
+  if (dev < 0 || dev >= kMaxDevices) return ask();
+  if (ok[dev][size].load() == 0) ok[dev][size].store(ask() ? 1 : -1);
+  return ok[dev][size].load() > 0;
 }
 
 // Whether the backward reduces dq inside clusters (attention_sm90.cuh, kClusterDq): the
@@ -396,28 +415,30 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     const unsigned delta_blocks = static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads);
     if constexpr (D >= 64) {
-      if (use_sm90() && use_cluster_dq(a)) {
-        AttnArgs no_acc = a;
-        no_acc.dq_acc = nullptr;  // the delta kernel leaves the accumulator alone
-        attention_delta_kernel<T, D><<<delta_blocks, kThreads, 0, stream>>>(no_acc);
+      if (use_sm90(a, D) && use_cluster_dq(a)) {
         bool launched = false;
         const ffi::Error e = by_mask_mode(a, [&](auto mode) -> ffi::Error {
           constexpr int kMode = decltype(mode)::value;
           constexpr auto kernel = attention_bwd_sm90_kernel<T, D, kMode, true>;
           if (auto e = smem_opt_in<kernel>(op, sm90_bwd_smem<D>() + 1024); e.failure()) return e;
-          launched = launch_cluster_bwd<kernel>(grid, sm90_bwd_smem<D>() + 1024, stream, a);
+          ClusterLaunch l(grid, sm90_bwd_smem<D>() + 1024, stream);
+          if (!cluster_fits<kernel>(l)) return ffi::Error::Success();  // the accumulator path below
+          AttnArgs no_acc = a;
+          no_acc.dq_acc = nullptr;  // the delta kernel leaves the accumulator alone
+          attention_delta_kernel<T, D><<<delta_blocks, kThreads, 0, stream>>>(no_acc);
+          launched = cudaLaunchKernelEx(&l.config, kernel, a) == cudaSuccess;
           return ffi::Error::Success();
         });
         if (e.failure()) return e;
         if (launched) return launch_status(op);
-        cudaGetLastError();  // not launched: the accumulator path below, delta again with it
+        cudaGetLastError();  // a refused launch after a fitting answer: delta again, with the accumulator
       }
     }
     attention_delta_kernel<T, D><<<delta_blocks, kThreads, 0, stream>>>(a);
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
-        if (use_sm90())
+        if (use_sm90(a, D))
           return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false>>(
               op, grid, sm90_bwd_smem<D>() + 1024, stream, a);
       }

@@ -275,15 +275,17 @@ __device__ __forceinline__ void fwd_store(const AttnArgs& a, OF&& O, const float
 // and masks the raw scores, updates the running max m and sum l, rescales the output
 // accumulator (O(dn, e), rows as S's), and packs the probabilities kept by `keep`
 // (unscaled) into pf, A fragments of 16 key slots each.
-template <typename T, int kMode, int D, typename SF, typename OF>
-__device__ __forceinline__ void fwd_softmax_tile(const AttnArgs& a, const RowCtx& rc, SF&& S, OF&& O, float (&m)[2],
-                                                 float (&l)[2], const uint32_t (&keep)[2], int64_t qrow, int64_t kb,
-                                                 int tq, uint32_t (&pf)[4][4]) {
-  // The common case (no mask, no causal, a full key tile, scale > 0) needs no
-  // per-element test (rows past Sq are never stored) and keeps the raw scores: the max
-  // is taken raw and scaled once, and each probability is exp2(s * sc - base), one FFMA.
-  // Otherwise the scores are scaled and masked here (log2 units, sc = 1).
-  const bool plain = kMode == kNoMask && kb + kTile <= a.sk && a.scale > 0.f;
+// kPlain: the common case (no mask, no causal, a full key tile, scale > 0) needs no
+// per-element test (rows past Sq are never stored) and keeps the raw scores: the max is
+// taken raw and scaled once, and each probability is exp2(s * sc - base), one FFMA.
+// Otherwise the scores are scaled and masked here (log2 units, sc = 1). A compile-time
+// choice: as a run-time flag, ptxas computed every element's bounds predicates ahead of
+// the branches that skip them (~170 instructions per tile in the plain case).
+template <typename T, int kMode, int D, bool kPlain, typename SF, typename OF>
+__device__ __forceinline__ void fwd_softmax_tile_as(const AttnArgs& a, const RowCtx& rc, SF&& S, OF&& O,
+                                                    float (&m)[2], float (&l)[2], const uint32_t (&keep)[2],
+                                                    int64_t qrow, int64_t kb, int tq, uint32_t (&pf)[4][4]) {
+  constexpr bool plain = kPlain;
   // Under a key mask, this thread's 16 keys (shared by its two rows) are read once.
   const uint32_t vis = kMode == kKeyMask ? key_bits16(a, rc, kb + tq * 16) : 0xffffu;
   const float sc = plain ? a.scale * kLog2e : 1.f;
@@ -292,7 +294,7 @@ __device__ __forceinline__ void fwd_softmax_tile(const AttnArgs& a, const RowCtx
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (!plain) {
+      if constexpr (!plain) {
         const int64_t i = qrow + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
         S(n, e) = score_log2<kMode>(a, rc, S(n, e), i, j, (vis >> (n * 2 + (e & 1))) & 1u);
       }
@@ -323,6 +325,18 @@ __device__ __forceinline__ void fwd_softmax_tile(const AttnArgs& a, const RowCtx
     pf[n / 2][(n & 1) * 2 + 0] = pack2<T>(p[0], p[1]);
     pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]);
   }
+}
+template <typename T, int kMode, int D, typename SF, typename OF>
+__device__ __forceinline__ void fwd_softmax_tile(const AttnArgs& a, const RowCtx& rc, SF&& S, OF&& O, float (&m)[2],
+                                                 float (&l)[2], const uint32_t (&keep)[2], int64_t qrow, int64_t kb,
+                                                 int tq, uint32_t (&pf)[4][4]) {
+  if constexpr (kMode == kNoMask) {
+    if (kb + kTile <= a.sk && a.scale > 0.f) {
+      fwd_softmax_tile_as<T, kMode, D, true>(a, rc, S, O, m, l, keep, qrow, kb, tq, pf);
+      return;
+    }
+  }
+  fwd_softmax_tile_as<T, kMode, D, false>(a, rc, S, O, m, l, keep, qrow, kb, tq, pf);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -31,24 +31,41 @@ constexpr int sm90_fwd_min_blocks() { return D <= 64 ? 4 : 2; }
 // Starts copying rows [row0, row0 + 64) of one head of a [B, S, H, D] view into a swizzled
 // tile at `dst` (rows past `rows` zero-filled); with kSlots, tile row r goes to tile row
 // slot_of(r) (the forward's key order, attention.cuh). Thread t copies 16-byte piece
-// t % (D / 8) of rows t / (D / 8) + p * (128 / (D / 8)).
+// t % (D / 8) of tile rows (slots) t / (D / 8) + p * R, R = 128 / (D / 8): R is a multiple
+// of 8, so the swizzle of those rows is the same and their offsets are immediates; the
+// source row of slot s + p R is key_of(s) + p kRowStep (kSlots) or s + p R, one pointer step
+// per pass. (Copying source rows r + p R instead cost ~150 instructions per key tile in
+// the forward: the slots of those rows do not share a swizzle.)
+template <int R, int kStep>
+__host__ __device__ constexpr bool slots_step_by(int passes) {
+  for (int s = 0; s < R; ++s)
+    for (int p = 0; p < passes; ++p)
+      if (key_of(s + p * R) != key_of(s) + p * kStep) return false;
+  return true;
+}
 template <typename T, int D, bool kSlots>
 __device__ __forceinline__ void load_tile_swz(unsigned char* dst, const T* src, int64_t row0, int64_t rows,
                                               int64_t row_stride) {
   constexpr int kChunks = D / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
   constexpr int kPasses = kTile / kRowsPerPass;
-  const int r0 = threadIdx.x / kChunks, part = threadIdx.x % kChunks;
-  const int64_t left = rows - row0 - r0;
-  const T* s = src + (row0 + r0) * row_stride + part * 8;
-  const int64_t step = kRowsPerPass * row_stride;
-  auto slot = [](int r) { return kSlots ? slot_of(r) : r; };
-  const int slot0 = slot(r0);
+  constexpr int kRowStep = kSlots ? 2 * kRowsPerPass / 8 : kRowsPerPass;
+  static_assert(kRowsPerPass % 8 == 0 && (!kSlots || slots_step_by<kRowsPerPass, kRowStep>(kPasses)), "copy plan");
+  const int slot = threadIdx.x / kChunks, part = threadIdx.x % kChunks;
+  const int r0 = kSlots ? key_of(slot) : slot;
+  const int64_t left64 = rows - row0 - r0;  // pass p copies a row when p kRowStep < left
+  const int left = left64 > kTile ? kTile : static_cast<int>(left64 < 0 ? 0 : left64);
+  // The tile's base is the same for the whole block (uniform registers); a thread's byte
+  // offsets from it are 32-bit, one add with carry per pass (row_stride < 2^24 elements:
+  // use_sm90(a, d), attention.cu).
+  const char* tile = reinterpret_cast<const char*>(src + row0 * row_stride);
+  const uint32_t off = (static_cast<uint32_t>(r0) * static_cast<uint32_t>(row_stride) + part * 8) * sizeof(T);
+  const uint32_t step = kRowStep * static_cast<uint32_t>(row_stride) * sizeof(T);
+  unsigned char* d = dst + swz_offset(slot, part * 8);
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
-    const bool full = p * kRowsPerPass < left;
-    const int row = slot0 + slot(p * kRowsPerPass);  // the bits of r0 and p kRowsPerPass are disjoint
-    cp_async16(dst + swz_offset(row, part * 8), full ? s + p * step : src, full);
+    const bool full = p * kRowStep < left;
+    cp_async16(d + p * kRowsPerPass * 128, tile + (full ? off + p * step : 0u), full);
   }
 }
 
@@ -202,11 +219,12 @@ __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles
 // The backward on the warpgroup tensor cores: same contract, grid and results as
 // attention_bwd_kernel (attention.cu). One warpgroup owns 64 keys (warp w: keys 16 w ..
 // 16 w + 15, the M rows of its products); per query tile of 64:
-//   Sᵀ = K Qᵀ (A = K, B = Q, both K-major in shared memory) -> P (in place);
-//   dV += Pdᵀ dO (A = kept Pᵀ in registers, B = dO MN-major) and dPdᵀ = V dOᵀ (A = V,
-//   B = dO K-major), issued together; dSᵀ; dK += dSᵀ Q (A = dSᵀ in registers, B = Q
-//   MN-major) while dSᵀ goes to shared memory; then dQ = dS K (A = dSᵀ MN-major, that is
-//   dS, B = K MN-major; warp w: queries 16 w ..) added to the f32 workspace.
+//   Sᵀ = K Qᵀ (A = K, B = Q, both K-major in shared memory) and dPdᵀ = V dOᵀ (A = V,
+//   B = dO K-major), issued together; P in place of Sᵀ, and dSᵀ; dV += Pdᵀ dO (A = kept
+//   Pᵀ in registers, B = dO MN-major) and dK += dSᵀ Q (A = dSᵀ in registers, B = Q
+//   MN-major), issued together while dSᵀ goes to shared memory; then dQ = dS K (A = dSᵀ
+//   MN-major, that is dS, B = K MN-major; warp w: queries 16 w ..) added to the f32
+//   workspace.
 // Shared memory: K, V, stage 0's Q and dO, dSᵀ, stage 1's Q and dO (swizzled tiles), then
 // per stage the tile's lse and delta, then the warps' keep words.
 template <int D>
@@ -214,9 +232,9 @@ __host__ __device__ constexpr size_t sm90_bwd_tiles() { return 6 * static_cast<s
 template <int D>
 constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + kWarps * kTile * 2; }
 // Blocks per multiprocessor: three at D = 64 (58 KB each, 168 registers), two at D = 128
-// (106 KB). At D = 64 ptxas then serializes the products (too few registers to keep two in
-// flight); two blocks of 198 registers without that measured slower (bench/NOTES.md,
-// "Hopper kernels").
+// (106 KB). (Before the products were regrouped, ptxas serialized them at D = 64 for lack of
+// registers; two blocks of 198 registers without that measured slower: bench/NOTES.md,
+// "Hopper kernels". The general-mask kernel, kAnyMask, is still serialized.)
 template <int D>
 constexpr int sm90_bwd_min_blocks() { return D <= 64 ? 3 : 2; }
 
@@ -296,34 +314,29 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     __syncthreads();
     const uint32_t qa = addr(q_s(buf)), da = addr(do_s(buf));
 
-    float p[32];  // Sᵀ, then P: [4 n + e] = query 8 n + 2 tq + e % 2 of the tile, key quad + 8 (e / 2)
+    // Sᵀ and dPdᵀ issued together, then P, dSᵀ, and dV and dK issued together: no more
+    // than the two score tiles and dK, dV are live across a product (with P still live
+    // across the dV and dP products, ptxas ran every product serialized).
+    float p[32];    // Sᵀ, then P: [4 n + e] = query 8 n + 2 tq + e % 2 of the tile, key quad + 8 (e / 2)
+    float dpt[32];  // dPdᵀ = V dOᵀ, entries as p's
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) wgmma_ss<T, 64, false, false>(p, kmajor(addr(k_s), kc), kmajor(qa, kc), kc > 0);
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) wgmma_ss<T, 64, false, false>(dpt, kmajor(addr(v_s), kc), kmajor(da, kc), kc > 0);
     wgmma_commit();
     const uint32_t kbits = bwd_keep_bits(a, keep_s + warp * kTile, quad, tq);
     wgmma_wait<0>();
 #pragma unroll
-    for (int x = 0; x < 32; ++x) reg_fence(p[x]);
-    uint32_t pdf[4][4];
+    for (int x = 0; x < 32; ++x) reg_fence(p[x]), reg_fence(dpt[x]);
+    uint32_t pdf[4][4], dsf[4][4];
     bwd_probs<T, kMode>(a, rc, [&](int n, int e) -> float& { return p[4 * n + e]; }, nlse2, kvis, kbits, qb, k0,
                         scale_log2, quad, tq, pdf);
-    float dpt[32];  // dPdᵀ = V dOᵀ, entries as p's
-    wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, D, true>(dv, pdf[kc], mnmajor(da, kc), true);
-#pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) wgmma_ss<T, 64, false, false>(dpt, kmajor(addr(v_s), kc), kmajor(da, kc), kc > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int x = 0; x < 32; ++x) reg_fence(dpt[x]);
-#pragma unroll
-    for (int x = 0; x < D / 2; ++x) reg_fence(dv[x]);
-    uint32_t dsf[4][4];
     bwd_dscores<T>(a, [&](int n, int e) { return p[4 * n + e]; }, [&](int n, int e) { return dpt[4 * n + e]; }, kbits,
                    delta, tq, dsf);
     wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, D, true>(dv, pdf[kc], mnmajor(da, kc), true);
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, D, true>(dk, dsf[kc], mnmajor(qa, kc), true);
     wgmma_commit();
@@ -340,9 +353,9 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc) wgmma_ss<T, D, true, true>(c, mnmajor(addr(ds_s), kc), mnmajor(addr(k_s), kc), kc > 0);
     wgmma_commit();
-    wgmma_wait<0>();  // dK and dQ: Q, dO and dSᵀ are free after this
+    wgmma_wait<0>();  // dV, dK and dQ: Q, dO and dSᵀ are free after this
 #pragma unroll
-    for (int x = 0; x < D / 2; ++x) reg_fence(c[x]), reg_fence(dk[x]);
+    for (int x = 0; x < D / 2; ++x) reg_fence(c[x]), reg_fence(dk[x]), reg_fence(dv[x]);
     if constexpr (kClusterDq) {
       bwd_stash_dq<D>(c, reinterpret_cast<float*>(q_s(buf)), warp, quad, tq);
     } else {
