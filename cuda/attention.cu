@@ -95,10 +95,10 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
     cp_async_commit();
     // Keep bits first (while the copy lands): the generator's temporaries are dead before
     // the scores are live.
-    uint32_t keep[2] = {0xffffu, 0xffffu};
+    KeepBits keep;
     if (a.threshold != 0) {
-      keep[0] = keep16(a, seed, bh, q0 + quad, kb + tq * 16);
-      keep[1] = keep16(a, seed, bh, q0 + quad + 8, kb + tq * 16);
+      keep.bits[0] = keep16(a, seed, bh, q0 + quad, kb + tq * 16);
+      keep.bits[1] = keep16(a, seed, bh, q0 + quad + 8, kb + tq * 16);
     }
     cp_async_wait<1>();
     __syncthreads();

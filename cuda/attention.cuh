@@ -209,6 +209,44 @@ __device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&s
   return bits;
 }
 
+// The forward's two ways to hold a thread's keep decisions for its rows r = 0, 1 (query
+// qrow + 8 r) and 16 keys: KeepBits, bit t of bits[r] for key t (the mma.sync kernel: two
+// registers across the score products); KeepMasks, per pair n of keys 2n, 2n + 1 a mask
+// with 0xffff in the half of the packed probability pair whose key is kept (the wgmma
+// kernel: no per-element select, one AND per packed pair; __vcmpgeu2 compares both 16-bit
+// Philox lanes of a word at once).
+struct KeepBits {
+  uint32_t bits[2] = {0xffffu, 0xffffu};
+  __device__ __forceinline__ float elem(int r, int n, int c, float p) const {
+    return (bits[r] >> (n * 2 + c)) & 1u ? p : 0.f;
+  }
+  __device__ __forceinline__ uint32_t pair(int, int) const { return 0xffffffffu; }
+};
+struct KeepMasks {
+  uint32_t m[2][8];
+  __device__ __forceinline__ float elem(int, int, int, float p) const { return p; }
+  __device__ __forceinline__ uint32_t pair(int r, int n) const { return m[r][n]; }
+};
+// KeepMasks' row of query i and keys j0 .. j0 + 15 (the decisions of keep16).
+__device__ __forceinline__ void keep_masks16(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+                                             int64_t j0, uint32_t (&mask)[8]) {
+  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
+  if (i < a.sq && (idx & 7) == 0 && j0 + 16 <= a.sk) {
+    const U32x4 w0 = dropout_words(seed, idx >> 3), w1 = dropout_words(seed, (idx >> 3) + 1);
+    const uint32_t t2 = a.threshold * 0x10001u;  // lane k kept when its 16 bits >= threshold
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      mask[n] = __vcmpgeu2(word_at(w0, n), t2);
+      mask[n + 4] = __vcmpgeu2(word_at(w1, n), t2);
+    }
+  } else {
+    const uint32_t bits = keep16(a, seed, bh, i, j0);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+      mask[n] = ((bits >> (2 * n)) & 1u ? 0xffffu : 0u) | ((bits >> (2 * n + 1)) & 1u ? 0xffff0000u : 0u);
+  }
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -281,10 +319,10 @@ __device__ __forceinline__ void fwd_store(const AttnArgs& a, OF&& O, const float
 // Otherwise the scores are scaled and masked here (log2 units, sc = 1). A compile-time
 // choice: as a run-time flag, ptxas computed every element's bounds predicates ahead of
 // the branches that skip them (~170 instructions per tile in the plain case).
-template <typename T, int kMode, int D, bool kPlain, typename SF, typename OF>
+template <typename T, int kMode, int D, bool kPlain, typename SF, typename OF, typename K>
 __device__ __forceinline__ void fwd_softmax_tile_as(const AttnArgs& a, const RowCtx& rc, SF&& S, OF&& O,
-                                                    float (&m)[2], float (&l)[2], const uint32_t (&keep)[2],
-                                                    int64_t qrow, int64_t kb, int tq, uint32_t (&pf)[4][4]) {
+                                                    float (&m)[2], float (&l)[2], const K& keep, int64_t qrow,
+                                                    int64_t kb, int tq, uint32_t (&pf)[4][4]) {
   constexpr bool plain = kPlain;
   // Under a key mask, this thread's 16 keys (shared by its two rows) are read once.
   const uint32_t vis = kMode == kKeyMask ? key_bits16(a, rc, kb + tq * 16) : 0xffffu;
@@ -320,16 +358,16 @@ __device__ __forceinline__ void fwd_softmax_tile_as(const AttnArgs& a, const Row
     for (int e = 0; e < 4; ++e) {
       p[e] = fast_exp2(fmaf(S(n, e), sc, nbase[e >> 1]));
       l[e >> 1] += p[e];
-      if (!((keep[e >> 1] >> (n * 2 + (e & 1))) & 1u)) p[e] = 0.f;
+      p[e] = keep.elem(e >> 1, n, e & 1, p[e]);
     }
-    pf[n / 2][(n & 1) * 2 + 0] = pack2<T>(p[0], p[1]);
-    pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]);
+    pf[n / 2][(n & 1) * 2 + 0] = pack2<T>(p[0], p[1]) & keep.pair(0, n);
+    pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]) & keep.pair(1, n);
   }
 }
-template <typename T, int kMode, int D, typename SF, typename OF>
+template <typename T, int kMode, int D, typename SF, typename OF, typename K>
 __device__ __forceinline__ void fwd_softmax_tile(const AttnArgs& a, const RowCtx& rc, SF&& S, OF&& O, float (&m)[2],
-                                                 float (&l)[2], const uint32_t (&keep)[2], int64_t qrow, int64_t kb,
-                                                 int tq, uint32_t (&pf)[4][4]) {
+                                                 float (&l)[2], const K& keep, int64_t qrow, int64_t kb, int tq,
+                                                 uint32_t (&pf)[4][4]) {
   if constexpr (kMode == kNoMask) {
     if (kb + kTile <= a.sk && a.scale > 0.f) {
       fwd_softmax_tile_as<T, kMode, D, true>(a, rc, S, O, m, l, keep, qrow, kb, tq, pf);

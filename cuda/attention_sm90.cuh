@@ -5,7 +5,7 @@
 // 128-byte-swizzled shared memory (wgmma.cuh) and the other A operands from registers, in
 // the layout of the mma.sync kernels' fragments, so the element-wise steps are shared
 // (attention.cuh).
-// Forward: Q stays in registers; the keep bits of a tile are computed while its scores are
+// Forward: Q stays in registers; the keep masks of a tile are computed once its scores are
 // multiplied, and O += P V of one tile runs under the next tile's copies and scores. Three
 // shared-memory stages: tile t + 2 is copied once P V of tile t - 1 has read its stage.
 // Backward: below, before its kernel.
@@ -129,12 +129,6 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
     for (int kc = 0; kc < D / 16; ++kc)
       wgmma_rs<T, 64, false>(s, qf[kc], wgmma_desc(kaddr + (kc / 4) * kPanelBytes + (kc % 4) * 32), kc > 0);
     wgmma_commit();
-    // Keep bits while the scores are multiplied.
-    uint32_t keep[2] = {0xffffu, 0xffffu};
-    if (a.threshold != 0) {
-      keep[0] = keep16(a, seed, bh, q0 + quad, kb + tq * 16);
-      keep[1] = keep16(a, seed, bh, q0 + quad + 8, kb + tq * 16);
-    }
     wgmma_wait<0>();  // S of this tile and P V of the previous one are done
 #pragma unroll
     for (int x = 0; x < 32; ++x) reg_fence(s[x]);
@@ -142,6 +136,16 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
     for (int x = 0; x < D / 2; ++x) reg_fence(o[x]);
     // The stage P V of tile t - 1 read is free: copy tile t + 2 into it.
     load_kv(t + 2);
+    // Keep masks once the products are done (pf's registers are free then; as keep bits
+    // computed during the score product they cost a select per element and the packing).
+    KeepMasks keep;
+    if (a.threshold != 0) {
+      keep_masks16(a, seed, bh, q0 + quad, kb + tq * 16, keep.m[0]);
+      keep_masks16(a, seed, bh, q0 + quad + 8, kb + tq * 16, keep.m[1]);
+    } else {
+#pragma unroll
+      for (int n = 0; n < 8; ++n) keep.m[0][n] = keep.m[1][n] = 0xffffffffu;
+    }
 
     fwd_softmax_tile<T, kMode, D>(
         a, rc, [&](int n, int e) -> float& { return s[4 * n + e]; }, [&](int dn, int e) -> float& { return o[4 * dn + e]; },
