@@ -103,7 +103,7 @@ inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyB
 // Fused attention's keep words (ABI.md): u16 [B * H, groups, rows] with groups =
 // 4 ceil(Sk / 64) and rows = 64 ceil(Sq / 64); bit t of word (bh, g, i) is the dropout
 // decision of key 16 g + t of query i (0 past Sk and Sq). The buffer is empty where the
-// caller wants none, and must be without dropout (threshold 0); `words` is then null.
+// caller wants none (and must be without dropout, threshold 0); `words` is then null.
 struct KeepWords {
   int64_t groups = 0, rows = 0;
   uint16_t* words = nullptr;
