@@ -1,11 +1,9 @@
 // Fused attention with in-kernel dropout, forward and backward (FlashAttention-2 structure
 // on mma.sync m16n8k16 tensor-core instructions), CUDA. Contract: ABI.md ("Attention
 // family"). The [B, H, Sq, Sk] scores never reach memory: the forward keeps a running
-// max and sum per query row and saves only the log-sum-exp (and, under differentiation
-// with dropout, each dropout decision as one bit: the keep words); the backward recomputes
-// the probabilities from it and reads the dropout mask from the keep words (or regenerates
-// it at the same logical index as the softmax op), so the fused and unfused paths drop the
-// same elements.
+// max and sum per query row and saves only the log-sum-exp; the backward recomputes the
+// probabilities from it and regenerates the dropout mask at the same logical index as
+// the softmax op, so the fused and unfused paths drop the same elements.
 //
 // Block: 4 warps. Forward: 64 query rows per block (16 per warp), key tiles of 64 in
 // shared memory. Backward: 64 keys per block (16 per warp), query tiles of 64 in shared
@@ -101,7 +99,6 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
     if (a.threshold != 0) {
       keep.bits[0] = keep16(a, seed, bh, q0 + quad, kb + tq * 16);
       keep.bits[1] = keep16(a, seed, bh, q0 + quad + 8, kb + tq * 16);
-      store_keep_words(a, keep, bh, t * kWarps + tq, q0 + quad);
     }
     cp_async_wait<1>();
     __syncthreads();
@@ -163,7 +160,7 @@ struct BwdSmem {
   T ds[kTile * (kTile + kPad)];         // dSᵀ of the block: [64 keys][64 queries]
   float lse[kStages][kTile];            // per query of the tile: lse (-lse in log2 units after the wait)
   float delta[kStages][kTile];          // per query of the tile: delta
-  uint16_t keep[kStages][kWarps][kTile];  // per warp and query: keep bits of the warp's 16 keys
+  uint16_t keep[kWarps][kTile];         // per warp and query: keep bits of the warp's 16 keys
 };
 
 // grid (ceil(Sk / 64), B * H), block 128; each warp owns 16 keys. dK, dV accumulate in
@@ -201,7 +198,6 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     load_tile<T, D>(sm.q[st], qg, qb, a.sq, row_stride);
     load_tile<T, D>(sm.dout[st], dog, qb, a.sq, out_row);
     load_lse_delta(a, sm.lse[st], sm.delta[st], bh, qb);
-    load_keep_words(a, sm.keep[st][0], bh, qb);
   };
 
   load_tile<T, D>(sm.k, kg, kblock, a.sk, row_stride);
@@ -238,8 +234,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
       cp_async_commit();
       cp_async_wait<0>();
     }
-    bwd_tile_lse(a, qb, sm.lse[buf]);
-    bwd_generate_keep(a, seed, bh, qb, k0, sm.keep[buf][warp], lane);
+    bwd_tile_rows(a, seed, bh, qb, k0, sm.lse[buf], sm.keep[warp], lane);
     __syncthreads();
     const T* qs = sm.q[buf];
     const T* dos = sm.dout[buf];
@@ -251,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     // warp's 16 keys, columns = the tile's 64 queries.
     float p[8][4];
     keys_by_queries<T, D>(p, sm.k + a_off, qs + plain_off);
-    const uint32_t kbits = bwd_keep_bits(a, sm.keep[buf][warp], quad, tq);
+    const uint32_t kbits = bwd_keep_bits(a, sm.keep[warp], quad, tq);
     {
       uint32_t pdf[4][4];  // kept Pᵀ (unscaled) as A fragments, 16 queries each
       bwd_probs<T, kMode>(a, rc, [&](int n, int e) -> float& { return p[n][e]; }, nlse2, kvis, kbits, qb, k0, scale_log2,
@@ -306,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     }
     // No barrier here: after the one above nothing reads this stage, and the next
     // iteration's writes are safe without one. Its copies go to a stage last read before
-    // that barrier (sm.keep[buf][warp] included, read before it); sm.ds is
+    // that barrier; sm.keep[warp] is read and written by its own warp only; sm.ds is
     // rewritten after the next iteration's first barrier, which every warp reaches only
     // when done with its dQ products here.
   }
@@ -341,9 +336,6 @@ bool use_sm90(const AttnArgs& a, int d) {
   constexpr int64_t kMaxStride = int64_t{1} << 24;
   return a.qkv_row < kMaxStride && a.h * d < kMaxStride && use_sm90();
 }
-// The wgmma backward also needs the forward's keep words under dropout (it has no
-// generator: attention_sm90.cuh); without them the mma.sync backward regenerates the mask.
-bool use_sm90_bwd(const AttnArgs& a, int d) { return use_sm90(a, d) && (a.threshold == 0 || a.keep_in != nullptr); }
 
 // The forward for a's views, pointers and attributes: out [B, Sq, H, D], lse [B, H, Sq].
 ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, const AttnArgs& a) {
@@ -423,7 +415,7 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
     const unsigned delta_blocks = static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads);
     if constexpr (D >= 64) {
-      if (use_sm90_bwd(a, D) && use_cluster_dq(a)) {
+      if (use_sm90(a, D) && use_cluster_dq(a)) {
         bool launched = false;
         const ffi::Error e = by_mask_mode(a, [&](auto mode) -> ffi::Error {
           constexpr int kMode = decltype(mode)::value;
@@ -446,7 +438,7 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
-        if (use_sm90_bwd(a, D))
+        if (use_sm90(a, D))
           return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false>>(
               op, grid, sm90_bwd_smem<D>() + 1024, stream, a);
       }
@@ -468,52 +460,32 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
   });
 }
 
-// The keep words' buffer (ABI.md; the forward writes it, the backward reads it) once a's
-// sizes are set. The backward copies them in 16-byte pieces: from a buffer not aligned to
-// 16 bytes (XLA's are) it regenerates the mask instead.
-ffi::Error read_keep(const char* op, const ffi::AnyBuffer& keep, uint32_t threshold, bool backward, AttnArgs& a) {
-  KeepWords kw;
-  if (auto e = keep_words(op, keep, a.b * a.h, a.sq, a.sk, threshold, kw); e.failure()) return e;
-  a.keep_groups = kw.groups, a.keep_rows = kw.rows;
-  if (!backward) {
-    a.keep_out = kw.words;
-  } else if (reinterpret_cast<uintptr_t>(kw.words) % 16 == 0) {
-    a.keep_in = kw.words;
-  }
-  return ffi::Error::Success();
-}
-
 // q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; mask: [Bm, Hm, Sqm, Skm]; seed: [2]
-//   -> out: [B, Sq, H, D]; lse: [B, H, Sq]; keep: the keep words or empty.
+//   -> out: [B, Sq, H, D]; lse: [B, H, Sq].
 ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                         float keep_scale, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
-                        ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                        ffi::Result<ffi::AnyBuffer> keep) {
+                        ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   const char* op = "attention_fwd";
   AttnArgs a{};
   int d = 0;
   if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
-  if (auto e = read_keep(op, *keep, threshold, false, a); e.failure()) return e;
   a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.mask = mask.untyped_data();
   a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
   set_attrs(a, scale, causal, threshold, keep_scale);
   return run_fwd(op, stream, q.element_type(), d, a);
 }
 
-// dout, q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; out: [B, Sq, H, D]; lse: [B, H, Sq]; mask; seed;
-// keep: the forward's keep words or empty (regenerated)
+// dout, q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; out: [B, Sq, H, D]; lse: [B, H, Sq]; mask; seed
 //   -> dq: [B, Sq, H, D]; dk, dv: [B, Sk, H, D]; delta: [B, H, Sq] f32; dq_acc: [B, Sq, H, D] f32.
 ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                         float keep_scale, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
-                        ffi::AnyBuffer keep, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                        ffi::Result<ffi::AnyBuffer> dq_acc) {
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
   const char* op = "attention_bwd";
   AttnArgs a{};
   int d = 0;
   if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
-  if (auto e = read_keep(op, keep, threshold, true, a); e.failure()) return e;
   a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.out = out.untyped_data();
   a.dout = dout.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
   a.o = dq->untyped_data(), a.dk = dk->untyped_data(), a.dv = dv->untyped_data();
@@ -529,18 +501,16 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
   return run_bwd(op, stream, q.element_type(), d, a);
 }
 
-// qkv: [B, S, 3, H, D] or [3, B, S, H, D] (qkv_axis); mask; seed -> out: [B, S, H, D]; lse: [B, H, S];
-// keep words or empty.
+// qkv: [B, S, 3, H, D] or [3, B, S, H, D] (qkv_axis); mask; seed -> out: [B, S, H, D]; lse: [B, H, S].
 ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                            float keep_scale, int32_t qkv_axis, ffi::AnyBuffer qkv, ffi::AnyBuffer mask,
                            ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> keep) {
+                           ffi::Result<ffi::AnyBuffer> lse) {
   const char* op = "attention_qkv_fwd";
   AttnArgs a{};
   int d = 0;
   int64_t koff = 0;
   if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
-  if (auto e = read_keep(op, *keep, threshold, false, a); e.failure()) return e;
   const char* base = static_cast<const char*>(qkv.untyped_data());
   const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
   a.q = base, a.k = base + kbytes, a.v = base + 2 * kbytes, a.mask = mask.untyped_data();
@@ -549,19 +519,18 @@ ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_
   return run_fwd(op, stream, qkv.element_type(), d, a);
 }
 
-// dout: [B, S, H, D]; qkv; out: [B, S, H, D]; lse: [B, H, S]; mask; seed; keep words or empty
+// dout: [B, S, H, D]; qkv; out: [B, S, H, D]; lse: [B, H, S]; mask; seed
 //   -> dqkv: qkv's shape; delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32.
 ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                            float keep_scale, int32_t qkv_axis, ffi::AnyBuffer dout, ffi::AnyBuffer qkv,
                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
-                           ffi::AnyBuffer keep, ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> delta,
+                           ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> delta,
                            ffi::Result<ffi::AnyBuffer> dq_acc) {
   const char* op = "attention_qkv_bwd";
   AttnArgs a{};
   int d = 0;
   int64_t koff = 0;
   if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
-  if (auto e = read_keep(op, keep, threshold, true, a); e.failure()) return e;
   if (a.b * a.h * a.sq == 0) return ffi::Error::Success();  // dqkv is empty too
   const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
   const char* base = static_cast<const char*>(qkv.untyped_data());
@@ -592,8 +561,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_fwd, jaxsub::AttentionFwd,
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Ret<ffi::AnyBuffer>(),  // keep words (or empty)
+                                  .Ret<ffi::AnyBuffer>(),  // lse
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
@@ -606,7 +574,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
                                   .Arg<ffi::AnyBuffer>()  // lse
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::AnyBuffer>()  // keep words (or empty)
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
@@ -621,8 +588,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_fwd, jaxsub::AttentionQkv
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Ret<ffi::AnyBuffer>(),  // keep words (or empty)
+                                  .Ret<ffi::AnyBuffer>(),  // lse
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_bwd, jaxsub::AttentionQkvBwd,
@@ -634,7 +600,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_bwd, jaxsub::AttentionQkv
                                   .Arg<ffi::AnyBuffer>()  // lse
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::AnyBuffer>()  // keep words (or empty)
                                   .Ret<ffi::AnyBuffer>()  // dqkv
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
                                   .Ret<ffi::AnyBuffer>(),  // dq_acc workspace

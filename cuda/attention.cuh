@@ -39,9 +39,6 @@ struct AttnArgs {
   float* lse;            // [B, H, Sq]
   float* delta;          // [B, H, Sq] workspace (backward): rowsum(dout * out)
   float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
-  uint16_t* keep_out;       // forward: the keep words (ABI.md, KeepWords in common.h), or null
-  const uint16_t* keep_in;  // backward: the forward's keep words, or null (regenerated)
-  int64_t keep_groups, keep_rows;
   int64_t b, h, sq, sk;
   int64_t qkv_row, q_batch, kv_batch;  // the views' strides, in elements
   int64_t bm, hm, sqm, skm;
@@ -218,39 +215,18 @@ __device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&s
 // with 0xffff in the half of the packed probability pair whose key is kept (the wgmma
 // kernel: no per-element select, one AND per packed pair; __vcmpgeu2 compares both 16-bit
 // Philox lanes of a word at once).
-// word(r): row r's 16 decisions as a keep word (bit t: key t).
 struct KeepBits {
   uint32_t bits[2] = {0xffffu, 0xffffu};
   __device__ __forceinline__ float elem(int r, int n, int c, float p) const {
     return (bits[r] >> (n * 2 + c)) & 1u ? p : 0.f;
   }
   __device__ __forceinline__ uint32_t pair(int, int) const { return 0xffffffffu; }
-  __device__ __forceinline__ uint32_t word(int r) const { return bits[r]; }
 };
 struct KeepMasks {
   uint32_t m[2][8];
   __device__ __forceinline__ float elem(int, int, int, float p) const { return p; }
   __device__ __forceinline__ uint32_t pair(int r, int n) const { return m[r][n]; }
-  // Pair n's mask has bit 0 (key 2n) and bit 16 (key 2n + 1) of its halves: one AND-OR per
-  // pair collects bit 2n and 16 + 2n, and the fold moves the latter to 2n + 1.
-  __device__ __forceinline__ uint32_t word(int r) const {
-    uint32_t acc = 0u;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) acc |= m[r][n] & (0x00010001u << (2 * n));
-    return (acc | acc >> 15) & 0xffffu;
-  }
 };
-// Stores a forward thread's keep words (rows qrow, qrow + 8; its keys 16 g .. 16 g + 15)
-// where the caller asked for them (a.keep_out; every row < keep_rows of a visited key tile
-// is written, zero past Sq).
-template <typename K>
-__device__ __forceinline__ void store_keep_words(const AttnArgs& a, const K& keep, int64_t bh, int64_t g,
-                                                 int64_t qrow) {
-  if (a.keep_out == nullptr) return;
-  uint16_t* w = a.keep_out + (bh * a.keep_groups + g) * a.keep_rows + qrow;
-  w[0] = static_cast<uint16_t>(keep.word(0));
-  w[8] = static_cast<uint16_t>(keep.word(1));
-}
 // KeepMasks' row of query i and keys j0 .. j0 + 15 (the decisions of keep16).
 __device__ __forceinline__ void keep_masks16(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
                                              int64_t j0, uint32_t (&mask)[8]) {
@@ -448,19 +424,17 @@ __device__ __forceinline__ void add_keys_by_d(float (&acc)[D / 8][4], const uint
 //
 // The keep bits of a thread's 32 entries (bit 4 n + e), gathered from the warp's per-query
 // keep words (`keep[il]`: bit t = key t of the warp); all kept without dropout.
-// The words of queries 8 n + 2 tq and + 1 are one 32-bit load; shifted by quad, bits 0, 16, 8
-// and 24 are entries e = 0 .. 3, and one product gathers them without carries (their sums
-// with the multiplier's bit positions 21, 6, 15, 0 are all distinct) at bits 21 .. 24.
 __device__ __forceinline__ uint32_t bwd_keep_bits(const AttnArgs& a, const uint16_t* keep, int quad, int tq) {
   if (a.threshold == 0) return 0xffffffffu;
-  constexpr uint32_t kGather = (1u << 21) | (1u << 6) | (1u << 15) | 1u;
   uint32_t kbits = 0u;
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(keep + n * 8 + tq * 2);
-    const uint32_t x = (w >> quad) & 0x01010101u;
-    kbits |= ((x * kGather) >> 21 & 0xfu) << (4 * n);
-  }
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t w = keep[n * 8 + tq * 2 + c] >> quad;
+      kbits |= (w & 1u) << (4 * n + c);
+      kbits |= ((w >> 8) & 1u) << (4 * n + 2 + c);
+    }
   return kbits;
 }
 // Probabilities in place of the raw scores P(n, e) (from -lse in log2 units per query,
@@ -528,32 +502,16 @@ __device__ __forceinline__ void load_lse_delta(const AttnArgs& a, float* lse, fl
     cp_async4(delta + threadIdx.x, a.delta + bh * a.sq + (in ? i : 0), in);
   }
 }
-// Starts copying the forward's keep words of queries qb .. qb + 63 for the block's four
-// warps (keys blockIdx.x * 64 + 16 w ..; threads 64 .. 95, 16 bytes each) into
-// keep[w][64]. Every word is in the buffer (keep_rows and keep_groups are whole tiles) and
-// was written by the forward: it visited this (query tile, key tile) pair too.
-__device__ __forceinline__ void load_keep_words(const AttnArgs& a, uint16_t* keep, int64_t bh, int64_t qb) {
-  const int t = static_cast<int>(threadIdx.x) - 2 * 32;
-  if (a.keep_in != nullptr && t >= 0 && t < 32) {
-    const int w = t / 8, part = t % 8;
-    // The block's words (uniform) and this thread's piece: few registers across the loop.
-    const uint16_t* block = a.keep_in + (bh * a.keep_groups + static_cast<int64_t>(blockIdx.x) * kWarps) * a.keep_rows;
-    cp_async16(keep + w * kTile + part * 8, block + (qb + w * a.keep_rows + part * 8), true);
-  }
-}
 // Once a tile's copies have landed: its lse becomes -lse in log2 units (-inf for queries
-// past Sq and empty rows: p = 0).
-__device__ __forceinline__ void bwd_tile_lse(const AttnArgs& a, int64_t qb, float* nlse2) {
+// past Sq and empty rows: p = 0), and each warp's keep words (bit t: key k0 + t of the
+// warp) for the tile's 64 queries.
+__device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
+                                              int64_t k0, float* nlse2, uint16_t* keep, int lane) {
   if (threadIdx.x < kTile) {  // this thread's own copy has landed
     const float lse = nlse2[threadIdx.x];
     nlse2[threadIdx.x] = qb + threadIdx.x < a.sq && lse != -INFINITY ? -lse * kLog2e : -INFINITY;
   }
-}
-// Without the forward's keep words (the mma.sync backward only): each warp's keep words
-// (bit t: key k0 + t of the warp) for the tile's 64 queries, from the generator.
-__device__ __forceinline__ void bwd_generate_keep(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
-                                                  int64_t k0, uint16_t* keep, int lane) {
-  if (a.threshold != 0 && a.keep_in == nullptr) {
+  if (a.threshold != 0) {
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) keep[lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
   }
@@ -655,8 +613,6 @@ ffi::Error read_mask_and_dim(const char* op, const ffi::AnyBuffer& mask, int32_t
   a.bm = dims[0], a.hm = dims[1], a.sqm = dims[2], a.skm = dims[3];
   a.mask_kind = mask_kind;
   if (d != 32 && d != 64 && d != 128) return invalid(op, "head dim must be 32, 64 or 128 on CUDA");
-  constexpr int64_t kMaxSeq = int64_t{1} << 31;  // key and query indices are 32-bit in places
-  if (a.sq >= kMaxSeq || a.sk >= kMaxSeq) return invalid(op, "sequence lengths must be below 2^31 on CUDA");
   return ffi::Error::Success();
 }
 

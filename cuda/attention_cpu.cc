@@ -63,7 +63,6 @@ struct RowCtx {
   const uint32_t* seed;
   uint32_t threshold;
   float keep_scale;
-  KeepWords keep;  // backward: the forward's keep words, read in place of the generator when given
 };
 
 // Offsets of query i / key j of head h in the q / k, v views, and of query i in out.
@@ -101,17 +100,14 @@ float row_scores(const RowCtx& c, const T* q, const T* k, int64_t b, int64_t h, 
   return mx;
 }
 
-// Keep decision of probability (b, h, i, j): one Philox call per eight consecutive j, or
-// the bit of the keep words (ABI.md) where c.keep has them.
+// Keep decision of probability (b, h, i, j): one Philox call per eight consecutive j.
 class RowKeep {
  public:
   RowKeep(const RowCtx& c, int64_t b, int64_t h, int64_t i)
-      : seed_(c.seed), threshold_(c.threshold), base_(static_cast<uint64_t>(((b * c.d.h + h) * c.d.sq + i) * c.d.sk)),
-        words_at_(c.keep.words ? c.keep.words + c.keep.at(b * c.d.h + h, 0, i) : nullptr), group_stride_(c.keep.rows) {}
+      : seed_(c.seed), threshold_(c.threshold), base_(static_cast<uint64_t>(((b * c.d.h + h) * c.d.sq + i) * c.d.sk)) {}
 
   bool operator()(int64_t j) {
     if (threshold_ == 0) return true;
-    if (words_at_ != nullptr) return (words_at_[(j >> 4) * group_stride_] >> (j & 15)) & 1u;
     const uint64_t idx = base_ + static_cast<uint64_t>(j), blk = idx >> 3;
     if (blk != blk_) {
       blk_ = blk;
@@ -124,25 +120,9 @@ class RowKeep {
   const uint32_t* seed_;
   uint32_t threshold_;
   uint64_t base_;
-  const uint16_t* words_at_;
-  int64_t group_stride_;
   uint64_t blk_ = ~uint64_t{0};
   U32x4 words_{};
 };
-
-// The forward's keep words (ABI.md) from the generator: every query < Sq and key < Sk,
-// visible or not, as the CUDA kernels write them; 0 elsewhere.
-void write_keep_words(const RowCtx& c, const KeepWords& k) {
-  const Dims& d = c.d;
-  std::fill(k.words, k.words + d.b * d.h * k.groups * k.rows, uint16_t{0});
-  for (int64_t b = 0; b < d.b; ++b)
-    for (int64_t h = 0; h < d.h; ++h)
-      for (int64_t i = 0; i < d.sq; ++i) {
-        RowKeep keep(c, b, h, i);
-        for (int64_t j = 0; j < d.sk; ++j)
-          if (keep(j)) k.words[k.at(b * d.h + h, j >> 4, i)] |= static_cast<uint16_t>(1u << (j & 15));
-      }
-}
 
 // ---------------------------------------------------------------------------------------
 // Forward and backward over all rows.
@@ -240,22 +220,17 @@ void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const
 // FFI handlers.
 
 // q: T[B, Sq, H, D]; k, v: T[B, Sk, H, D]; mask: [Bm, Hm, Sqm, Skm] (pred or f32);
-// seed: u32[2] -> out: T[B, Sq, H, D]; lse: f32[B, H, Sq]; keep: the keep words (ABI.md)
-// or empty.
+// seed: u32[2] -> out: T[B, Sq, H, D]; lse: f32[B, H, Sq].
 ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
                            ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                           float keep_scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                           ffi::Result<ffi::AnyBuffer> keep) {
+                           float keep_scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   Dims d;
   MaskView m;
-  KeepWords kw;
   if (auto e = qkv_dims(kFwd, q, k, v, seed, d); e.failure()) return e;
   if (auto e = attention_mask(kFwd, mask, mask_kind, d, m); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "out", *out, q.element_type(), q.element_count()); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
-  if (auto e = keep_words(kFwd, *keep, d.b * d.h, d.sq, d.sk, threshold, kw); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale, {}};
-  if (kw.words != nullptr) write_keep_words(c, kw);
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(q.element_type(), kFwd, [&](auto tt) {
     using T = typename decltype(tt)::type;
     attention_fwd<T>(c, data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse));
@@ -264,14 +239,12 @@ ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 }
 
 // dout: T[B, Sq, H, D]; q: T[B, Sq, H, D]; k, v: T[B, Sk, H, D]; out: T[B, Sq, H, D];
-// lse: f32[B, H, Sq]; mask: [Bm, Hm, Sqm, Skm]; seed: u32[2]; keep: the forward's keep
-// words (the mask is read from them) or empty (regenerated from the seed)
+// lse: f32[B, H, Sq]; mask: [Bm, Hm, Sqm, Skm]; seed: u32[2]
 //   -> dq: T[B, Sq, H, D]; dk, dv: T[B, Sk, H, D]; workspaces f32[B, H, Sq] and
 //      f32[B, Sq, H, D] (GPU scratch, untouched here).
 ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::AnyBuffer seed,
-                           ffi::AnyBuffer keep, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                           float keep_scale,
+                           float scale, bool causal, int32_t mask_kind, uint32_t threshold, float keep_scale,
                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
                            ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
@@ -287,9 +260,7 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
   if (auto e = check_buffer(kBwd, "dq", *dq, t, nq); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dk", *dk, t, nk); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dv", *dv, t, nk); e.failure()) return e;
-  KeepWords kw;
-  if (auto e = keep_words(kBwd, keep, d.b * d.h, d.sq, d.sk, threshold, kw); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale, kw};
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, kBwd, [&](auto tt) {
     using T = typename decltype(tt)::type;
     attention_bwd<T>(c, data<T>(dout), data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse),
@@ -312,11 +283,10 @@ ffi::Error packed_dims(const char* op, const ffi::AnyBuffer& qkv, int32_t axis, 
   return check_buffer(op, "seed", seed, ffi::DataType::U32, 2);
 }
 
-// qkv; mask; seed -> out: T[B, S, H, D]; lse: f32[B, H, S]; keep words or empty.
+// qkv; mask; seed -> out: T[B, S, H, D]; lse: f32[B, H, S].
 ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal,
                               int32_t mask_kind, uint32_t threshold, float keep_scale, int32_t qkv_axis,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                              ffi::Result<ffi::AnyBuffer> keep) {
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   const char* op = "attention_qkv_fwd";
   Dims d;
   MaskView m;
@@ -325,10 +295,7 @@ ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyB
   if (auto e = attention_mask(op, mask, mask_kind, d, m); e.failure()) return e;
   if (auto e = check_buffer(op, "out", *out, qkv.element_type(), d.b * d.sq * d.h * d.d); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
-  KeepWords kw;
-  if (auto e = keep_words(op, *keep, d.b * d.h, d.sq, d.sk, threshold, kw); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale, {}};
-  if (kw.words != nullptr) write_keep_words(c, kw);
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(qkv.element_type(), op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const T* q = data<T>(qkv);
@@ -337,11 +304,11 @@ ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyB
   });
 }
 
-// dout: T[B, S, H, D]; qkv; out: T[B, S, H, D]; lse: f32[B, H, S]; mask; seed; keep words
-// or empty -> dqkv: qkv's shape; workspaces (GPU scratch, untouched here).
+// dout: T[B, S, H, D]; qkv; out: T[B, S, H, D]; lse: f32[B, H, S]; mask; seed
+//   -> dqkv: qkv's shape; workspaces (GPU scratch, untouched here).
 ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyBuffer out, ffi::AnyBuffer lse,
-                              ffi::AnyBuffer mask, ffi::AnyBuffer seed, ffi::AnyBuffer keep, float scale, bool causal,
-                              int32_t mask_kind, uint32_t threshold, float keep_scale, int32_t qkv_axis,
+                              ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind,
+                              uint32_t threshold, float keep_scale, int32_t qkv_axis,
                               ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
                               ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
   const char* op = "attention_qkv_bwd";
@@ -356,9 +323,7 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
   if (auto e = check_buffer(op, "out", out, t, no); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, qkv.element_count()); e.failure()) return e;
-  KeepWords kw;
-  if (auto e = keep_words(op, keep, d.b * d.h, d.sq, d.sk, threshold, kw); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale, kw};
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const T* q = data<T>(qkv);
@@ -382,8 +347,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_fwd, jaxsub::AttentionFwdCpu,
                                                           .Arg<xla::ffi::AnyBuffer>()   // mask
                                                           .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Ret<xla::ffi::AnyBuffer>()   // out
-                                  .Ret<xla::ffi::AnyBuffer>()   // lse
-                                  .Ret<xla::ffi::AnyBuffer>());  // keep words (or empty)
+                                  .Ret<xla::ffi::AnyBuffer>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
                               jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
@@ -394,8 +358,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
                                                           .Arg<xla::ffi::AnyBuffer>()   // out
                                                           .Arg<xla::ffi::AnyBuffer>()   // lse
                                                           .Arg<xla::ffi::AnyBuffer>()   // mask
-                                                          .Arg<xla::ffi::AnyBuffer>()   // seed
-                                                          .Arg<xla::ffi::AnyBuffer>())  // keep words (or empty)
+                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Ret<xla::ffi::AnyBuffer>()   // dq
                                   .Ret<xla::ffi::AnyBuffer>()   // dk
                                   .Ret<xla::ffi::AnyBuffer>()   // dv
@@ -409,8 +372,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_fwd, jaxsub::AttentionQkvF
                                                           .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Attr<int32_t>("qkv_axis")
                                   .Ret<xla::ffi::AnyBuffer>()   // out
-                                  .Ret<xla::ffi::AnyBuffer>()   // lse
-                                  .Ret<xla::ffi::AnyBuffer>());  // keep words (or empty)
+                                  .Ret<xla::ffi::AnyBuffer>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_bwd, jaxsub::AttentionQkvBwdCpu,
                               jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
@@ -419,8 +381,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_bwd, jaxsub::AttentionQkvB
                                                           .Arg<xla::ffi::AnyBuffer>()   // out
                                                           .Arg<xla::ffi::AnyBuffer>()   // lse
                                                           .Arg<xla::ffi::AnyBuffer>()   // mask
-                                                          .Arg<xla::ffi::AnyBuffer>()   // seed
-                                                          .Arg<xla::ffi::AnyBuffer>())  // keep words (or empty)
+                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Attr<int32_t>("qkv_axis")
                                   .Ret<xla::ffi::AnyBuffer>()   // dqkv
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: delta

@@ -142,7 +142,6 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
     if (a.threshold != 0) {
       keep_masks16(a, seed, bh, q0 + quad, kb + tq * 16, keep.m[0]);
       keep_masks16(a, seed, bh, q0 + quad + 8, kb + tq * 16, keep.m[1]);
-      store_keep_words(a, keep, bh, t * kWarps + tq, q0 + quad);
     } else {
 #pragma unroll
       for (int n = 0; n < 8; ++n) keep.m[0][n] = keep.m[1][n] = 0xffffffffu;
@@ -230,16 +229,12 @@ __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles
 //   MN-major), issued together while dSᵀ goes to shared memory; then dQ = dS K (A = dSᵀ
 //   MN-major, that is dS, B = K MN-major; warp w: queries 16 w ..) added to the f32
 //   workspace.
-// With dropout it reads the mask from the forward's keep words (copied with each query
-// tile); it has no generator of its own (a call without keep words runs the mma.sync
-// backward: use_sm90_bwd, attention.cu): with the generator in the loop as well, ptxas
-// spilled at 168 registers (bench/NOTES.md, "Keep words").
 // Shared memory: K, V, stage 0's Q and dO, dSᵀ, stage 1's Q and dO (swizzled tiles), then
-// per stage the tile's lse and delta, then per stage the warps' keep words.
+// per stage the tile's lse and delta, then the warps' keep words.
 template <int D>
 __host__ __device__ constexpr size_t sm90_bwd_tiles() { return 6 * static_cast<size_t>(kTile) * D * 2 + kTile * kTile * 2; }
 template <int D>
-constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + 2 * kWarps * kTile * 2; }
+constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + kWarps * kTile * 2; }
 // Blocks per multiprocessor: three at D = 64 (58 KB each, 168 registers), two at D = 128
 // (106 KB). (Before the products were regrouped, ptxas serialized them at D = 64 for lack of
 // registers; two blocks of 198 registers without that measured slower: bench/NOTES.md,
@@ -269,13 +264,13 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   unsigned char* ds_s = smem + 4 * kTileBytes;
   float* lse_s = reinterpret_cast<float*>(smem + sm90_bwd_tiles<D>());  // [2][64]
   float* delta_s = lse_s + 2 * kTile;                                     // [2][64]
-  uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [2][4 warps][64]
+  uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [4 warps][64]
   auto addr = [](const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int k0 = static_cast<int>(blockIdx.x) * kTile + warp * 16;  // warp's first key (Sk < 2^31: read_mask_and_dim)
+  const int64_t k0 = kblock + warp * 16;  // warp's first key
   const int64_t row_stride = a.qkv_row, out_row = a.h * D;  // dout and dq_acc: plain [B, Sq, H, D]
   const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
   const T* dog = static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D;
@@ -283,6 +278,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
   float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
   const RowCtx rc = row_ctx(a, bb, hh);
+  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
   const float scale_log2 = a.scale * kLog2e;
 
   const int64_t q_begin = bwd_query_begin(a, kblock);
@@ -292,7 +288,6 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     load_tile_swz<T, D, false>(q_s(st), qg, qb, a.sq, row_stride);
     load_tile_swz<T, D, false>(do_s(st), dog, qb, a.sq, out_row);
     load_lse_delta(a, lse_s + st * kTile, delta_s + st * kTile, bh, qb);
-    load_keep_words(a, keep_s + st * kWarps * kTile, bh, qb);
   };
   load_tile_swz<T, D, false>(k_s, kg, kblock, a.sk, row_stride);
   load_tile_swz<T, D, false>(v_s, vg, kblock, a.sk, row_stride);
@@ -318,8 +313,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     cp_async_wait<1>();
     float* nlse2 = lse_s + buf * kTile;
     const float* delta = delta_s + buf * kTile;
-    const uint16_t* keep = keep_s + (buf * kWarps + warp) * kTile;
-    bwd_tile_lse(a, qb, nlse2);
+    bwd_tile_rows(a, seed, bh, qb, k0, nlse2, keep_s + warp * kTile, lane);
     fence_proxy_async();
     __syncthreads();
     const uint32_t qa = addr(q_s(buf)), da = addr(do_s(buf));
@@ -335,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) wgmma_ss<T, 64, false, false>(dpt, kmajor(addr(v_s), kc), kmajor(da, kc), kc > 0);
     wgmma_commit();
-    const uint32_t kbits = bwd_keep_bits(a, keep, quad, tq);
+    const uint32_t kbits = bwd_keep_bits(a, keep_s + warp * kTile, quad, tq);
     wgmma_wait<0>();
 #pragma unroll
     for (int x = 0; x < 32; ++x) reg_fence(p[x]), reg_fence(dpt[x]);
@@ -379,9 +373,8 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
           atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]));
       }
     }
-    // dSᵀ is rewritten next iteration only after its first barrier, which every warp
-    // reaches after its own wait above; this stage's keep words (read before the barrier
-    // above) only by the copies of the iteration after next.
+    // dSᵀ and keep_s are rewritten next iteration only after its first barrier, which
+    // every warp reaches after its own wait above.
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
   if constexpr (kClusterDq) bwd_cluster_dq<T, D>(a, [&](int t) { return reinterpret_cast<float*>(q_s(t)); }, tiles, bb, hh);

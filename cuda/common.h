@@ -100,27 +100,6 @@ inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyB
   return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
 }
 
-// Fused attention's keep words (ABI.md): u16 [B * H, groups, rows] with groups =
-// 4 ceil(Sk / 64) and rows = 64 ceil(Sq / 64); bit t of word (bh, g, i) is the dropout
-// decision of key 16 g + t of query i (0 past Sk and Sq). The buffer is empty where the
-// caller wants none (and must be without dropout, threshold 0); `words` is then null.
-struct KeepWords {
-  int64_t groups = 0, rows = 0;
-  uint16_t* words = nullptr;
-  int64_t at(int64_t bh, int64_t g, int64_t i) const { return (bh * groups + g) * rows + i; }
-};
-inline ffi::Error keep_words(const char* op, const ffi::AnyBuffer& b, int64_t bh, int64_t sq, int64_t sk,
-                             uint32_t threshold, KeepWords& k) {
-  k = KeepWords{4 * ((sk + 63) / 64), 64 * ((sq + 63) / 64), nullptr};
-  if (b.element_count() == 0) return ffi::Error::Success();
-  if (threshold == 0) return invalid(op, "`keep` must be empty without dropout");
-  if (auto e = check_buffer(op, "keep", b, ffi::DataType::U16, static_cast<size_t>(bh * k.groups * k.rows));
-      e.failure())
-    return e;
-  k.words = static_cast<uint16_t*>(b.untyped_data());
-  return ffi::Error::Success();
-}
-
 // A row op's kernel configuration: the attributes `block_threads` and `max_elems`
 // (ABI.md), 0 meaning the kernel's built-in default.
 struct KernelConfig {

@@ -6,8 +6,7 @@ Two implementations of the same function (cuda/ABI.md, "Attention family"):
   (`jaxsub.ops.softmax_dropout`, one pass over [B, H, Sq, Sk] in each direction), then
   the GEMM with V.
 - "fused": one custom call per direction (`jaxsub_attention_fwd/_bwd`) that never writes
-  the [B, H, Sq, Sk] probabilities; forward saves only the per-row log-sum-exp and,
-  under differentiation with dropout, one bit per dropout decision (`keep_words_shape`).
+  the [B, H, Sq, Sk] probabilities; forward saves only the per-row log-sum-exp.
 
 `attention_packed` is self-attention on q, k, v packed in one array ([B, S, 3, H, D] or
 [3, B, S, H, D], as one QKV projection writes them). Its fused path
@@ -95,29 +94,17 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
 # ffi_call wrappers, argument for argument as cuda/ABI.md lists them.
 
 
-def keep_words_shape(b, h, sq, sk, rate, wanted=True):
-    """Shape of the forward's keep words (cuda/ABI.md): u16 [B * H, 4 ceil(Sk / 64),
-    64 ceil(Sq / 64)], bit t of word (b * H + h, g, i) the dropout decision of key 16 g + t
-    of query i. Under differentiation the forward writes them and the backward reads its
-    mask from them instead of regenerating it (B * H * Sq * Sk / 8 bytes, 4 MB at BERT
-    size); empty (0,) without dropout or where not `wanted`."""
-    if rate == 0.0 or not wanted:
-        return (0,)
-    return (b * h, 4 * -(-sk // 64), 64 * -(-sq // 64))
-
-
-def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, keep_words=False):
+def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
     b, sq, h, _ = q.shape
     return _ffi.call(
         "jaxsub_attention_fwd",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32),
-         jax.ShapeDtypeStruct(keep_words_shape(b, h, sq, k.shape[1], rate, keep_words), jnp.uint16)),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)),
         q, k, v, mask4d, seed,
         **_masks.attrs(scale, causal, kind, rate),
     )
 
 
-def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, keep, scale, causal, kind, rate):
+def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
     b, sq, h, _ = q.shape
     dq, dk, dv, _, _ = _ffi.call(
         "jaxsub_attention_bwd",
@@ -128,24 +115,23 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, keep, scale, causal, kind, 
             jax.ShapeDtypeStruct((b, h, sq), _F32),
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
-        dout, q, k, v, out, lse, mask4d, seed, keep,
+        dout, q, k, v, out, lse, mask4d, seed,
         **_masks.attrs(scale, causal, kind, rate),
     )
     return dq, dk, dv
 
 
-def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, keep_words=False):
+def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
     b, s, h, d = _packed_dims(qkv.shape, axis)
     return _ffi.call(
         "jaxsub_attention_qkv_fwd",
-        (jax.ShapeDtypeStruct((b, s, h, d), qkv.dtype), jax.ShapeDtypeStruct((b, h, s), _F32),
-         jax.ShapeDtypeStruct(keep_words_shape(b, h, s, s, rate, keep_words), jnp.uint16)),
+        (jax.ShapeDtypeStruct((b, s, h, d), qkv.dtype), jax.ShapeDtypeStruct((b, h, s), _F32)),
         qkv, mask4d, seed,
         qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
     )
 
 
-def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, keep, scale, causal, kind, rate):
+def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate):
     b, s, h, d = _packed_dims(qkv.shape, axis)
     dqkv, _, _ = _ffi.call(
         "jaxsub_attention_qkv_bwd",
@@ -154,7 +140,7 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, keep, scale, causa
             jax.ShapeDtypeStruct((b, h, s), _F32),
             jax.ShapeDtypeStruct((b, s, h, d), _F32),
         ),
-        dout, qkv, out, lse, mask4d, seed, keep,
+        dout, qkv, out, lse, mask4d, seed,
         qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
     )
     return dqkv
@@ -163,8 +149,7 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, keep, scale, causa
 # ---------------------------------------------------------------------------------------
 # custom_vjp for the fused path. The mask and the seed are primals (they may be traced:
 # jit, vmap over masks or keys) that get no cotangent; scale, causal, the mask kind and
-# the rate are static attributes. The differentiated forward also writes the keep words,
-# a residual the backward reads its dropout mask from.
+# the rate are static attributes.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -173,13 +158,13 @@ def _fused(q, k, v, mask4d, seed, scale, causal, kind, rate):
 
 
 def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate):
-    out, lse, keep = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, keep_words=True)
-    return out, (q, k, v, out, lse, mask4d, seed, keep)
+    out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
+    return out, (q, k, v, out, lse, mask4d, seed)
 
 
 def _fused_bwd(scale, causal, kind, rate, res, dout):
-    q, k, v, out, lse, mask4d, seed, keep = res
-    dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, keep, scale, causal, kind, rate)
+    q, k, v, out, lse, mask4d, seed = res
+    dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
     return dq, dk, dv, None, None
 
 
@@ -192,13 +177,13 @@ def _fused_packed(qkv, mask4d, seed, axis, scale, causal, kind, rate):
 
 
 def _fused_packed_fwd(qkv, mask4d, seed, axis, scale, causal, kind, rate):
-    out, lse, keep = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, keep_words=True)
-    return out, (qkv, out, lse, mask4d, seed, keep)
+    out, lse = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)
+    return out, (qkv, out, lse, mask4d, seed)
 
 
 def _fused_packed_bwd(axis, scale, causal, kind, rate, res, dout):
-    qkv, out, lse, mask4d, seed, keep = res
-    return _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, keep, scale, causal, kind, rate), None, None
+    qkv, out, lse, mask4d, seed = res
+    return _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate), None, None
 
 
 _fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd)
