@@ -26,6 +26,7 @@ struct NormPtrs {
   float* mean;           // [R]
   float* rstd;           // [R]
   float* workspace;      // [C, K, N] f32 (backward)
+  const void* dy2 = nullptr;  // [R, N] T or null (BDRLN backward): a second cotangent of y, added to dy
 };
 
 // BDRLN: h = residual + dropout(x + bias) for row r, in place of the x tile (layer norm:
@@ -88,15 +89,32 @@ __device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, 
 // One row's backward inputs as loaded (BDRLN: the next row's, loaded while this one is worked on).
 template <typename T, int VEC, int NV, bool kResidual>
 struct BwdRow {
-  RawTile<T, VEC, NV> x, dy, res;
+  RawTile<T, VEC, NV> x, dy, dy2, res;
   float mean = 0.f, rstd = 0.f;
 
   __device__ __forceinline__ void load(const NormPtrs& p, int64_t r, int64_t rows, int64_t n) {
     const bool valid = r < rows;
     load_raw<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, valid, x);
     load_raw<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, dy);
-    if constexpr (kResidual) load_raw<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, res);
+    if constexpr (kResidual) {
+      load_raw<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, res);
+      if (p.dy2 != nullptr) load_raw<T, VEC, NV>(static_cast<const T*>(p.dy2) + r * n, n, valid, dy2);
+    }
     mean = valid ? p.mean[r] : 0.f, rstd = valid ? p.rstd[r] : 0.f;
+  }
+
+  // The row's cotangent: dy, plus dy2 where the caller passed one.
+  __device__ __forceinline__ void cotangent(const NormPtrs& p, Tile<VEC, NV>& d) const {
+    unpack(dy, d);
+    if constexpr (kResidual) {
+      if (p.dy2 == nullptr) return;
+      Tile<VEC, NV> d2;
+      unpack(dy2, d2);
+#pragma unroll
+      for (int v = 0; v < NV; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) d.v[v][e] += d2.v[v][e];
+    }
   }
 };
 
@@ -195,7 +213,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     if constexpr (!kPrefetch) row.load(p, r, rows, n);
     Tile<VEC, NV> h, d, g, res;
     unpack(row.x, h);
-    unpack(row.dy, d);
+    row.cotangent(p, d);
     if constexpr (kResidual) unpack(row.res, res);
     const float mean = row.mean, rstd = row.rstd;
     if constexpr (kPrefetch) row.load(p, r + stride, rows, n);
@@ -267,7 +285,7 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
   const bool pf32 = a.prm == ffi::DataType::F32;
   return dispatch_float<DeviceTypes>(a.t, a.op, [&](auto tt) {
     using T = typename decltype(tt)::type;
-    const bool aligned = all_aligned({p.dy, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual});
+    const bool aligned = all_aligned({p.dy, p.dy2, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual});
     // Defaults. Forward: layer norm up to 32 elements per thread (a 16-bit row of 1024 is
     // one warp, 4 vectors per thread), BDRLN 16 (see norm_fwd_min_blocks). Backward: 8
     // (16-bit) / 16 (f32) as before; four or five [NV][VEC] f32 tiles (column partials,
@@ -359,10 +377,10 @@ ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float ke
   return launch_norm<true, false>(stream, a);
 }
 
-// dy, x, residual: [R, N]; bias, scale: [N]; mean, rstd: [R]; seed: [2]
+// dy, x, residual: [R, N]; dy2: [R, N] or [0] (none); bias, scale: [N]; mean, rstd: [R]; seed: [2]
 //   -> dx: [R, N]; dbias: [N]; dresidual: [R, N]; dscale, dln_bias: [N]; workspace: [C, 3, N].
 ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, int32_t block_threads,
-                    int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                    int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                     ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                     ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
                     ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dresidual,
@@ -372,10 +390,16 @@ ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, i
   const Rows rc = as_rows(x);
   if (auto e = check_rows(op, rc, {&dy, &residual}, {&bias, &scale}); e.failure()) return e;
   if (bias.element_type() != scale.element_type()) return invalid(op, "dtype mismatch");
+  const bool has_dy2 = dy2.element_count() != 0;
+  if (has_dy2) {
+    if (auto e = check_rows(op, rc, {&dy2}, {}); e.failure()) return e;
+    if (dy2.element_type() != dy.element_type()) return invalid(op, "dy2 must have the dtype of dy");
+  }
   NormArgs<true> a{op, x.element_type(), scale.element_type(), rc.rows, rc.cols};
   a.p = NormPtrs{dy.untyped_data(), x.untyped_data(), bias.untyped_data(), residual.untyped_data(),
                  scale.untyped_data(), nullptr, seed.typed_data(), dx->untyped_data(), dresidual->untyped_data(),
-                 data<float>(mean), data<float>(rstd), data<float>(workspace)};
+                 data<float>(mean), data<float>(rstd), data<float>(workspace),
+                 has_dy2 ? dy2.untyped_data() : nullptr};
   a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = {block_threads, max_elems};
   a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   a.grads[0] = dbias->untyped_data(), a.grads[1] = dscale->untyped_data(), a.grads[2] = dln_bias->untyped_data();
@@ -445,6 +469,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bdrln_bwd, jaxsub::BdrlnBwd,
                                   .Attr<float>("keep_scale")
                                   .Attr<int32_t>("block_threads")
                                   .Attr<int32_t>("max_elems")
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -97,11 +97,11 @@ void layer_norm_fwd_rows(int64_t rows, int64_t n, float eps, LoadRow load_row, c
   }
 }
 
-// load_row(r, h) recomputes h: f32[N]; dy: T[R, N]; scale: P[N]; mean, rstd: f32[R];
-// store_dh(r, dh) receives the layer-norm input gradient dh: f32[N] of row r;
-// dscale, dbias: P[N] (sums over rows).
+// load_row(r, h) recomputes h: f32[N]; dy: T[R, N]; dy2: T[R, N] or null, a second cotangent
+// added to dy; scale: P[N]; mean, rstd: f32[R]; store_dh(r, dh) receives the layer-norm input
+// gradient dh: f32[N] of row r; dscale, dbias: P[N] (sums over rows).
 template <typename T, typename P, typename LoadRow, typename StoreDh>
-void layer_norm_bwd_rows(int64_t rows, int64_t n, LoadRow load_row, const T* dy, const P* scale,
+void layer_norm_bwd_rows(int64_t rows, int64_t n, LoadRow load_row, const T* dy, const T* dy2, const P* scale,
                          const float* mean, const float* rstd, StoreDh store_dh, P* dscale, P* dbias) {
   std::vector<float> xhat(n), g(n);
   std::vector<double> dscale_acc(n, 0.0), dbias_acc(n, 0.0);
@@ -110,7 +110,7 @@ void layer_norm_bwd_rows(int64_t rows, int64_t n, LoadRow load_row, const T* dy,
     double sum_g = 0.0, sum_gx = 0.0;
     for (int64_t c = 0; c < n; ++c) {
       const float xh = (xhat[c] - mean[r]) * rstd[r];
-      const float d = to_float(dy[r * n + c]);
+      const float d = to_float(dy[r * n + c]) + (dy2 != nullptr ? to_float(dy2[r * n + c]) : 0.0f);
       xhat[c] = xh;
       g[c] = d * to_float(scale[c]);
       sum_g += g[c];
@@ -212,7 +212,7 @@ ffi::Error LayerNormBwdCpu(int32_t block_threads, int32_t max_elems, ffi::AnyBuf
     auto store = [&](int64_t row, const float* dh) {
       for (size_t c = 0; c < s.cols; ++c) dxs[row * s.cols + c] = from_float<T>(dh[c]);
     };
-    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), data<P>(scale), data<float>(mean),
+    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), nullptr, data<P>(scale), data<float>(mean),
                               data<float>(rstd), store, data<P>(dscale), data<P>(dbias));
     return ffi::Error::Success();
   });
@@ -246,12 +246,14 @@ ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, int32_t 
   });
 }
 
-// dy, x: T[R, N]; bias: P[N]; residual: T[R, N]; scale: P[N]; mean, rstd: f32[R]; seed: u32[2]
+// dy: T[R, N]; dy2: T[R, N] or T[0] (none); x: T[R, N]; bias: P[N]; residual: T[R, N]; scale: P[N];
+// mean, rstd: f32[R]; seed: u32[2]
 //   -> dx: T[R, N]; dbias: P[N]; dresidual: T[R, N]; dscale, dln_bias: P[N];
 //      workspace: f32[C, 3, N] (unused on CPU).
 ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threads, int32_t max_elems,
-                       ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
-                       ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer seed,
+                       ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                       ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                       ffi::AnyBuffer seed,
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
                        ffi::Result<ffi::AnyBuffer> dresidual, ffi::Result<ffi::AnyBuffer> dscale,
                        ffi::Result<ffi::AnyBuffer> dln_bias, ffi::Result<ffi::AnyBuffer> /*workspace*/) {
@@ -266,6 +268,10 @@ ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threa
                           {"dscale", *dscale, s.p, s.cols}, {"dln_bias", *dln_bias, s.p, s.cols}});
       e.failure()) {
     return e;
+  }
+  const bool has_dy2 = dy2.element_count() != 0;
+  if (has_dy2) {
+    if (auto e = check(op, {{"dy2", dy2, s.t, s.count}}); e.failure()) return e;
   }
   return dispatch_norm(op, s, [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
@@ -286,8 +292,8 @@ ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threa
         dbias_acc[c] += g;
       }
     };
-    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), data<P>(scale), data<float>(mean),
-                              data<float>(rstd), store, data<P>(dscale), data<P>(dln_bias));
+    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), has_dy2 ? data<T>(dy2) : nullptr, data<P>(scale),
+                              data<float>(mean), data<float>(rstd), store, data<P>(dscale), data<P>(dln_bias));
     P* db = data<P>(dbias);
     for (size_t c = 0; c < s.cols; ++c) db[c] = from_float<P>(static_cast<float>(dbias_acc[c]));
     return ffi::Error::Success();
@@ -350,6 +356,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bdrln_bwd, jaxsub::BdrlnBwdCpu,
                                   .Attr<int32_t>("block_threads")
                                   .Attr<int32_t>("max_elems")
                                   .Arg<xla::ffi::AnyBuffer>()   // dy
+                                  .Arg<xla::ffi::AnyBuffer>()   // dy2 ([0]: none)
                                   .Arg<xla::ffi::AnyBuffer>()   // x
                                   .Arg<xla::ffi::AnyBuffer>()   // bias
                                   .Arg<xla::ffi::AnyBuffer>()   // residual

@@ -198,6 +198,24 @@ def _scanned_train_step(dtype, hidden, heads, seq, layouts="none"):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x, jax.random.key(2))
 
 
+def test_post_ln_backward_has_one_add_of_token_gradients():
+    """Post-LN: the attention block's output h feeds the feed-forward matmul and the second
+    residual as two outputs of the fused op (ops.norm.bdrln_pair), so the only [B, S, E]
+    add (forward or backward) is the one summing the input's two gradients (residual and
+    q/k/v projection)."""
+    layer, x, params = _setup(seed=11)
+    w = jnp.asarray(np.random.default_rng(12).standard_normal(x.shape), jnp.float32)
+
+    def loss(p, x):  # linear in y: its cotangent is w, no add of its own
+        y = layer.apply({"params": p}, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+        return jnp.sum(y * w)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).as_text()
+    shape = f"{B}x{S}x{E}xf32"
+    grad_adds = [line for line in text.splitlines() if "stablehlo.add" in line and shape in line]
+    assert len(grad_adds) == 1, grad_adds
+
+
 def _forward_targets(text: str, pattern: str) -> dict:
     import collections
     import re

@@ -188,7 +188,7 @@ def _direct_calls(inp, kernel):
         "layer_norm_fwd": lambda: norm._layer_norm_fwd_call(x, s, lb, 1e-5, kernel),
         "layer_norm_bwd": lambda: norm._layer_norm_bwd_call(dy, x, s, mean, rstd, kernel),
         "bdrln_fwd": lambda: norm._bdrln_fwd_call(x, b, r, s, lb, seed, 1e-5, RATE, kernel),
-        "bdrln_bwd": lambda: norm._bdrln_bwd_call(dy, x, b, r, s, mean, rstd, seed, RATE, kernel),
+        "bdrln_bwd": lambda: norm._bdrln_bwd_call(dy, None, x, b, r, s, mean, rstd, seed, RATE, kernel),
         "bias_gelu_dropout_fwd": lambda: gelu._fwd_call(x, b, seed, approximate=False, rate=RATE, kernel=kernel),
         "bias_gelu_dropout_bwd": lambda: gelu._bwd_call(dy, x, b, seed, approximate=False, rate=RATE, kernel=kernel),
     }

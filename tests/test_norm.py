@@ -11,6 +11,7 @@ from jax.test_util import check_grads
 
 import jaxsub
 from jaxsub import _ffi, ops
+from jaxsub.ops import norm
 from jaxsub.ops.norm import reference_bdrln, reference_layer_norm
 from jaxsub.testing import assert_close
 
@@ -335,6 +336,78 @@ def test_zero_size_inputs(op, shape):
 
 
 # ---------------------------------------------------------------------------------------
+# bdrln_pair: y returned twice; backward adds the two cotangents in the kernel.
+
+
+def _pair_and_reference(inp, rate=RATE):
+    key = inp["dropout_key"]
+    args = (inp["x"], inp["bias"], inp["residual"], inp["scale"], inp["ln_bias"])
+
+    def pair(*a):
+        return norm.bdrln_pair(*a, rate=rate, key=key)
+
+    def reference(*a):
+        y = reference_bdrln(*a, keep=ops.dropout_mask(key, a[0].shape, rate), rate=rate)
+        return y, y
+
+    return pair, reference, args
+
+
+def _second_cotangent(seed, like):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal(like.shape, np.float32).astype(like.dtype))
+
+
+@pytest.mark.parametrize("dtype,pdtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
+                                          (jnp.float16, jnp.float16)], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("lead,n", [((7,), 3), ((2, 3), 130), ((5,), 1000)])
+def test_pair_adds_both_cotangents(lead, n, dtype, pdtype):
+    seed = _seed("pair", lead, n, dtype, pdtype)
+    inp = _inputs(seed, lead + (n,), dtype, pdtype)
+    pair, reference, args = _pair_and_reference(inp)
+    cts = (inp["dy"], _second_cotangent(seed + 1, inp["dy"]))
+    ((ya, yb), grads), ((y_ref, _), grads_ref) = _values_and_vjps((pair, reference), args, cts)
+    np.testing.assert_array_equal(np.asarray(ya, np.float32), np.asarray(yb, np.float32))
+    assert_close(ya, y_ref, dtype, reduction=n, what="bdrln_pair y")
+    rows = inp["x"].size // n
+    for name, a, g, g_ref in zip(("x", "bias", "residual", "scale", "ln_bias"), args, grads, grads_ref):
+        assert g.dtype == a.dtype and g.shape == a.shape, name
+        assert_close(g, g_ref, a.dtype, reduction=n if name in ACTIVATIONS else rows, grad=True,
+                     what=f"bdrln_pair d{name}")
+
+
+def test_pair_backward_has_no_add_of_the_cotangents():
+    """The point of the pair: no [R, N] add before the backward kernel. The same layer with
+    one output used twice has that add (so the check can fail)."""
+    inp = _inputs(_seed("pair-hlo"), (4, 130), jnp.bfloat16, jnp.bfloat16)
+    pair, _, args = _pair_and_reference(inp)
+
+    def single(*a):
+        y = ops.bias_dropout_residual_layer_norm(*a, rate=RATE, key=inp["dropout_key"])
+        return y, y
+
+    def adds(f):
+        def grads(args, dy, dy2):
+            return jax.vjp(f, *args)[1]((dy, dy2))
+        text = _hlo(grads, args, inp["dy"], inp["dy"])
+        return sum(1 for line in text.splitlines() if "add" in line and "4x130xbf16" in line)
+
+    assert "jaxsub_bdrln_bwd" in _hlo(lambda a, d: jax.vjp(pair, *a)[1]((d, d)), args, inp["dy"])
+    assert adds(pair) == 0
+    assert adds(single) >= 1
+
+
+def test_bdrln_bwd_handler_rejects_a_second_cotangent_of_another_shape():
+    inp = _inputs(_seed("pair-bad"), (4, 8), jnp.float32, jnp.float32)
+    x, b, r, s = inp["x"], inp["bias"], inp["residual"], inp["scale"]
+    stats = jnp.ones((4,), f32)
+    kernel = norm._config.kernel_config(BDRLN, None, norm._config.row_signature(x, s.dtype, dropout_rate=RATE))
+    with pytest.raises(Exception, match="bdrln_bwd"):
+        jax.block_until_ready(norm._bdrln_bwd_call(inp["dy"], inp["dy"][:2], x, b, r, s, stats, stats,
+                                                   jnp.zeros((2,), jnp.uint32), RATE, kernel))
+
+
+# ---------------------------------------------------------------------------------------
 # CUDA against the CPU handlers (pytest -m gpu, on a CUDA machine).
 
 
@@ -375,3 +448,21 @@ class TestCuda:
             assert np.all(np.isfinite(np.asarray(a, np.float32))), name
             reduction = 1024 if name in ("y",) + ACTIVATIONS else self.ROWS
             assert_close(a, b, a.dtype, reduction=reduction, grad=name != "y", what=f"{op} {name}")
+
+    def test_pair_cuda_matches_cpu(self):
+        """bdrln_pair with two different cotangents: the CUDA kernel's second operand."""
+        inp = _inputs(_seed("gpu-pair"), (self.ROWS, 1024), jnp.bfloat16, jnp.bfloat16)
+        cts = (inp["dy"], _second_cotangent(_seed("gpu-pair-dy2"), inp["dy"]))
+        out = {}
+        for platform in ("gpu", "cpu"):
+            dev = jax.devices(platform)[0]
+            on = jax.device_put((inp, cts), dev)
+            pair, _, args = _pair_and_reference(on[0])
+            [out[platform]] = _values_and_vjps([pair], args, on[1])
+        (ya, yb), g_gpu = out["gpu"]
+        (y_cpu, _), g_cpu = out["cpu"]
+        np.testing.assert_array_equal(np.asarray(ya, np.float32), np.asarray(yb, np.float32))
+        assert_close(ya, y_cpu, jnp.bfloat16, reduction=1024, what="bdrln_pair y")
+        for name, g, g_ref in zip(("x", "bias", "residual", "scale", "ln_bias"), g_gpu, g_cpu):
+            reduction = 1024 if name in ACTIVATIONS else self.ROWS
+            assert_close(g, g_ref, jnp.bfloat16, reduction=reduction, grad=True, what=f"bdrln_pair d{name}")

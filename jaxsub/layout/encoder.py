@@ -10,9 +10,10 @@ Stages (post-LN BERT; pre-LN noted where it differs) and what each hands on:
                      jaxsub.ops.attention takes [B,S,H,D]: other layouts are transposed
                      around it at the JAX level, where XLA may fold them into matmuls.
   out_proj           context -> proj BSE ([B·S,E], default) or SBE ([S,B,E]).
-  bdrln1             LN(x + dropout(proj + bias)) in proj's layout -> h (pre-LN:
-                     h = x + dropout(proj + bias), a = LN(h); both handed on).
-  ffn_in             h (or a) -> ffn BSF or SBF; h is handed on as the residual.
+  bdrln1             LN(x + dropout(proj + bias)) in proj's layout -> hm and h, the same
+                     values as two outputs (see h_label) (pre-LN: h = x + dropout(proj +
+                     bias), a = LN(h)).
+  ffn_in             hm (or a) -> ffn BSF or SBF; h is handed on as the residual.
   bias_gelu_dropout  in the ffn layout.
   ffn_out            ffn -> out BSE or SBE (h still handed on).
   bdrln2             LN(h + dropout(out + bias)) -> y [B,S,E] (pre-LN: h + dropout(...)).
@@ -45,6 +46,7 @@ from jaxsub import _ffi, ops
 from jaxsub.layout.problem import (
     Candidate, host_normal, Problem, Selection, Stage, Workload, config_str, parse_config, parse_label, relayout, transpose)
 from jaxsub.ops import attn as _attn
+from jaxsub.ops import norm as _norm
 
 QKV_LAYOUTS = ("BS3HD", "3BSHD", "3BHSD")
 CTX_LAYOUTS = ("BSHD", "BHSD")
@@ -146,7 +148,8 @@ def _rowwise(layout: str, canonical: str, active: bool, fn, *arrays):
     mask is drawn on the logical tensor."""
     if layout == canonical or not active:
         return fn(*arrays)
-    return transpose(fn(*(transpose(a, layout, canonical) for a in arrays)), canonical, layout)
+    out = fn(*(transpose(a, layout, canonical) for a in arrays))
+    return jax.tree.map(lambda o: transpose(o, canonical, layout), out)
 
 
 def _residual(x, y, bias, rate, key):
@@ -207,7 +210,11 @@ class EncoderProblem(Problem):
         return tuple(cands) + tuple(dataclasses.replace(c, config=k) for k in extra for c in row_major)
 
     def h_label(self, p: str) -> str:
-        return f"a:{p};h:{p}" if self.spec.pre_layer_norm else f"h:{p}"
+        """What bdrln1 hands on: the feed-forward input and "h", the residual of bdrln2.
+        Pre-LN: "a" = layer_norm(h). Post-LN: "hm", the same values as h, returned as a
+        second output of the fused op (ops.norm.bdrln_pair), so that its backward kernel
+        adds the two consumers' cotangents as it reads them (no XLA add)."""
+        return f"a:{p};h:{p}" if self.spec.pre_layer_norm else f"hm:{p};h:{p}"
 
     def key(self) -> dict:
         return {"problem": self.kind, **self.spec.to_json()}
@@ -261,16 +268,16 @@ class EncoderProblem(Problem):
             return {"a": ops.layer_norm(h, p["mlp_scale"], p["mlp_bias"], eps=s.epsilon, kernel_config=kc), "h": h}
 
         def bdrln(y, r):
-            return ops.bias_dropout_residual_layer_norm(y, p["out_bias"], r, p["attn_scale"], p["attn_bias"],
-                                                        rate=s.dropout_rate, key=key, eps=s.epsilon,
-                                                        deterministic=det, kernel_config=kc)
+            return _norm.bdrln_pair(y, p["out_bias"], r, p["attn_scale"], p["attn_bias"], rate=s.dropout_rate,
+                                    key=key, eps=s.epsilon, deterministic=det, kernel_config=kc)
 
-        return {"h": _rowwise(lay, "BSE", key is not None, bdrln, v["proj"], x)}
+        hm, h = _rowwise(lay, "BSE", key is not None, bdrln, v["proj"], x)
+        return {"hm": hm, "h": h}
 
     def _ffn_in(self, cand, p, v, ext):
         src = parse_label(cand.in_layout)["h"]
         dst = parse_label(cand.out_layout)["ffn"]
-        a = v["a"] if self.spec.pre_layer_norm else v["h"]
+        a = v["a"] if self.spec.pre_layer_norm else v["hm"]
         return {"ffn": jnp.einsum(f"{_ein(src)},ef->{_ein(dst)}", a, p["in_kernel"]), "h": v["h"]}
 
     def _bias_gelu_dropout(self, cand, p, v, ext):

@@ -92,11 +92,13 @@ def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel):
                      ln_bias, seed, eps=np.float32(eps), **dropout.attrs(rate), **kernel.attrs("fwd"))
 
 
-def _bdrln_bwd_call(dy, x, bias, residual, scale, mean, rstd, seed, rate, kernel):
+def _bdrln_bwd_call(dy, dy2, x, bias, residual, scale, mean, rstd, seed, rate, kernel):
+    """dy2: a second cotangent of y, added to dy inside the kernel; None: an empty [0] operand."""
+    dy2 = jnp.zeros((0,), dy.dtype) if dy2 is None else dy2
     *grads, _ = _ffi.call(
         "jaxsub_bdrln_bwd",
         (_like(x), _like(bias), _like(x), _like(scale), _like(scale), _ffi.workspace(x, 3)),
-        dy, x, bias, residual, scale, mean, rstd, seed, **dropout.attrs(rate), **kernel.attrs("bwd"))
+        dy, dy2, x, bias, residual, scale, mean, rstd, seed, **dropout.attrs(rate), **kernel.attrs("bwd"))
     return grads
 
 
@@ -124,19 +126,24 @@ def _layer_norm_bwd(eps, kernel, residuals, dy):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel):
-    return _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)[0]
+# `copies` (1 or 2) is how many outputs return y. With 2 the two are separate outputs, so
+# autodiff hands backward their cotangents separately and the kernel adds them as it reads
+# them, instead of XLA adding them in a kernel of its own first (bdrln_pair).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, copies):
+    y = _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)[0]
+    return y if copies == 1 else (y, y)
 
 
-def _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel):
+def _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, copies):
     y, mean, rstd = _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)
-    return y, (x, bias, residual, scale, mean, rstd, seed)
+    return (y if copies == 1 else (y, y)), (x, bias, residual, scale, mean, rstd, seed)
 
 
-def _bdrln_bwd(eps, rate, kernel, residuals, dy):
+def _bdrln_bwd(eps, rate, kernel, copies, residuals, ct):
     del eps
-    dx, dbias, dresidual, dscale, dln_bias = _bdrln_bwd_call(dy, *residuals, rate, kernel)
+    dy, dy2 = (ct, None) if copies == 1 else ct
+    dx, dbias, dresidual, dscale, dln_bias = _bdrln_bwd_call(dy, dy2, *residuals, rate, kernel)
     return dx, dbias, dresidual, dscale, dln_bias, None
 
 
@@ -241,6 +248,24 @@ def bias_dropout_residual_layer_norm(x, bias, residual, scale, ln_bias, *, rate,
 
     kernel_config: the launch shape of the CUDA kernels, as for `layer_norm`.
     """
+    return _bdrln_op(x, bias, residual, scale, ln_bias, rate=rate, key=key,
+                     eps=eps, deterministic=deterministic, kernel_config=kernel_config, copies=1)
+
+
+def bdrln_pair(x, bias, residual, scale, ln_bias, *, rate, key, eps=1e-5, deterministic=False, kernel_config=None):
+    """`bias_dropout_residual_layer_norm` returning its output twice, as (y, y), for a y
+    with two consumers (a post-LN layer's h feeds the next matmul and the next residual).
+
+    As separate outputs, the two consumers' cotangents reach the backward kernel
+    separately, and it adds them while reading them. With one output, autodiff would add
+    them first, in an XLA kernel that reads two [R, N] arrays and writes one (at BERT-large
+    size, about as long as a third of the backward kernel). Internal to jaxsub's layers.
+    """
+    return _bdrln_op(x, bias, residual, scale, ln_bias, rate=rate, key=key,
+                     eps=eps, deterministic=deterministic, kernel_config=kernel_config, copies=2)
+
+
+def _bdrln_op(x, bias, residual, scale, ln_bias, *, rate, key, eps, deterministic, kernel_config, copies):
     op = "bias_dropout_residual_layer_norm"
     x = _check_activation(op, "x", x)
     residual = jnp.asarray(residual)
@@ -262,5 +287,6 @@ def bias_dropout_residual_layer_norm(x, bias, residual, scale, ln_bias, *, rate,
     if reason is not None:
         _ffi.fallback(op, reason)
         keep = dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 else None
-        return reference_bdrln(x, bias, residual, scale, ln_bias, keep=keep, rate=rate, eps=eps)
-    return _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)
+        y = reference_bdrln(x, bias, residual, scale, ln_bias, keep=keep, rate=rate, eps=eps)
+        return y if copies == 1 else (y, y)
+    return _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, copies)
