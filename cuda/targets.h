@@ -16,7 +16,8 @@
   X(attention_fwd)         \
   X(attention_bwd)         \
   X(attention_qkv_fwd)     \
-  X(attention_qkv_bwd)
+  X(attention_qkv_bwd)     \
+  X(bias_grad)
 
 // Staged targets: always registered for "cpu"; their CUDA handlers are compiled and
 // exported (cuda_staged_targets) but registered for "CUDA" only when the environment sets

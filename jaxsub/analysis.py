@@ -76,9 +76,10 @@ _FUSED = {
     "jaxsub_softmax_dropout_fwd": (NORMALIZATION, 7), "jaxsub_softmax_dropout_bwd": (NORMALIZATION, 9),
     "jaxsub_attention_fwd": (CONTRACTION, None), "jaxsub_attention_bwd": (CONTRACTION, None),
     "jaxsub_attention_qkv_fwd": (CONTRACTION, None), "jaxsub_attention_qkv_bwd": (CONTRACTION, None),
+    "jaxsub_bias_grad": (NORMALIZATION, 1),  # a column sum, classed like XLA's reduce_sum
 }
 _WORKSPACES = {"jaxsub_layer_norm_bwd": 1, "jaxsub_bdrln_bwd": 1, "jaxsub_bias_gelu_dropout_bwd": 1,
-               "jaxsub_attention_bwd": 2, "jaxsub_attention_qkv_bwd": 2}
+               "jaxsub_attention_bwd": 2, "jaxsub_attention_qkv_bwd": 2, "jaxsub_bias_grad": 1}
 
 
 @dataclasses.dataclass

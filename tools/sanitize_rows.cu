@@ -1,8 +1,9 @@
 // The row kernels (layer norm, BDRLN, bias + GELU + dropout; forward and backward with the
-// column sums) launched straight from C++, without XLA, for compute-sanitizer: under the
-// tool, runs through JAX crashed while XLA compiled (bench/NOTES.md v4). Odd and
-// vector-aligned row lengths, misaligned pointers (the general path), parameters in the
-// activation dtype and in float32, the default and the extreme kernel configurations.
+// column sums; the bias gradient) launched straight from C++, without XLA, for
+// compute-sanitizer: under the tool, runs through JAX crashed while XLA compiled
+// (bench/NOTES.md v4). Odd and vector-aligned row lengths, misaligned pointers (the
+// general path), parameters in the activation dtype and in float32, the default and the
+// extreme kernel configurations.
 // Inputs are initialized, outputs are allocated to their exact sizes, so memcheck sees
 // any access outside them and initcheck any read of unwritten memory. Values are not
 // checked here (the GPU tests compare with the CPU handlers); launch errors and CUDA
@@ -14,6 +15,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../cuda/bias.cu"
 #include "../cuda/gelu.cu"
 #include "../cuda/norm.cu"
 
@@ -113,6 +115,12 @@ void run(DataType t, DataType prm, int64_t rows, int64_t cols, bool misalign, co
     check("bias_gelu_dropout_bwd",
           jaxsub::launch_gelu<true>(stream, "bias_gelu_dropout_bwd", t, prm, rc, g, approximate, threshold,
                                     keep_scale, k, ws_rows, dbias.p),
+          rows, cols, k);
+  }
+  if (k.block_threads == 0 && k.max_elems == 0) {  // the bias gradient has one launch shape
+    check("bias_grad",
+          jaxsub::launch_bias_grad(stream, "bias_grad", t, prm == DataType::F32, jaxsub::Rows{rows, cols}, dy.p,
+                                   workspace.as<float>(), ws_rows, dbias.p),
           rows, cols, k);
   }
 }
