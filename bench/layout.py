@@ -60,7 +60,7 @@ from jaxsub.ops.config import KERNEL_CONFIG_KEYS
 DEFAULT_JSON = pathlib.Path("bench/results/layout.json")
 BERT = dict(hidden=1024, heads=16, mlp_dim=4096, dtype="bfloat16", dropout_rate=0.1, attention_dropout_rate=0.1)
 REDUCED = {"x": ("BSE",), "qkv": enc.QKV_LAYOUTS, "ctx": enc.CTX_LAYOUTS, "proj": ("BSE",), "h": ("BSE",),
-           "a": ("BSE",), "ffn": enc.FFN_LAYOUTS, "out": ("BSE",), "y": ("BSE",)}
+           "a": ("BSE",), "hm": ("BSE",), "ffn": enc.FFN_LAYOUTS, "out": ("BSE",), "y": ("BSE",)}
 
 
 @dataclasses.dataclass(frozen=True)

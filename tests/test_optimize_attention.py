@@ -95,6 +95,33 @@ def test_qkv_slices_of_one_array_become_attention_packed():
     assert_same(swapped, (x, w), argnums=(0, 1))
 
 
+def attn_packed_biased(x, w, b):
+    """attn_packed_slices without dropout, with the projection's [3, H, D] bias added."""
+    qkv = jnp.einsum("bse,ethd->bsthd", x, w) + b
+    return attn_bshd(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+
+
+def _grad_text(f, args, argnums):
+    return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * _normal(9, (B, S, H, D))), argnums)).lower(*args).as_text()
+
+
+def test_packed_projection_bias_gradient_by_bias_add():
+    """The bias of the packed q/k/v array goes through ops.bias_add: its gradient is the
+    fused column sum (jaxsub_bias_grad); values and gradients as the original's."""
+    x, w, b = _normal(0, (B, S, E)), _normal(1, (E, 3, H, D)) * 0.2, _normal(2, (3, H, D))
+    report = _check(attn_packed_biased, (x, w, b), {"attention": 1})
+    assert "its bias float32[3, 4, 16] added by ops.bias_add" in str(report), str(report)
+    assert "@jaxsub_bias_grad(" in _grad_text(jaxsub.optimize(attn_packed_biased), (x, w, b), (2,))
+
+    # Read by something else besides the slices: the add stays the user's.
+    def also_returned(x, w, b):
+        qkv = jnp.einsum("bse,ethd->bsthd", x, w) + b
+        return attn_bshd(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]) + qkv[:, :, 0]
+
+    assert "ops.bias_add" not in str(jaxsub.explain(also_returned, x, w, b))
+    assert_same(also_returned, (x, w, b), argnums=(0, 1, 2))
+
+
 def attn_bshd(q, k, v):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
@@ -236,6 +263,9 @@ def test_flax_linen_projections_become_one_packed_product():
     report = _check(f, (params, x), {"attention": 1}, argnums=(0, 1))
     assert PACKED in str(report) and "+ bias" in str(report), str(report)
     assert _packed_targets(f, params, x) == {"jaxsub_attention_fwd": 0, "jaxsub_attention_qkv_fwd": 1}
+    # The stacked bias's gradient: the fused column sum.
+    text = jax.jit(jax.grad(lambda p, x: jnp.sum(jaxsub.optimize(f)(p, x) ** 2))).lower(params, x).as_text()
+    assert "@jaxsub_bias_grad(" in text
     # Without biases as well.
     m2 = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, use_bias=False)
     p2 = m2.init(jax.random.key(0), x)

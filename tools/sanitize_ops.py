@@ -32,8 +32,13 @@ def ops(x, key, p32, kernel_config=None):
         a = jaxsub.ops.layer_norm(x, scale, bias, kernel_config=kc)
         b = jaxsub.ops.bias_dropout_residual_layer_norm(x, b2, res, scale, bias, rate=0.1, key=key, kernel_config=kc)
         c = jaxsub.ops.bias_gelu_dropout(x, b2, rate=0.1, key=key, kernel_config=kc)
+        # Two consumers with different cotangents: the backward's second cotangent operand.
+        d1, d2 = jaxsub.ops.norm.bdrln_pair(x, b2, res, scale, bias, rate=0.1, key=key, kernel_config=kc)
+        e = jaxsub.ops.bias_add(x * x, b2)  # its gradient: the bias_grad kernel
         return (a.astype(jnp.float32).sum() + b.astype(jnp.float32).sum() * 0.5
-                + (c.astype(jnp.float32) ** 2).sum() * 0.1)
+                + (c.astype(jnp.float32) ** 2).sum() * 0.1
+                + d1.astype(jnp.float32).sum() * 0.3 + (d2.astype(jnp.float32) ** 2).sum() * 0.2
+                + (e.astype(jnp.float32) ** 2).sum() * 0.05)
 
     return f, (x, scale, bias, res, b2)
 

@@ -1,9 +1,9 @@
 // The row kernels (layer norm, BDRLN, bias + GELU + dropout; forward and backward with the
-// column sums; the bias gradient) launched straight from C++, without XLA, for
-// compute-sanitizer: under the tool, runs through JAX crashed while XLA compiled
-// (bench/NOTES.md v4). Odd and vector-aligned row lengths, misaligned pointers (the
-// general path), parameters in the activation dtype and in float32, the default and the
-// extreme kernel configurations.
+// column sums, BDRLN's backward also with a second cotangent; the bias gradient) launched
+// straight from C++, without XLA, for compute-sanitizer: under the tool, runs through JAX
+// crashed while XLA compiled (bench/NOTES.md v4). Odd and vector-aligned row lengths,
+// misaligned pointers (the general path), parameters in the activation dtype and in
+// float32, the default and the extreme kernel configurations.
 // Inputs are initialized, outputs are allocated to their exact sizes, so memcheck sees
 // any access outside them and initcheck any read of unwritten memory. Values are not
 // checked here (the GPU tests compare with the CPU handlers); launch errors and CUDA
@@ -103,6 +103,8 @@ void run(DataType t, DataType prm, int64_t rows, int64_t cols, bool misalign, co
     b.threshold = threshold, b.keep_scale = keep_scale, b.workspace_rows = ws_rows, b.kernel = k;
     b.grads[0] = dbias.p, b.grads[1] = dscale.p, b.grads[2] = dln_bias.p;
     check("bdrln_bwd", jaxsub::launch_norm<true, true>(stream, b), rows, cols, k);
+    b.p.dy2 = res.p;  // a second cotangent (bdrln_pair): any initialized [R, N] buffer
+    check("bdrln_bwd dy2", jaxsub::launch_norm<true, true>(stream, b), rows, cols, k);
   }
   for (bool approximate : {false, true}) {  // bias + GELU + dropout
     const jaxsub::Rows rc{rows, cols};

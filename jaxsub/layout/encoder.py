@@ -233,8 +233,10 @@ class EncoderProblem(Problem):
         if s.pre_layer_norm:
             a = ops.layer_norm(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon, kernel_config={})
         q = parse_label(cand.out_layout)["qkv"]
-        out = jnp.einsum(f"bse,ethd->{_ein(q)}", a, p["qkv_kernel"]) + _place(p["qkv_bias"], "3HD", q)
-        return {"qkv": out}
+        out = jnp.einsum(f"bse,ethd->{_ein(q)}", a, p["qkv_kernel"])
+        if q.endswith("3HD"):  # the bias is a suffix: its gradient by the fused column sum
+            return {"qkv": ops.bias_add(out, p["qkv_bias"])}
+        return {"qkv": out + _place(p["qkv_bias"], "3HD", q)}
 
     def _attention(self, cand, p, v, ext):
         s = self.spec

@@ -44,16 +44,30 @@ def _remat(node, plan, vals):
 
 
 def run(g: G.Graph, plan: P.Plan, args):
-    """The outputs of `g` on `args`, with `plan`'s matches replaced by fused ops."""
+    """The outputs of `g` on `args`, with `plan`'s matches replaced by fused ops. A match
+    output given as `P.Copies` hands one copy to each node that reads it, in order (the
+    last copy to the rest)."""
     env = dict(zip(g.invars, args))
+    handed = {}  # (ref, reading node) -> the copy it got
+    given = {}   # ref -> copies handed out so far
 
-    def read(ref):
-        return env[ref] if ref in env else ref.value
+    def reader(node):
+        def read(ref):
+            value = env[ref] if ref in env else ref.value
+            if not isinstance(value, P.Copies):
+                return value
+            if (ref, node) not in handed:
+                i = given.get(ref, 0)
+                given[ref] = i + 1
+                handed[ref, node] = value[min(i, len(value) - 1)]
+            return handed[ref, node]
+        return read
 
     for node in g.nodes:
         if node in plan.skip:
             continue
         match = plan.at.get(node)
+        read = reader(node)
         vals = [read(r) for r in node.ins]
         if match is not None:
             outs = match.build(read)
@@ -64,6 +78,7 @@ def run(g: G.Graph, plan: P.Plan, args):
         else:
             outs = G.bind(node.eqn, vals)
         env.update(zip(node.outs, outs))
+    read = reader(None)
     return [read(r) for r in g.outvars]
 
 
@@ -154,7 +169,11 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
 
     When attention's q, k and v are three projections x·W_i (+ b_i) of one x used only by
     the attention (Flax's MultiHeadDotProductAttention, nnx.MultiHeadAttention), the three
-    weights are stacked into one product, which the fused attention reads in place.
+    weights are stacked into one product, which the fused attention reads in place. The
+    bias of such a packed product (or of a packed array x·W + b the attention slices q, k
+    and v from) is added by `ops.bias_add`, whose gradient is a fused column sum. A BDRLN
+    whose output is read by two or more operations (a post-LN layer's h) hands each its
+    own copy, so its backward kernel adds their gradients instead of an XLA add before it.
 
     Attention masked with `where(mask, scores, big_negative)` is rewritten as a boolean
     mask: equal wherever a query sees at least one key; a fully masked query row gives 0

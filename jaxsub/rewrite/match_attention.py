@@ -522,12 +522,17 @@ def match_attention(g, anchor, options):
     projected, unpacked = (None, None) if packed is not None else _packed_projections(g, att)
     if projected is not None:
         att.take(projected.nodes, "q/k/v projection")
+    # The packed array x·W + bias, read only by the three slices: the same add through
+    # ops.bias_add, whose bias gradient is a fused column sum. (The original add and
+    # slices are left in place, unread, and dropped as dead code.)
+    biased = projections.bias_add_of(g, packed[0]) if packed is not None and g.uses[packed[0]] == 3 else None
 
     def build(read):
         kw = dict(mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
                   key=read(drop.key) if drop is not None else None)
         if packed is not None:
-            out = ops.attention_packed(read(packed[0]), axis=packed[1], **kw)
+            qkv = ops.bias_add(read(biased[0]), read(biased[1])) if biased is not None else read(packed[0])
+            out = ops.attention_packed(qkv, axis=packed[1], **kw)
         elif projected is not None:
             out = ops.attention_packed(projected.build(read), axis=2, **kw)
         else:
@@ -540,6 +545,8 @@ def match_attention(g, anchor, options):
     detail = _describe(att, causal, rate)
     if packed is not None:
         detail += f", q/k/v read in place from one {shapes(packed[0])} array (attention_packed, axis {packed[1]})"
+        if biased is not None:
+            detail += f", its bias {shapes(biased[1])} added by ops.bias_add"
     elif projected is not None:
         detail += f", {projected.describe()} (attention_packed, axis 2)"
     elif unpacked is not None:

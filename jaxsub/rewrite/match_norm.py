@@ -20,8 +20,9 @@ import math
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout
-from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation,
-                                     shapes, split_vec, strip_row, strip_vec)
+from jaxsub.ops import norm as _norm
+from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Copies, Match, NearMiss, consumers,
+                                     private_violation, shapes, split_vec, strip_row, strip_vec)
 
 LN = "layer_norm"
 BDRLN = "bias_dropout_residual_layer_norm"
@@ -315,7 +316,7 @@ def _extend(g, anchor, ln, options):
         if why is not None:
             misses.append(NearMiss(BDRLN, anchor, why, key=("bdrln", id(c.nodes[0]))))
             continue
-        return _bdrln_match(anchor, ln, c), misses
+        return _bdrln_match(g, anchor, ln, c), misses
     return None, misses
 
 
@@ -328,19 +329,26 @@ def _describe(ln, x, extra=""):
     return ", ".join(parts) + extra
 
 
-def _bdrln_match(anchor, ln, c):
+def _bdrln_match(g, anchor, ln, c):
     rate = c.drop.rate if c.drop is not None else 0.0
+    # Read by two or more nodes (a post-LN layer's h: the next matmul and the next
+    # residual): two outputs, so the backward kernel adds their cotangents itself.
+    pair = consumers(g, anchor.outs[0]) >= 2
 
     def build(read):
         key = read(c.drop.key) if c.drop is not None else None
         x = read(c.x)
-        return [ops.bias_dropout_residual_layer_norm(
-            x, read(c.bias) if c.bias is not None else None, read(c.residual),
-            _param(read, ln.scale, x), _param(read, ln.bias, x), rate=rate, key=key, eps=ln.eps)]
+        args = (x, read(c.bias) if c.bias is not None else None, read(c.residual),
+                _param(read, ln.scale, x), _param(read, ln.bias, x))
+        if pair:
+            return [Copies(_norm.bdrln_pair(*args, rate=rate, key=key, eps=ln.eps))]
+        return [ops.bias_dropout_residual_layer_norm(*args, rate=rate, key=key, eps=ln.eps)]
 
     inputs = dict(x=c.x, bias=c.bias, residual=c.residual, scale=ln.scale, ln_bias=ln.bias,
                   key=c.drop.key if c.drop is not None else None)
     extra = f", dropout rate={rate:g}{c.drop.note}" if c.drop is not None else ", no dropout"
+    if pair:
+        extra += ", output returned twice for its consumers (their gradients added in the kernel)"
     return Match(BDRLN, anchor, ln.nodes + c.nodes, inputs, build, _describe(ln, c.x, extra))
 
 

@@ -40,6 +40,17 @@ class Match:
     near_misses: list = dataclasses.field(default_factory=list)
 
 
+class Copies(tuple):
+    """A match output returned as several equal values (e.g. `ops.norm.bdrln_pair`): the
+    interpreter hands one to each node that reads the output, so that their cotangents
+    reach the fused op's backward separately instead of being added first."""
+
+
+def consumers(g: G.Graph, ref) -> int:
+    """How many nodes read `ref` (a graph output counts as one more)."""
+    return sum(1 for n in g.nodes if any(r is ref for r in n.ins)) + g.is_output(ref)
+
+
 @dataclasses.dataclass
 class NearMiss:
     pattern: str

@@ -23,6 +23,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxsub import ops
 from jaxsub.rewrite import graph as G
 
 
@@ -69,7 +70,11 @@ class Packed:
         # it broadcasts against the packed product as each did against its own. (XLA runs
         # this add as a kernel of its own: it folds only a bias that is a parameter of the
         # jitted function into the GEMM's epilogue; tools/bias_epilogue.py.)
-        return out + jnp.stack([read(p.bias) for p in self.projections], axis=2)
+        bias = jnp.stack([read(p.bias) for p in self.projections], axis=2)
+        if bias.shape[:2] == (1, 1) and bias.dtype == out.dtype:
+            # [1, 1, 3, H, D]: its gradient by the fused column sum
+            return ops.bias_add(out, bias.reshape(bias.shape[2:]))
+        return out + bias
 
     def inputs(self) -> list:
         """The values `build` reads: x, the weights and the biases."""
@@ -80,6 +85,38 @@ class Packed:
         bias = " + bias" if p.bias is not None else ""
         return (f"q/k/v projections x{list(p.x.shape)} @ w{list(p.w.shape)}{bias} computed as one product "
                 f"with the weights stacked")
+
+
+def _suffix(shape, of) -> bool:
+    return 0 < len(shape) < len(of) and tuple(shape) == tuple(of[len(of) - len(shape):])
+
+
+def bias_add_of(g: G.Graph, ref):
+    """(product, bias) when `ref` = add(product, bias broadcast over leading axes), with
+    bias a suffix of ref's shape (as `ops.bias_add` takes it) of ref's dtype; else None.
+    The bias may arrive broadcast (broadcast_in_dim onto the trailing axes) or reshaped
+    with leading unit axes."""
+    add = g.op(ref, "add")
+    if add is None:
+        return None
+    for prod, bias in (add.ins, add.ins[::-1]):
+        while not _suffix(bias.shape, ref.shape):
+            node = g.op(bias, "broadcast_in_dim", "reshape")
+            if node is None:
+                break
+            src = node.ins[0]
+            if node.prim == "broadcast_in_dim":
+                trailing = range(len(bias.shape) - len(src.shape), len(bias.shape))
+                ok = tuple(node.params["broadcast_dimensions"]) == tuple(trailing)
+            else:
+                ok = tuple(d for d in bias.shape if d != 1) == tuple(d for d in src.shape if d != 1)
+            if not ok:
+                break
+            bias = src
+        if (prod is not bias and prod.shape == ref.shape and prod.dtype == ref.dtype == bias.dtype
+                and _suffix(bias.shape, ref.shape)):
+            return prod, bias
+    return None
 
 
 def pack(g: G.Graph, q, k, v) -> Packed | str | None:
