@@ -75,11 +75,11 @@ __device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, 
 #pragma unroll
         for (int e = 0; e < VEC; ++e) b[e] = 0.f;
       }
+      float xf[VEC], rf[VEC];
+      raw_floats<T, VEC>(x.v[v], xf);
+      raw_floats<T, VEC>(res.v[v], rf);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const float xv = to_float(x.v[v].v[e]) + b[e];
-        h.v[v][e] = to_float(res.v[v].v[e]) + (bit(keep, v * VEC + e) ? xv * keep_scale : 0.f);
-      }
+      for (int e = 0; e < VEC; ++e) h.v[v][e] = rf[e] + (bit(keep, v * VEC + e) ? (xf[e] + b[e]) * keep_scale : 0.f);
     }
   } else {
     load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, valid, h);

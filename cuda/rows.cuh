@@ -99,10 +99,16 @@ __device__ __forceinline__ void load_tile(const T* row, int64_t n, bool valid, T
 }
 
 // A thread's columns of one row as loaded, still in T (4 registers per 16 bytes): the BDRLN
-// backward keeps the next row's copy in flight while it works on the current one.
+// backward keeps the next row's copy in flight while it works on the current one. A
+// 16-byte vector is held as four 32-bit words: held as eight 16-bit elements, a load
+// that may be skipped (zeros past the row's end) made ptxas merge and move every half
+// with a permute, ~60 PRMTs per row of the BDRLN backward (bench/NOTES.md).
+template <typename T, int VEC>
+using RawVec = std::conditional_t<sizeof(T) * VEC == 16, uint4, Vec<T, VEC>>;
+
 template <typename T, int VEC, int NV>
 struct RawTile {
-  Vec<T, VEC> v[NV];
+  RawVec<T, VEC> v[NV];
 };
 
 template <typename T, int VEC, int NV>
@@ -110,19 +116,22 @@ __device__ __forceinline__ void load_raw(const T* row, int64_t n, bool valid, Ra
 #pragma unroll
   for (int v = 0; v < NV; ++v) {
     const int64_t c = tile_col(v, VEC);
-    if (valid && c < n) {
-      t.v[v] = *reinterpret_cast<const Vec<T, VEC>*>(row + c);
-    } else {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) t.v[v].v[e] = from_float_dev<T>(0.f);
-    }
+    t.v[v] = RawVec<T, VEC>{};
+    if (valid && c < n) t.v[v] = *reinterpret_cast<const RawVec<T, VEC>*>(row + c);
   }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void raw_floats(const RawVec<T, VEC>& raw, float (&out)[VEC]) {
+  Vec<T, VEC> x;
+  memcpy(&x, &raw, sizeof(x));  // a reinterpretation of registers, no instruction
+  to_floats<T, VEC>(x, out);
 }
 
 template <typename T, int VEC, int NV>
 __device__ __forceinline__ void unpack(const RawTile<T, VEC, NV>& raw, Tile<VEC, NV>& t) {
 #pragma unroll
-  for (int v = 0; v < NV; ++v) to_floats<T, VEC>(raw.v[v], t.v[v]);
+  for (int v = 0; v < NV; ++v) raw_floats<T, VEC>(raw.v[v], t.v[v]);
 }
 
 // Per-column parameters are either T or float32 (decided at run time: they are loaded
