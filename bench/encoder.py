@@ -25,12 +25,17 @@ stacked parameters, f as the scanned Encoder).
 
 Timing: each row's step is lowered and compiled once (`jax.jit(step).lower(...).compile()`,
 which also gives XLA's cost analysis), run once, then all rows of a config are timed
-interleaved with bench/timing.py's `median_times`: one sample is `steps` back-to-back calls
-ended by `block_until_ready`, divided by `steps`; warm-up samples first; the median of
-`repeats` samples is reported. Dispatch (tens of µs) is shorter than a step (~1 ms), so
-the device queue stays full and the sample is device time of a training loop step. (The
-slope method of timing.py would unroll K layers into one program: K-fold compile time for
-no gain at this step size.)
+interleaved with bench/timing.py's `median_times`: one sample is n back-to-back calls
+ended by `block_until_ready`, for n1 and for n2 steps (`Size.steps`; the stacks'
+`Size.stack_steps`); warm-up samples first; the median of `repeats` samples of each. The
+step time is the slope (t(n2) - t(n1)) / (n2 - n1), the same method as the op benchmarks:
+what a sample pays once, the host's dispatch of the first call before the device has
+anything to run and the wait at the end, cancels. Host enqueue time per step (0.4-0.6 ms
+at b8 x s512) is shorter than the device time, so after the first call the queue stays
+full and the slope is the device time of a training-loop step. A sample divided by its
+step count, which keeps the once-per-sample cost, is in the JSON as `ms_burst` (n2
+steps): in the run that introduced the slope (15 steps) it read 0 to 0.16 ms per step more
+than the slope, by row (bench/NOTES.md, fifteenth session).
 
 Columns: ms per step; vs XLA = t(a) / t(row), same config, same run; TFLOP/s = matmul flops
 of the step / time, counted analytically (`Config.matmul_flops`: 3 x the forward's matmul
@@ -70,7 +75,7 @@ import numpy as np
 import jaxsub
 from bench import layers, report, timing
 from bench.layers import BASELINE, ROWS, Config
-from jaxsub import testing
+from jaxsub import _timing, testing
 
 H200_MATMUL_FLOPS_PER_S = 707e12
 DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "encoder.json"
@@ -84,7 +89,8 @@ _SHORT = {"attention": "attn", "bias_dropout_residual_layer_norm": "bdrln", "bia
 @dataclasses.dataclass(frozen=True)
 class Size:
     configs: dict[str, Config]
-    steps: int
+    steps: tuple[int, int]        # (n1, n2) back-to-back steps per sample, single layer
+    stack_steps: tuple[int, int]  # the same for the stacked configs (a step is ~25-60 ms)
     repeats: int
     warmup: int
     matmul_n: int
@@ -100,14 +106,14 @@ FULL = Size(configs=_configs(
     Config("b96s128-bf16", 96, 128, dtype=jnp.bfloat16, **_BERT),
     Config("b96s128-fp16", 96, 128, dtype=jnp.float16, **_BERT),
     Config("stack24-b8s512-bf16", 8, 512, dtype=jnp.bfloat16, layers=24, **_BERT),
-), steps=10, repeats=10, warmup=2, matmul_n=8192)
+), steps=(10, 30), stack_steps=(2, 6), repeats=10, warmup=2, matmul_n=8192)
 # The same code paths at sizes that keep a CPU run to a couple of minutes (compilation
 # dominates). f32 is included because on CPU it shows what the pass fuses at full width.
 SMALL = Size(configs=_configs(
     Config("small-b2s64-bf16", 2, 64, dtype=jnp.bfloat16, **_SMALL),
     Config("small-b2s64-f32", 2, 64, dtype=jnp.float32, **_SMALL),
     Config("small-stack2-b2s64-bf16", 2, 64, dtype=jnp.bfloat16, layers=2, **_SMALL),
-), steps=2, repeats=3, warmup=1, matmul_n=512)
+), steps=(1, 3), stack_steps=(1, 3), repeats=3, warmup=1, matmul_n=512)
 
 
 # ---------------------------------------------------------------------------------------
@@ -266,7 +272,7 @@ def _new_row(cfg: Config, impl: layers.Impl, check: str) -> dict:
         "config": cfg.name, "shape": cfg.describe(), "dtype": jnp.dtype(cfg.dtype).name, "batch": cfg.batch,
         "seq": cfg.seq, "layers": cfg.layers, "row": impl.name, "letter": impl.letter, "label": impl.label,
         "attention_dropout": impl.attention_dropout, "optional": impl.optional, "check": check,
-        "status": "not run", "ms": None, "speedup_vs_xla": None, "flops": cfg.matmul_flops(), "tflops": None,
+        "status": "not run", "ms": None, "ms_burst": None, "speedup_vs_xla": None, "flops": cfg.matmul_flops(), "tflops": None,
         "pct_floor": None, "pct_floor_at_707": None, "xla_bytes": None, "analytic_bytes": None,
         "analysis": None, "fused": "",
     }
@@ -297,16 +303,20 @@ def bench_config(cfg: Config, names, size: Size, rate: float, seed: int, progres
         row["analytic_bytes"], row["analysis"] = analytic_bytes(step, args)
         rows.append(row)
     progress.update(f"{cfg.name}: measuring {len(timed)} rows")
+    n1, n2 = size.stack_steps if cfg.stack else size.steps
     try:
-        times = timing.median_times([(_repeat(c, size.steps), a) for _, c, a in timed],
-                                    repeats=size.repeats, warmup=size.warmup)
+        samples = timing.median_times([(_repeat(c, n), a) for n in (n1, n2) for _, c, a in timed],
+                                      repeats=size.repeats, warmup=size.warmup)
+        times = list(zip(samples[:len(timed)], samples[len(timed):]))
     except Exception as e:  # noqa: BLE001 - the rows ran once above; a failure here is rare
         times = [None] * len(timed)
         for row, _, _ in timed:
             row["status"] = f"failed while timing: {report.reason(e)}"
     for (row, _, _), t in zip(timed, times):
         if t is not None:
-            row["ms"], row["status"] = t / size.steps * 1e3, "ok"
+            per_step, reliable = _timing.slope(t[0], t[1], n1, n2)
+            row["ms"], row["status"] = per_step * 1e3, "ok"
+            row["ms_burst"], row["steps_per_sample"], row["slope_reliable"] = t[1] / n2 * 1e3, [n1, n2], reliable
     base = next((r["ms"] for r in rows if r["row"] == BASELINE), None)
     for r in rows:
         r["speedup_vs_xla"] = report.ratio(base, r["ms"])
@@ -393,7 +403,7 @@ def main(argv=None) -> int:
     progress.close()
 
     result = {
-        **report.run_metadata(backend, args.small, repeats), "steps_per_sample": size.steps,
+        **report.run_metadata(backend, args.small, repeats), "steps_per_sample": {"layer": list(size.steps), "stack": list(size.stack_steps)},
         "warmup_samples": size.warmup, "matmul_rate_flops_per_s": rate, "matmul_rate_source": rate_source,
         "jaxsub_analyze": hasattr(jaxsub, "analyze"),
         "configs": {c.name: {**dataclasses.asdict(c), "dtype": jnp.dtype(c.dtype).name} for c in configs},

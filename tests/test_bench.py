@@ -281,6 +281,11 @@ def test_encoder_small_run_checks_and_times_every_row(tmp_path, capsys):
             continue
         assert row["check"] == ("baseline" if name == "xla" else "ok"), (name, row["check"])
         assert row["status"] == "ok" and row["ms"] > 0 and math.isfinite(row["ms"]), name
+        # ms is the slope between samples of n1 and n2 steps (the burst time of the longer
+        # sample, once-per-sample costs included, beside it); a non-positive slope falls
+        # back to the burst time and says so.
+        assert row["steps_per_sample"] == list(bench_encoder.SMALL.steps) and row["ms_burst"] > 0, name
+        assert row["slope_reliable"] or row["ms"] == row["ms_burst"], name
         assert row["speedup_vs_xla"] == pytest.approx(rows["xla"]["ms"] / row["ms"]), name
         assert row["tflops"] == pytest.approx(row["flops"] / row["ms"] / 1e9), name
         assert row["pct_floor"] == pytest.approx(
