@@ -272,8 +272,8 @@ def _new_row(cfg: Config, impl: layers.Impl, check: str) -> dict:
         "config": cfg.name, "shape": cfg.describe(), "dtype": jnp.dtype(cfg.dtype).name, "batch": cfg.batch,
         "seq": cfg.seq, "layers": cfg.layers, "row": impl.name, "letter": impl.letter, "label": impl.label,
         "attention_dropout": impl.attention_dropout, "optional": impl.optional, "check": check,
-        "status": "not run", "ms": None, "ms_burst": None, "speedup_vs_xla": None, "flops": cfg.matmul_flops(), "tflops": None,
-        "pct_floor": None, "pct_floor_at_707": None, "xla_bytes": None, "analytic_bytes": None,
+        "status": "not run", "ms": None, "ms_burst": None, "speedup_vs_xla": None, "flops": cfg.matmul_flops(),
+        "tflops": None, "pct_floor": None, "pct_floor_at_707": None, "xla_bytes": None, "analytic_bytes": None,
         "analysis": None, "fused": "",
     }
 
@@ -403,7 +403,8 @@ def main(argv=None) -> int:
     progress.close()
 
     result = {
-        **report.run_metadata(backend, args.small, repeats), "steps_per_sample": {"layer": list(size.steps), "stack": list(size.stack_steps)},
+        **report.run_metadata(backend, args.small, repeats),
+        "steps_per_sample": {"layer": list(size.steps), "stack": list(size.stack_steps)},
         "warmup_samples": size.warmup, "matmul_rate_flops_per_s": rate, "matmul_rate_source": rate_source,
         "jaxsub_analyze": hasattr(jaxsub, "analyze"),
         "configs": {c.name: {**dataclasses.asdict(c), "dtype": jnp.dtype(c.dtype).name} for c in configs},

@@ -100,9 +100,9 @@ __device__ __forceinline__ void load_tile(const T* row, int64_t n, bool valid, T
 
 // A thread's columns of one row as loaded, still in T (4 registers per 16 bytes): the BDRLN
 // backward keeps the next row's copy in flight while it works on the current one. A
-// 16-byte vector is held as four 32-bit words: held as eight 16-bit elements, a load
+// 16-byte vector is held as four 32-bit words. Held as eight 16-bit elements, a load
 // that may be skipped (zeros past the row's end) made ptxas merge and move every half
-// with a permute, ~60 PRMTs per row of the BDRLN backward (bench/NOTES.md).
+// with a permute: 65 PRMTs in the BDRLN backward's 559-instruction loop (bench/NOTES.md).
 template <typename T, int VEC>
 using RawVec = std::conditional_t<sizeof(T) * VEC == 16, uint4, Vec<T, VEC>>;
 
