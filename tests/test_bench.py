@@ -211,6 +211,13 @@ def _tool(name):
     return module
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU refusal")
+@pytest.mark.parametrize("name", ["time_rows", "attention_waves"])
+def test_gpu_timing_tools_import_and_refuse_cpu(name):
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        _tool(name).main([])
+
+
 def test_profile_layer_groups_kernels():
     profile_layer = _tool("profile_layer")
     assert profile_layer.category("void jaxsub::(anonymous namespace)::norm_fwd_kernel<...>") == "jaxsub"
