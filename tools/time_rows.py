@@ -2,7 +2,7 @@
 and b96×s128 layers' row counts (4096 and 12288), bf16, dropout 0.1: layer_norm and BDRLN
 [R, 1024] (BDRLN also as `bdrln_pair`, the two-cotangent backward), bias_gelu_dropout
 [R, 4096]. Kernel µs per application from a profiler trace (bench/trace.py) over 4
-distinct input sets; one line per op and size with the forward, the backward (fwd+bwd
+distinct input sets (bench/timing.py's `random_sets` and `apply_k`); one line per op and size with the forward, the backward (fwd+bwd
 minus fwd) and every kernel of the fwd+bwd program. GPU only.
 
 To compare builds, run it once per build in alternating processes (the first argument
@@ -22,12 +22,18 @@ K = 4
 ROWS = (4096, 12288)
 
 
-def ops(key):
+def ops():
+    """op -> (columns, argument count, apply(args, key)); bdrln_pair's two outputs are
+    summed as y1 + 0.5 y2, so its backward gets the two cotangents (c, 0.5 c)."""
+    def pair(a, key):
+        y1, y2 = norm.bdrln_pair(*a, rate=0.1, key=key)
+        return y1 + 0.5 * y2
+
     return {
-        "layer_norm": (1024, 3, lambda a: jaxsub.ops.layer_norm(*a)),
-        "bdrln": (1024, 5, lambda a: jaxsub.ops.bias_dropout_residual_layer_norm(*a, rate=0.1, key=key)),
-        "bdrln_pair": (1024, 5, lambda a: norm.bdrln_pair(*a, rate=0.1, key=key)),
-        "gelu": (4096, 2, lambda a: jaxsub.ops.bias_gelu_dropout(*a, rate=0.1, key=key)),
+        "layer_norm": (1024, 3, lambda a, key: jaxsub.ops.layer_norm(*a)),
+        "bdrln": (1024, 5, lambda a, key: jaxsub.ops.bias_dropout_residual_layer_norm(*a, rate=0.1, key=key)),
+        "bdrln_pair": (1024, 5, pair),
+        "gelu": (4096, 2, lambda a, key: jaxsub.ops.bias_gelu_dropout(*a, rate=0.1, key=key)),
     }
 
 
@@ -35,29 +41,17 @@ def main(argv: list[str]) -> int:
     if jax.default_backend() != "gpu":
         sys.exit("time_rows: needs a GPU (kernel times come from the device trace)")
     label = argv[0] if argv else "-"
-    table = ops(jax.random.key(3))
+    table = ops()
     want = argv[1].split(",") if len(argv) > 1 else list(table)
     for rows in ROWS:
         for name in want:
-            cols, nargs, f = table[name]
+            cols, nargs, apply = table[name]
             # x (and the BDRLN residual) [rows, cols]; bias, scale, ln_bias [cols].
             specs = [((rows, cols), jnp.bfloat16) if i == 0 or (i == 2 and nargs == 5) else ((cols,), jnp.bfloat16)
                      for i in range(nargs)]
-            sets, _, cots = timing.random_sets(specs, ((rows, cols), jnp.bfloat16), K, seed=1)
-            pair = name == "bdrln_pair"
-
-            def fwd(sets):
-                return [f(s) for s in sets]
-
-            def fwd_bwd(sets, cots):
-                out = []
-                for s, c in zip(sets, cots):
-                    y, vjp = jax.vjp(lambda *a: f(a), *s)
-                    out.append((y, vjp((c, c * 0.5) if pair else c)))
-                return out
-
-            t_f, _ = trace.per_application(jax.jit(fwd), (sets,), K, repeats=5)
-            t_fb, kernels = trace.per_application(jax.jit(fwd_bwd), (sets, cots), K, repeats=5)
+            data = timing.random_sets(specs, ((rows, cols), jnp.bfloat16), K, seed=1)
+            t_f, _ = trace.per_application(timing.apply_k(apply, "fwd"), data, K, repeats=5)
+            t_fb, kernels = trace.per_application(timing.apply_k(apply, "fwd+bwd"), data, K, repeats=5)
             parts = "  ".join(f"{n.split('<')[0].split('::')[-1][:18]}={t:.2f}" for n, t in kernels.items() if t > 0.3)
             print(f"{label:6} {name:11} rows {rows:6d} fwd {t_f:7.2f} bwd {t_fb - t_f:7.2f}  [{parts}]", flush=True)
     return 0
