@@ -47,7 +47,8 @@ class Copies(tuple):
 
 
 def consumers(g: G.Graph, ref) -> int:
-    """How many nodes read `ref` (a graph output counts as one more)."""
+    """How many distinct nodes read `ref` (a graph output counts as one more): the copies
+    the interpreter would hand out. `g.uses` counts reads, twice for a node reading it twice."""
     return sum(1 for n in g.nodes if any(r is ref for r in n.ins)) + g.is_output(ref)
 
 
