@@ -24,14 +24,21 @@ and fp16; and the 24-layer stack at 8 x 512 bf16 (rows a, c, d as jnp `lax.scan`
 stacked parameters, f as the scanned Encoder).
 
 Timing: each row's step is lowered and compiled once (`jax.jit(step).lower(...).compile()`,
-which also gives XLA's cost analysis), run once, then all rows of a config are timed
-interleaved with bench/timing.py's `median_times`: one sample is n back-to-back calls
-ended by `block_until_ready`, for n1 and for n2 steps (`Size.steps`; the stacks'
-`Size.stack_steps`); warm-up samples first; the median of `repeats` samples of each. The
-step time is the slope (t(n2) - t(n1)) / (n2 - n1), the same method as the op benchmarks:
-what a sample pays once, the host's dispatch of the first call before the device has
-anything to run and the wait at the end, cancels. Host enqueue time per step (0.4-0.6 ms
-at b8 x s512) is shorter than the device time, so after the first call the queue stays
+which also gives XLA's cost analysis) and run once. Then each row is timed on its own, in
+one block (`_time_rows`): warm-up samples, then `repeats` samples of n1 and of n2
+back-to-back calls (`Size.steps`; the stacks' `Size.stack_steps`), each sample ended by
+`block_until_ready`, n1 and n2 alternating; the median of each. The rows are visited in
+two passes, in the table's order and then reversed, and a row's time is the mean of its
+two passes (both are in the JSON as `ms_passes`). Blocks, not rows interleaved sample by
+sample: interleaved, a row's time depended on the row before it. In one process at b96 x
+s128 the same compiled `optimize(jnp)` step measured 1.87 ms right after plain XLA and
+1.98-1.99 ms after another jaxsub row, against 1.97-1.99 ms on its own (bench/NOTES.md,
+sixteenth session); that is how `EncoderLayer`, timed after `optimize(Flax)`, read 3-9%
+slower than `optimize(jnp)` in every run from the tenth session to the fifteenth.
+The step time is the slope (t(n2) - t(n1)) / (n2 - n1), the same method as the op
+benchmarks: what a sample pays once, the host's dispatch of the first call before the
+device has anything to run and the wait at the end, cancels. Host enqueue time per step
+(0.2-0.6 ms) is shorter than the device time, so after the first call the queue stays
 full and the slope is the device time of a training-loop step. A sample divided by its
 step count, which keeps the once-per-sample cost, is in the JSON as `ms_burst` (n2
 steps): in the run that introduced the slope (15 steps) it read 0 to 0.16 ms per step more
@@ -66,6 +73,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import statistics
 import sys
 
 import jax
@@ -272,10 +280,29 @@ def _new_row(cfg: Config, impl: layers.Impl, check: str) -> dict:
         "config": cfg.name, "shape": cfg.describe(), "dtype": jnp.dtype(cfg.dtype).name, "batch": cfg.batch,
         "seq": cfg.seq, "layers": cfg.layers, "row": impl.name, "letter": impl.letter, "label": impl.label,
         "attention_dropout": impl.attention_dropout, "optional": impl.optional, "check": check,
-        "status": "not run", "ms": None, "ms_burst": None, "speedup_vs_xla": None, "flops": cfg.matmul_flops(),
+        "status": "not run", "ms": None, "ms_passes": None, "ms_burst": None, "speedup_vs_xla": None, "flops": cfg.matmul_flops(),
         "tflops": None, "pct_floor": None, "pct_floor_at_707": None, "xla_bytes": None, "analytic_bytes": None,
         "analysis": None, "fused": "",
     }
+
+
+def _time_rows(timed: list, n1: int, n2: int, size: Size) -> None:
+    """Times each (row, compiled, args) on its own block of samples (see the module
+    docstring), in two passes, the table's order then reversed; fills the rows' ms (the
+    mean of the passes' slopes), ms_passes, ms_burst, steps_per_sample, slope_reliable."""
+    passes: list[dict[int, tuple[float, bool, float]]] = [{}, {}]
+    for p, order in enumerate((range(len(timed)), reversed(range(len(timed))))):
+        for i in order:
+            _, compiled, args = timed[i]
+            t1, t2 = timing.median_times([(_repeat(compiled, n1), args), (_repeat(compiled, n2), args)],
+                                         repeats=size.repeats, warmup=size.warmup)
+            passes[p][i] = (*_timing.slope(t1, t2, n1, n2), t2 / n2)
+    for i, (row, _, _) in enumerate(timed):
+        got = [passes[0][i], passes[1][i]]
+        row["ms"], row["status"] = statistics.fmean(g[0] for g in got) * 1e3, "ok"
+        row["ms_passes"] = [g[0] * 1e3 for g in got]
+        row["ms_burst"] = statistics.fmean(g[2] for g in got) * 1e3
+        row["steps_per_sample"], row["slope_reliable"] = [n1, n2], all(g[1] for g in got)
 
 
 def bench_config(cfg: Config, names, size: Size, rate: float, seed: int, progress: report.Progress) -> list[dict]:
@@ -305,18 +332,10 @@ def bench_config(cfg: Config, names, size: Size, rate: float, seed: int, progres
     progress.update(f"{cfg.name}: measuring {len(timed)} rows")
     n1, n2 = size.stack_steps if cfg.stack else size.steps
     try:
-        samples = timing.median_times([(_repeat(c, n), a) for n in (n1, n2) for _, c, a in timed],
-                                      repeats=size.repeats, warmup=size.warmup)
-        times = list(zip(samples[:len(timed)], samples[len(timed):]))
+        _time_rows(timed, n1, n2, size)
     except Exception as e:  # noqa: BLE001 - the rows ran once above; a failure here is rare
-        times = [None] * len(timed)
         for row, _, _ in timed:
             row["status"] = f"failed while timing: {report.reason(e)}"
-    for (row, _, _), t in zip(timed, times):
-        if t is not None:
-            per_step, reliable = _timing.slope(t[0], t[1], n1, n2)
-            row["ms"], row["status"] = per_step * 1e3, "ok"
-            row["ms_burst"], row["steps_per_sample"], row["slope_reliable"] = t[1] / n2 * 1e3, [n1, n2], reliable
     base = next((r["ms"] for r in rows if r["row"] == BASELINE), None)
     for r in rows:
         r["speedup_vs_xla"] = report.ratio(base, r["ms"])

@@ -288,11 +288,12 @@ def test_encoder_small_run_checks_and_times_every_row(tmp_path, capsys):
             continue
         assert row["check"] == ("baseline" if name == "xla" else "ok"), (name, row["check"])
         assert row["status"] == "ok" and row["ms"] > 0 and math.isfinite(row["ms"]), name
-        # ms is the slope between samples of n1 and n2 steps (the burst time of the longer
-        # sample, once-per-sample costs included, beside it); a non-positive slope falls
-        # back to the burst time and says so.
+        # ms is the mean of two passes' slopes between samples of n1 and n2 steps (the
+        # burst time of the longer sample, once-per-sample costs included, beside it).
         assert row["steps_per_sample"] == list(bench_encoder.SMALL.steps) and row["ms_burst"] > 0, name
-        assert row["slope_reliable"] or row["ms"] == row["ms_burst"], name
+        assert len(row["ms_passes"]) == 2 and min(row["ms_passes"]) > 0, name
+        assert row["ms"] == pytest.approx(sum(row["ms_passes"]) / 2), name
+        assert isinstance(row["slope_reliable"], bool), name
         assert row["speedup_vs_xla"] == pytest.approx(rows["xla"]["ms"] / row["ms"]), name
         assert row["tflops"] == pytest.approx(row["flops"] / row["ms"] / 1e9), name
         assert row["pct_floor"] == pytest.approx(
@@ -304,6 +305,43 @@ def test_encoder_small_run_checks_and_times_every_row(tmp_path, capsys):
     assert rows["jaxsub"]["xla_bytes"] < rows["xla"]["xla_bytes"]
     assert "a xla" in printed and "d opt-jnp" in printed
     assert gpu or "CPU timings say nothing" in printed
+
+
+def test_encoder_times_each_row_in_its_own_block_both_orders(monkeypatch):
+    # Each median_times call holds one row's n1 and n2 samples (a block, never two rows
+    # interleaved); rows go in table order, then reversed; ms is the mean of the passes'
+    # slopes, and a pass whose slope is not positive falls back to its burst time.
+    calls = []
+    fake = {"a": (1.0, 3.0), "b": (2.0, 4.0), "c": (5.0, 4.0)}  # c: noise beats the work
+
+    def median_times(pairs, *, repeats, warmup):
+        names = {fn.row for fn, _ in pairs}
+        assert len(pairs) == 2 and len(names) == 1 and [fn.n for fn, _ in pairs] == [1, 3]
+        calls.append(names.pop())
+        return list(fake[calls[-1]])
+
+    def compiled(name):
+        def run(*a):
+            return None
+        run.row = name
+        return run
+
+    def repeat(c, n):
+        def run(*a):
+            return None
+        run.row, run.n = c.row, n
+        return run
+
+    monkeypatch.setattr(bench_encoder.timing, "median_times", median_times)
+    monkeypatch.setattr(bench_encoder, "_repeat", repeat)
+    rows = [{"row": n} for n in fake]
+    size = dataclasses.replace(bench_encoder.SMALL, steps=(1, 3))
+    bench_encoder._time_rows([(r, compiled(r["row"]), ()) for r in rows], 1, 3, size)
+    assert calls == ["a", "b", "c", "c", "b", "a"]
+    a, b, c = rows
+    assert a["ms"] == pytest.approx(1e3) and a["ms_passes"] == pytest.approx([1e3, 1e3]) and a["slope_reliable"]
+    assert b["ms"] == pytest.approx(1e3) and b["ms_burst"] == pytest.approx(4e3 / 3)
+    assert c["ms"] == pytest.approx(4e3 / 3) and not c["slope_reliable"]
 
 
 def test_encoder_spot_check_catches_wrong_numbers(monkeypatch):
