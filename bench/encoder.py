@@ -289,15 +289,27 @@ def _new_row(cfg: Config, impl: layers.Impl, check: str) -> dict:
 def _time_rows(timed: list, n1: int, n2: int, size: Size) -> None:
     """Times each (row, compiled, args) on its own block of samples (see the module
     docstring), in two passes, the table's order then reversed; fills the rows' ms (the
-    mean of the passes' slopes), ms_passes, ms_burst, steps_per_sample, slope_reliable."""
+    mean of the passes' slopes), ms_passes, ms_burst, steps_per_sample, slope_reliable.
+    A row whose timing raises (it ran once already, so this is rare: e.g. out of memory)
+    is marked failed and left out of the second pass; the other rows are still timed."""
     passes: list[dict[int, tuple[float, bool, float]]] = [{}, {}]
+    failed: set[int] = set()
     for p, order in enumerate((range(len(timed)), reversed(range(len(timed))))):
         for i in order:
-            _, compiled, args = timed[i]
-            t1, t2 = timing.median_times([(_repeat(compiled, n1), args), (_repeat(compiled, n2), args)],
-                                         repeats=size.repeats, warmup=size.warmup)
+            row, compiled, args = timed[i]
+            if i in failed:
+                continue
+            try:
+                t1, t2 = timing.median_times([(_repeat(compiled, n1), args), (_repeat(compiled, n2), args)],
+                                             repeats=size.repeats, warmup=size.warmup)
+            except Exception as e:  # noqa: BLE001 - recorded in the row; the others go on
+                row["status"] = f"failed while timing: {report.reason(e)}"
+                failed.add(i)
+                continue
             passes[p][i] = (*_timing.slope(t1, t2, n1, n2), t2 / n2)
     for i, (row, _, _) in enumerate(timed):
+        if i in failed:
+            continue
         got = [passes[0][i], passes[1][i]]
         row["ms"], row["status"] = statistics.fmean(g[0] for g in got) * 1e3, "ok"
         row["ms_passes"] = [g[0] * 1e3 for g in got]
@@ -331,11 +343,7 @@ def bench_config(cfg: Config, names, size: Size, rate: float, seed: int, progres
         rows.append(row)
     progress.update(f"{cfg.name}: measuring {len(timed)} rows")
     n1, n2 = size.stack_steps if cfg.stack else size.steps
-    try:
-        _time_rows(timed, n1, n2, size)
-    except Exception as e:  # noqa: BLE001 - the rows ran once above; a failure here is rare
-        for row, _, _ in timed:
-            row["status"] = f"failed while timing: {report.reason(e)}"
+    _time_rows(timed, n1, n2, size)
     base = next((r["ms"] for r in rows if r["row"] == BASELINE), None)
     for r in rows:
         r["speedup_vs_xla"] = report.ratio(base, r["ms"])

@@ -343,6 +343,26 @@ def test_encoder_times_each_row_in_its_own_block_both_orders(monkeypatch):
     assert b["ms"] == pytest.approx(1e3) and b["ms_burst"] == pytest.approx(4e3 / 3)
     assert c["ms"] == pytest.approx(4e3 / 3) and not c["slope_reliable"]
 
+    # A row whose timing raises is marked failed and skipped in the second pass; the
+    # others are still timed.
+    calls.clear()
+    fake["b"] = None
+
+    def failing(pairs, *, repeats, warmup):
+        name = pairs[0][0].row
+        calls.append(name)
+        if fake[name] is None:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return list(fake[name])
+
+    monkeypatch.setattr(bench_encoder.timing, "median_times", failing)
+    rows = [{"row": n, "status": "not run", "ms": None} for n in fake]
+    bench_encoder._time_rows([(r, compiled(r["row"]), ()) for r in rows], 1, 3, size)
+    assert calls == ["a", "b", "c", "c", "a"]
+    a, b, c = rows
+    assert b["status"].startswith("failed while timing: ") and "out of memory" in b["status"] and b["ms"] is None
+    assert a["status"] == c["status"] == "ok" and a["ms"] == pytest.approx(1e3)
+
 
 def test_encoder_spot_check_catches_wrong_numbers(monkeypatch):
     """A row whose output is 1% off fails its check (which makes `main` exit 1)."""
