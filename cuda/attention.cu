@@ -22,6 +22,7 @@
 #include <cstdlib>
 
 #include "attention.cuh"
+#include "attention_bwd.cuh"
 #include "attention_sm90.cuh"
 
 namespace jaxsub {
@@ -137,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
 }
 
 // ---------------------------------------------------------------------------------------
-// Backward (its warp-tile products and the delta and dq kernels: attention.cuh).
+// Backward (its warp-tile products and the delta and dq kernels: attention_bwd.cuh).
 
 // Backward stages: two query tiles in flight (Q, dO, lse, delta of the next one are
 // copied while this one is used) where shared memory allows three blocks per

@@ -4,14 +4,14 @@
 // the products are wgmma with B (and in the backward some A) operands read from
 // 128-byte-swizzled shared memory (wgmma.cuh) and the other A operands from registers, in
 // the layout of the mma.sync kernels' fragments, so the element-wise steps are shared
-// (attention.cuh).
+// (attention.cuh, attention_bwd.cuh).
 // Forward: Q stays in registers; the keep masks of a tile are computed once its scores are
 // multiplied, and O += P V of one tile runs under the next tile's copies and scores. Three
 // shared-memory stages: tile t + 2 is copied once P V of tile t - 1 has read its stage.
 // Backward: below, before its kernel.
 #pragma once
 
-#include "attention.cuh"
+#include "attention_bwd.cuh"
 #include "wgmma.cuh"
 
 namespace jaxsub {

@@ -1,0 +1,234 @@
+// The attention backward's building blocks (attention.cu only; used by the mma.sync
+// backward there and the wgmma backward in attention_sm90.cuh): its warp-tile products, the
+// probabilities and score gradients of a tile, the tile's rows, the dK/dV store, and its
+// two row kernels (delta, dq). Contract: ABI.md ("Attention family").
+#pragma once
+
+#include "attention.cuh"
+
+namespace jaxsub {
+namespace {  // private to attention.cu, the one file that includes this header
+
+// The backward's two warp-tile products (rows = the warp's 16 keys):
+// acc[16 keys][64 queries] = A[16 keys][D] · B[64 queries][D]ᵀ, with A's rows at `a`
+// (ldmatrix lane addresses, plain) and B's at `b` (plain); and
+// acc[16 keys][D] += frag[16 keys][64 queries] · B[64 queries][D], B's rows at `b`
+// (transposed lane addresses).
+template <typename T, int D>
+__device__ __forceinline__ void keys_by_queries(float (&acc)[8][4], const T* a, const T* b) {
+  constexpr int kRow = D + kPad;
+  uint32_t af[D / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) ldsm(af[kc], a + kc * 16);
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc += 2) {
+      uint32_t bf[4];
+      ldsm(bf, b + n * 8 * kRow + kc * 16);
+      mma<T>(acc[n], af[kc], bf[0], bf[1]);
+      mma<T>(acc[n], af[kc + 1], bf[2], bf[3]);
+    }
+  }
+}
+template <typename T, int D>
+__device__ __forceinline__ void add_keys_by_d(float (&acc)[D / 8][4], const uint32_t (&frag)[4][4], const T* b) {
+  constexpr int kRow = D + kPad;
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn += 2) {
+      uint32_t bf[4];
+      ldsm_t(bf, b + kc * 16 * kRow + dn * 8);
+      mma<T>(acc[dn], frag[kc], bf[0], bf[1]);
+      mma<T>(acc[dn + 1], frag[kc], bf[2], bf[3]);
+    }
+}
+
+// The backward's element-wise steps for a warp's tile Sᵀ [16 keys][64 queries] (both
+// backward kernels): entry (n, e) of a thread is query il(n, e) = 8 n + 2 tq + e % 2 of the
+// tile and key quad + 8 (e / 2) of the warp.
+//
+// The keep bits of a thread's 32 entries (bit 4 n + e), gathered from the warp's per-query
+// keep words (`keep[il]`: bit t = key t of the warp); all kept without dropout.
+__device__ __forceinline__ uint32_t bwd_keep_bits(const AttnArgs& a, const uint16_t* keep, int quad, int tq) {
+  if (a.threshold == 0) return 0xffffffffu;
+  uint32_t kbits = 0u;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t w = keep[n * 8 + tq * 2 + c] >> quad;
+      kbits |= (w & 1u) << (4 * n + c);
+      kbits |= ((w >> 8) & 1u) << (4 * n + 2 + c);
+    }
+  return kbits;
+}
+// Probabilities in place of the raw scores P(n, e) (from -lse in log2 units per query,
+// nlse2; kvis: the visibility of the thread's two keys), and the kept ones (unscaled) as
+// A fragments of Pᵀ, 16 queries each.
+template <typename T, int kMode, typename PF>
+__device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, PF&& P, const float* nlse2,
+                                          uint32_t kvis, uint32_t kbits, int64_t qb, int64_t k0, float scale_log2,
+                                          int quad, int tq, uint32_t (&pdf)[4][4]) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    float pd[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int il = n * 8 + tq * 2 + (e & 1), jl = quad + (e >> 1) * 8;
+      float x;
+      if constexpr (kMode == kNoMask) {
+        // No per-element branch: the key's bit is its bounds; a query past Sq has
+        // nlse2 = -inf. (The same select under kKeyMask, with the causal test, ran
+        // 7% slower than the rule below: bench/NOTES.md, attention v4.)
+        x = (kvis >> (e >> 1)) & 1u ? fmaf(P(n, e), scale_log2, nlse2[il]) : -INFINITY;
+      } else {
+        x = score_log2<kMode>(a, rc, P(n, e), qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) + nlse2[il];
+      }
+      P(n, e) = fast_exp2(x);  // 0 for masked scores and empty rows
+      pd[e] = (kbits >> (4 * n + e)) & 1u ? P(n, e) : 0.f;
+    }
+    pdf[n / 2][(n & 1) * 2 + 0] = pack2<T>(pd[0], pd[1]);
+    pdf[n / 2][(n & 1) * 2 + 1] = pack2<T>(pd[2], pd[3]);
+  }
+}
+// dSᵀ = P ∘ (dropout'(dPᵀ) - delta) from the probabilities P(n, e) and dPdᵀ(n, e) = (V dOᵀ)
+// entries, as A fragments of 16 queries each.
+template <typename T, typename PF, typename DF>
+__device__ __forceinline__ void bwd_dscores(const AttnArgs& a, PF&& P, DF&& DP, uint32_t kbits, const float* delta,
+                                            int tq, uint32_t (&dsf)[4][4]) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    float ds[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      ds[e] = P(n, e) * (((kbits >> (4 * n + e)) & 1u ? DP(n, e) * a.keep_scale : 0.f) - delta[n * 8 + tq * 2 + (e & 1)]);
+    dsf[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
+    dsf[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
+  }
+}
+
+// Pieces both backward kernels share besides the element-wise steps above: where the
+// block's query tiles start, the per-query values of a tile, and the dK, dV stores.
+
+// The first query the backward block blockIdx.x (keys kblock ..) needs, a multiple of 64
+// (causal: queries before its first visible key see none of its keys).
+__device__ __forceinline__ int64_t bwd_query_begin(const AttnArgs& a, int64_t kblock) {
+  if (!a.causal) return 0;
+  const int64_t first = kblock - (a.sk - a.sq);
+  return first > 0 ? first / kTile * kTile : 0;
+}
+// Starts copying the lse and delta of queries qb .. qb + 63 (threads 0 .. 63; zero-filled
+// past Sq).
+__device__ __forceinline__ void load_lse_delta(const AttnArgs& a, float* lse, float* delta, int64_t bh, int64_t qb) {
+  if (threadIdx.x < kTile) {
+    const int64_t i = qb + threadIdx.x;
+    const bool in = i < a.sq;
+    cp_async4(lse + threadIdx.x, a.lse + bh * a.sq + (in ? i : 0), in);
+    cp_async4(delta + threadIdx.x, a.delta + bh * a.sq + (in ? i : 0), in);
+  }
+}
+// Once a tile's copies have landed: its lse becomes -lse in log2 units (-inf for queries
+// past Sq and empty rows: p = 0), and each warp's keep words (bit t: key k0 + t of the
+// warp) for the tile's 64 queries.
+__device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
+                                              int64_t k0, float* nlse2, uint16_t* keep, int lane) {
+  if (threadIdx.x < kTile) {  // this thread's own copy has landed
+    const float lse = nlse2[threadIdx.x];
+    nlse2[threadIdx.x] = qb + threadIdx.x < a.sq && lse != -INFINITY ? -lse * kLog2e : -INFINITY;
+  }
+  if (a.threshold != 0) {
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) keep[lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
+  }
+}
+// dK (times the score scale) and dV (times the dropout scale) of a thread's keys
+// k0 + quad (+8): DK(dn, e), DV(dn, e) with e / 2 the key and 8 dn + 2 tq + e % 2 the column.
+template <typename T, int D, typename KF, typename VF>
+__device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, int64_t bb, int64_t hh, int64_t k0,
+                                          int quad, int tq) {
+  T* dkg = static_cast<T*>(a.dk) + bb * a.kv_batch + hh * D;
+  T* dvg = static_cast<T*>(a.dv) + bb * a.kv_batch + hh * D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = k0 + quad + r * 8;
+    if (j >= a.sk) continue;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      *reinterpret_cast<uint32_t*>(dkg + j * a.qkv_row + dn * 8 + tq * 2) =
+          pack2<T>(DK(dn, 2 * r) * a.scale, DK(dn, 2 * r + 1) * a.scale);
+      *reinterpret_cast<uint32_t*>(dvg + j * a.qkv_row + dn * 8 + tq * 2) =
+          pack2<T>(DV(dn, 2 * r) * a.keep_scale, DV(dn, 2 * r + 1) * a.keep_scale);
+    }
+  }
+}
+
+// delta[b, h, i] = sum_d dout * out, and dq_acc = 0 (when given). Each row (b, i, h) is
+// read by D / 8 consecutive lanes in 16-byte pieces and summed with shuffles; grid
+// ceil(B*Sq*H*D/8 / 128), block 128.
+template <typename T, int D>
+__global__ void attention_delta_kernel(AttnArgs a) {
+  constexpr int kVec = 16 / sizeof(T), kLanes = D / kVec;  // lanes per row: 4, 8 or 16
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = g / kLanes, rows = a.b * a.sq * a.h;  // row: (b, i, h) row-major
+  const int part = static_cast<int>(g % kLanes);
+  float acc = 0.f;
+  if (row < rows) {
+    float x[kVec], y[kVec];
+    load_vec<T, kVec>(static_cast<const T*>(a.dout) + row * D + part * kVec, x);
+    load_vec<T, kVec>(static_cast<const T*>(a.out) + row * D + part * kVec, y);
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) acc += x[t] * y[t];
+    // The dq accumulator has the same [B, Sq, H, D] layout: zeroed here, not by a memset
+    // (none where the backward reduces dq in clusters).
+    if (a.dq_acc != nullptr) {
+      float4* z = reinterpret_cast<float4*>(a.dq_acc + row * D + part * kVec);
+#pragma unroll
+      for (int t = 0; t < kVec / 4; ++t) z[t] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (row < rows && part == 0) {
+    const int64_t hh = row % a.h, i = (row / a.h) % a.sq, bb = row / (a.h * a.sq);
+    a.delta[(bb * a.h + hh) * a.sq + i] = acc;
+  }
+}
+
+// dq = scale * dq_acc, rounded to T: eight elements per thread and step (two 16-byte
+// loads, one 16-byte store; n is a multiple of 8, D being). The score scale multiplies
+// here once instead of at each of the backward's atomics. dq_acc and dq are plain
+// [B, Sq, H, D] tensors.
+template <typename T>
+__device__ __forceinline__ void scale_store8(const float* __restrict__ src, T* __restrict__ dst, float scale) {
+  const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
+  const float x[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
+                      hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
+  store_vec<T, 8>(dst, x);
+}
+template <typename T>
+__global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale) {
+  for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8)
+    scale_store8(acc + i, dq + i, scale);
+}
+
+// The same into q's view (AttnArgs, packed q/k/v): row r = (b, i) of dq_acc, H * D
+// elements, goes to b * q_batch + i * qkv_row. Blocks walk rows (one division per row, not
+// per element), threads the row's 16-byte pieces.
+template <typename T>
+__global__ void attention_dq_view_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t rows, int64_t hd,
+                                         float scale, int64_t sq, int64_t qkv_row, int64_t q_batch) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t bb = r / sq;
+    const float* src = acc + r * hd;
+    T* dst = dq + bb * q_batch + (r - bb * sq) * qkv_row;
+    for (int64_t c = threadIdx.x * 8; c < hd; c += blockDim.x * 8) scale_store8(src + c, dst + c, scale);
+  }
+}
+
+}  // namespace
+}  // namespace jaxsub
