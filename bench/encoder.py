@@ -280,9 +280,9 @@ def _new_row(cfg: Config, impl: layers.Impl, check: str) -> dict:
         "config": cfg.name, "shape": cfg.describe(), "dtype": jnp.dtype(cfg.dtype).name, "batch": cfg.batch,
         "seq": cfg.seq, "layers": cfg.layers, "row": impl.name, "letter": impl.letter, "label": impl.label,
         "attention_dropout": impl.attention_dropout, "optional": impl.optional, "check": check,
-        "status": "not run", "ms": None, "ms_passes": None, "ms_burst": None, "speedup_vs_xla": None, "flops": cfg.matmul_flops(),
-        "tflops": None, "pct_floor": None, "pct_floor_at_707": None, "xla_bytes": None, "analytic_bytes": None,
-        "analysis": None, "fused": "",
+        "status": "not run", "ms": None, "ms_passes": None, "ms_burst": None, "speedup_vs_xla": None,
+        "flops": cfg.matmul_flops(), "tflops": None, "pct_floor": None, "pct_floor_at_707": None,
+        "xla_bytes": None, "analytic_bytes": None, "analysis": None, "fused": "",
     }
 
 
