@@ -3,7 +3,8 @@
 Compiles the encoder benchmark's step for the given rows of one config (heuristic
 layouts) and times them twice by the slope method (bench/encoder.py's n1 and n2 steps):
 interleaved sample by sample, the way bench.encoder timed rows until the sixteenth
-session, and each row alone in its own block. The H200 runs at its power limit under
+session, and each row alone in its own block, as bench.encoder does now (`_time_rows`:
+two passes, the mean). The H200 runs at its power limit under
 this load and its SM clock moves with what ran just before, so interleaved times depend
 on the order: at b96×s128 the same compiled `optimize(jnp)` step read 1.87 ms right after
 plain XLA and 1.98 ms after another jaxsub row, 1.97-1.99 ms alone (bench/NOTES.md,
@@ -55,12 +56,13 @@ def main(argv: list[str]) -> int:
         t = timing.median_times(calls, repeats=a.repeats, warmup=size.warmup)
         print(f"interleaved, trial {trial}: " + "  ".join(
             f"{i}:{name} {per_step(t[i], t[len(names) + i]):.3f}" for i, name in enumerate(names)), flush=True)
-    alone = []
-    for i, (c, args) in enumerate(programs):
-        t1, t2 = timing.median_times([(encoder._repeat(c, n1), args), (encoder._repeat(c, n2), args)],
-                                     repeats=a.repeats, warmup=size.warmup)
-        alone.append(f"{i}:{names[i]} {per_step(t1, t2):.3f}")
-    print("alone: " + "  ".join(alone), flush=True)
+    # Alone: the bench's own method (each row in its block, two passes).
+    rows = [{} for _ in programs]
+    encoder._time_rows([(r, c, args) for r, (c, args) in zip(rows, programs)], n1, n2,
+                       dataclasses.replace(size, repeats=a.repeats))
+    print("alone: " + "  ".join(f"{i}:{name} " + (f"{r['ms']:.3f}" if r.get("ms") else r.get("status", "?"))
+                                 for i, (name, r) in enumerate(zip(names, rows))),
+          flush=True)
     return 0
 
 
