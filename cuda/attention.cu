@@ -16,7 +16,8 @@
 // Probabilities enter the P V products unscaled (kept or zero); the dropout scale
 // multiplies the output and dV once, in f32. On Hopper (sm_90a builds, compute capability
 // 9.0) D = 64 and 128 run the same structure on warpgroup tensor cores instead
-// (attention_sm90.cuh); these mma.sync kernels serve D = 32 and other GPUs.
+// (attention_sm90.cuh); these mma.sync kernels serve D = 32 and other GPUs. The FFI
+// handlers, at the end, are in attention_ffi.cuh.
 #include <cmath>
 #include <atomic>
 #include <cstdlib>
@@ -335,7 +336,7 @@ bool use_sm90() {
 // with 32-bit byte offsets (load_tile_swz), so every row stride stays below 2^24 elements.
 bool use_sm90(const AttnArgs& a, int d) {
   constexpr int64_t kMaxStride = int64_t{1} << 24;
-  return a.qkv_row < kMaxStride && a.h * d < kMaxStride && use_sm90();
+  return a.qkv_row < kMaxStride && a.grad_row < kMaxStride && a.h * d < kMaxStride && use_sm90();
 }
 
 // The forward for a's views, pointers and attributes: out [B, Sq, H, D], lse [B, H, Sq].
@@ -448,100 +449,17 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     if (e.failure()) return e;
     const int64_t n = rows * D, hd = a.h * D;
     auto* dq = static_cast<T*>(a.o);
-    if (a.qkv_row == hd && a.q_batch == a.sq * hd) {
+    if (a.grad_row == hd && a.dq_batch == a.sq * hd) {
       const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535));
       attention_dq_kernel<T><<<blocks, 256, 0, stream>>>(a.dq_acc, dq, n, a.scale);
-    } else {  // q's view: (b, i) rows of H * D elements; 128 threads cover 1024 per pass
+    } else {  // dq's view: (b, i) rows of H * D elements; 128 threads cover 1024 per pass
       const int64_t dq_rows = a.b * a.sq;
       const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(dq_rows, 65535));
-      attention_dq_view_kernel<T><<<blocks, 128, 0, stream>>>(a.dq_acc, dq, dq_rows, hd, a.scale, a.sq, a.qkv_row,
-                                                              a.q_batch);
+      attention_dq_view_kernel<T><<<blocks, 128, 0, stream>>>(a.dq_acc, dq, dq_rows, hd, a.scale, a.sq, a.grad_row,
+                                                              a.dq_batch);
     }
     return launch_status(op);
   });
-}
-
-// q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; mask: [Bm, Hm, Sqm, Skm]; seed: [2]
-//   -> out: [B, Sq, H, D]; lse: [B, H, Sq].
-ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                        float keep_scale, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
-                        ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
-  const char* op = "attention_fwd";
-  AttnArgs a{};
-  int d = 0;
-  if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
-  a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.mask = mask.untyped_data();
-  a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
-  set_attrs(a, scale, causal, threshold, keep_scale);
-  return run_fwd(op, stream, q.element_type(), d, a);
-}
-
-// dout, q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; out: [B, Sq, H, D]; lse: [B, H, Sq]; mask; seed
-//   -> dq: [B, Sq, H, D]; dk, dv: [B, Sk, H, D]; delta: [B, H, Sq] f32; dq_acc: [B, Sq, H, D] f32.
-ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                        float keep_scale, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
-                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
-  const char* op = "attention_bwd";
-  AttnArgs a{};
-  int d = 0;
-  if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
-  a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.out = out.untyped_data();
-  a.dout = dout.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
-  a.o = dq->untyped_data(), a.dk = dk->untyped_data(), a.dv = dv->untyped_data();
-  a.lse = data<float>(lse), a.delta = data<float>(delta), a.dq_acc = data<float>(dq_acc);
-  set_attrs(a, scale, causal, threshold, keep_scale);
-  if (a.b * a.h == 0 || a.sq * a.sk == 0) {
-    // No score at all: every gradient is zero (empty outputs need no writes).
-    if (dq->element_count()) cudaMemsetAsync(dq->untyped_data(), 0, dq->size_bytes(), stream);
-    if (dk->element_count()) cudaMemsetAsync(dk->untyped_data(), 0, dk->size_bytes(), stream);
-    if (dv->element_count()) cudaMemsetAsync(dv->untyped_data(), 0, dv->size_bytes(), stream);
-    return launch_status(op);
-  }
-  return run_bwd(op, stream, q.element_type(), d, a);
-}
-
-// qkv: [B, S, 3, H, D] or [3, B, S, H, D] (qkv_axis); mask; seed -> out: [B, S, H, D]; lse: [B, H, S].
-ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                           float keep_scale, int32_t qkv_axis, ffi::AnyBuffer qkv, ffi::AnyBuffer mask,
-                           ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> lse) {
-  const char* op = "attention_qkv_fwd";
-  AttnArgs a{};
-  int d = 0;
-  int64_t koff = 0;
-  if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
-  const char* base = static_cast<const char*>(qkv.untyped_data());
-  const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
-  a.q = base, a.k = base + kbytes, a.v = base + 2 * kbytes, a.mask = mask.untyped_data();
-  a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
-  set_attrs(a, scale, causal, threshold, keep_scale);
-  return run_fwd(op, stream, qkv.element_type(), d, a);
-}
-
-// dout: [B, S, H, D]; qkv; out: [B, S, H, D]; lse: [B, H, S]; mask; seed
-//   -> dqkv: qkv's shape; delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32.
-ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                           float keep_scale, int32_t qkv_axis, ffi::AnyBuffer dout, ffi::AnyBuffer qkv,
-                           ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
-                           ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> delta,
-                           ffi::Result<ffi::AnyBuffer> dq_acc) {
-  const char* op = "attention_qkv_bwd";
-  AttnArgs a{};
-  int d = 0;
-  int64_t koff = 0;
-  if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
-  if (a.b * a.h * a.sq == 0) return ffi::Error::Success();  // dqkv is empty too
-  const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
-  const char* base = static_cast<const char*>(qkv.untyped_data());
-  char* dbase = static_cast<char*>(dqkv->untyped_data());
-  a.q = base, a.k = base + kbytes, a.v = base + 2 * kbytes;
-  a.o = dbase, a.dk = dbase + kbytes, a.dv = dbase + 2 * kbytes;
-  a.out = out.untyped_data(), a.dout = dout.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
-  a.lse = data<float>(lse), a.delta = data<float>(delta), a.dq_acc = data<float>(dq_acc);
-  set_attrs(a, scale, causal, threshold, keep_scale);
-  return run_bwd(op, stream, qkv.element_type(), d, a);
 }
 
 }  // namespace
@@ -552,56 +470,4 @@ bool attention_sm90() { return use_sm90(); }
 
 }  // namespace jaxsub
 
-namespace ffi = xla::ffi;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_fwd, jaxsub::AttentionFwd,
-                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>(),  // lse
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
-                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // delta workspace
-                                  .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_fwd, jaxsub::AttentionQkvFwd,
-                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
-                                  .Attr<int32_t>("qkv_axis")
-                                  .Arg<ffi::AnyBuffer>()  // qkv
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>(),  // lse
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_bwd, jaxsub::AttentionQkvBwd,
-                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
-                                  .Attr<int32_t>("qkv_axis")
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // qkv
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()  // dqkv
-                                  .Ret<ffi::AnyBuffer>()  // delta workspace
-                                  .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
-                              {ffi::Traits::kCmdBufferCompatible});
+#include "attention_ffi.cuh"

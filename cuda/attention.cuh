@@ -26,6 +26,8 @@ struct AttnArgs {
   // head h at b * q_batch (kv_batch) + s * qkv_row + h * D. Separate tensors: qkv_row =
   // H * D, q_batch = Sq * H * D, kv_batch = Sk * H * D; packed self-attention (one [B, S,
   // 3, H, D] or [3, B, S, H, D] tensor) has its own strides and q, k, v pointers into it.
+  // The gradients' views have strides of their own (grad_row, dq_batch, dkv_batch): the
+  // same as the inputs', except where separate q, k, v get one packed gradient.
   const void* q;         // [B, Sq, H, D] view, T
   const void* k;         // [B, Sk, H, D] view, T
   const void* v;         // [B, Sk, H, D] view, T
@@ -41,6 +43,7 @@ struct AttnArgs {
   float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
   int64_t b, h, sq, sk;
   int64_t qkv_row, q_batch, kv_batch;  // the views' strides, in elements
+  int64_t grad_row, dq_batch, dkv_batch;  // the gradient views' strides (backward)
   int64_t bm, hm, sqm, skm;
   int mask_kind;
   float scale;
@@ -404,6 +407,7 @@ ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBu
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
     return invalid(op, "q, k, v dtypes differ");
   a.qkv_row = a.h * d, a.q_batch = a.sq * a.qkv_row, a.kv_batch = a.sk * a.qkv_row;
+  a.grad_row = a.qkv_row, a.dq_batch = a.q_batch, a.dkv_batch = a.kv_batch;
   return read_mask_and_dim(op, mask, mask_kind, d, a);
 }
 
@@ -422,6 +426,7 @@ ffi::Error read_packed_shapes(const char* op, const ffi::AnyBuffer& qkv, int32_t
     a.b = s[1], a.sq = a.sk = s[2], a.qkv_row = hd, koff = a.b * a.sq * hd;
   }
   a.q_batch = a.kv_batch = a.sq * a.qkv_row;
+  a.grad_row = a.qkv_row, a.dq_batch = a.dkv_batch = a.q_batch;
   return read_mask_and_dim(op, mask, mask_kind, d, a);
 }
 

@@ -150,17 +150,17 @@ __device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t 
 template <typename T, int D, typename KF, typename VF>
 __device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, int64_t bb, int64_t hh, int64_t k0,
                                           int quad, int tq) {
-  T* dkg = static_cast<T*>(a.dk) + bb * a.kv_batch + hh * D;
-  T* dvg = static_cast<T*>(a.dv) + bb * a.kv_batch + hh * D;
+  T* dkg = static_cast<T*>(a.dk) + bb * a.dkv_batch + hh * D;
+  T* dvg = static_cast<T*>(a.dv) + bb * a.dkv_batch + hh * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t j = k0 + quad + r * 8;
     if (j >= a.sk) continue;
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<uint32_t*>(dkg + j * a.qkv_row + dn * 8 + tq * 2) =
+      *reinterpret_cast<uint32_t*>(dkg + j * a.grad_row + dn * 8 + tq * 2) =
           pack2<T>(DK(dn, 2 * r) * a.scale, DK(dn, 2 * r + 1) * a.scale);
-      *reinterpret_cast<uint32_t*>(dvg + j * a.qkv_row + dn * 8 + tq * 2) =
+      *reinterpret_cast<uint32_t*>(dvg + j * a.grad_row + dn * 8 + tq * 2) =
           pack2<T>(DV(dn, 2 * r) * a.keep_scale, DV(dn, 2 * r + 1) * a.keep_scale);
     }
   }
@@ -216,16 +216,16 @@ __global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict
     scale_store8(acc + i, dq + i, scale);
 }
 
-// The same into q's view (AttnArgs, packed q/k/v): row r = (b, i) of dq_acc, H * D
-// elements, goes to b * q_batch + i * qkv_row. Blocks walk rows (one division per row, not
+// The same into dq's view (AttnArgs, packed gradients): row r = (b, i) of dq_acc, H * D
+// elements, goes to b * dq_batch + i * grad_row. Blocks walk rows (one division per row, not
 // per element), threads the row's 16-byte pieces.
 template <typename T>
 __global__ void attention_dq_view_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t rows, int64_t hd,
-                                         float scale, int64_t sq, int64_t qkv_row, int64_t q_batch) {
+                                         float scale, int64_t sq, int64_t grad_row, int64_t dq_batch) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t bb = r / sq;
     const float* src = acc + r * hd;
-    T* dst = dq + bb * q_batch + (r - bb * sq) * qkv_row;
+    T* dst = dq + bb * dq_batch + (r - bb * sq) * grad_row;
     for (int64_t c = threadIdx.x * 8; c < hd; c += blockDim.x * 8) scale_store8(src + c, dst + c, scale);
   }
 }

@@ -1,5 +1,5 @@
-// CPU handlers for fused attention (ABI.md, "Attention family": attention_fwd / _bwd and
-// the packed self-attention attention_qkv_fwd / _bwd).
+// CPU handlers for fused attention (ABI.md, "Attention family": attention_fwd / _bwd, the
+// packed-gradient attention_bwd_dqkv and the packed self-attention attention_qkv_fwd / _bwd).
 // Plain loops over (b, h, i) rows, f32 element math with double dot products and row
 // sums, so these handlers are a tight oracle for the CUDA kernels and for the unfused path.
 // Nothing [B, H, Sq, Sk] is stored: each row's scores are recomputed from q and k, and
@@ -165,10 +165,11 @@ void attention_fwd(const RowCtx& c, const T* q, const T* k, const T* v, T* out, 
   }
 }
 
-// dout, out: T[B, Sq, H, D]; lse: f32[B, H, Sq]; dq, dk, dv: views like q, k, v.
+// dout, out: T[B, Sq, H, D]; lse: f32[B, H, Sq]; dq, dk, dv: views of g's strides (q, k,
+// v's own, or one packed gradient's).
 template <typename T>
 void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const T* v, const T* out,
-                   const float* lse, T* dq, T* dk, T* dv) {
+                   const float* lse, const Dims& g, T* dq, T* dk, T* dv) {
   const Dims& d = c.d;
   std::vector<float> p(d.sk);
   std::vector<double> dqi(d.d), dkh(d.sk * d.d), dvh(d.sk * d.d);
@@ -203,13 +204,14 @@ void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const
             }
           }
         }
-        for (int64_t e = 0; e < d.d; ++e) dq[qi + e] = from_float<T>(static_cast<float>(dqi[e]));
+        const int64_t gi = q_at(g, b, i, h);
+        for (int64_t e = 0; e < d.d; ++e) dq[gi + e] = from_float<T>(static_cast<float>(dqi[e]));
       }
       for (int64_t j = 0; j < d.sk; ++j) {
-        const int64_t kj = kv_at(d, b, j, h);
+        const int64_t gj = kv_at(g, b, j, h);
         for (int64_t e = 0; e < d.d; ++e) {
-          dk[kj + e] = from_float<T>(static_cast<float>(dkh[j * d.d + e]));
-          dv[kj + e] = from_float<T>(static_cast<float>(dvh[j * d.d + e]));
+          dk[gj + e] = from_float<T>(static_cast<float>(dkh[j * d.d + e]));
+          dv[gj + e] = from_float<T>(static_cast<float>(dvh[j * d.d + e]));
         }
       }
     }
@@ -263,8 +265,39 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, kBwd, [&](auto tt) {
     using T = typename decltype(tt)::type;
-    attention_bwd<T>(c, data<T>(dout), data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse),
+    attention_bwd<T>(c, data<T>(dout), data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse), d,
                      data<T>(dq), data<T>(dk), data<T>(dv));
+    return ffi::Error::Success();
+  });
+}
+
+// Self-attention on separate q, k, v (T[B, S, H, D] each) with the gradient packed:
+// dout; q; k; v; out; lse; mask; seed -> dqkv: T[B, S, 3, H, D]; workspaces (untouched).
+ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::AnyBuffer seed,
+                               float scale, bool causal, int32_t mask_kind, uint32_t threshold, float keep_scale,
+                               ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
+                               ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
+  const char* op = "attention_bwd_dqkv";
+  Dims d;
+  MaskView m;
+  if (auto e = qkv_dims(op, q, k, v, seed, d); e.failure()) return e;
+  if (d.sq != d.sk) return invalid(op, "q and k must have one sequence length (self-attention)");
+  if (auto e = attention_mask(op, mask, mask_kind, d, m); e.failure()) return e;
+  const ffi::DataType t = q.element_type();
+  const size_t nq = q.element_count();
+  if (auto e = check_buffer(op, "dout", dout, t, nq); e.failure()) return e;
+  if (auto e = check_buffer(op, "out", out, t, nq); e.failure()) return e;
+  if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
+  if (auto e = check_buffer(op, "dqkv", *dqkv, t, 3 * nq); e.failure()) return e;
+  const int64_t hd = d.h * d.d;
+  const Dims g{d.b, d.sq, d.sk, d.h, d.d, 3 * hd, d.sq * 3 * hd, d.sq * 3 * hd};  // [B, S, 3, H, D]
+  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  return dispatch_float<HostTypes>(t, op, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    T* dq = data<T>(dqkv);
+    attention_bwd<T>(c, data<T>(dout), data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse), g, dq,
+                     dq + hd, dq + 2 * hd);
     return ffi::Error::Success();
   });
 }
@@ -328,7 +361,7 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
     using T = typename decltype(tt)::type;
     const T* q = data<T>(qkv);
     T* dq = data<T>(dqkv);
-    attention_bwd<T>(c, data<T>(dout), q, q + koff, q + 2 * koff, data<T>(out), data<float>(lse), dq, dq + koff,
+    attention_bwd<T>(c, data<T>(dout), q, q + koff, q + 2 * koff, data<T>(out), data<float>(lse), d, dq, dq + koff,
                      dq + 2 * koff);
     return ffi::Error::Success();
   });
@@ -362,6 +395,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
                                   .Ret<xla::ffi::AnyBuffer>()   // dq
                                   .Ret<xla::ffi::AnyBuffer>()   // dk
                                   .Ret<xla::ffi::AnyBuffer>()   // dv
+                                  .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd_dqkv, jaxsub::AttentionBwdDqkvCpu,
+                              jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
+                                                          .Arg<xla::ffi::AnyBuffer>()   // dout
+                                                          .Arg<xla::ffi::AnyBuffer>()   // q
+                                                          .Arg<xla::ffi::AnyBuffer>()   // k
+                                                          .Arg<xla::ffi::AnyBuffer>()   // v
+                                                          .Arg<xla::ffi::AnyBuffer>()   // out
+                                                          .Arg<xla::ffi::AnyBuffer>()   // lse
+                                                          .Arg<xla::ffi::AnyBuffer>()   // mask
+                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
+                                  .Ret<xla::ffi::AnyBuffer>()   // dqkv
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator
 

@@ -199,7 +199,7 @@ __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles
   cluster_rank_size(rank, size);
   const int ranks = static_cast<int>(size), me = static_cast<int>(rank);
   const int per = (kTile + ranks - 1) / ranks, r0 = me * per, r1 = min(r0 + per, kTile);
-  T* dq = static_cast<T*>(a.o) + bb * a.q_batch + hh * D;
+  T* dq = static_cast<T*>(a.o) + bb * a.dq_batch + hh * D;
   for (int t = 0; t < tiles; ++t) {
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(x(t)));
     for (int idx = threadIdx.x; idx < (r1 - r0) * (D / 4); idx += kThreads) {
@@ -212,7 +212,7 @@ __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles
       }
       if (i < a.sq) {
         const float out[4] = {sum.x * a.scale, sum.y * a.scale, sum.z * a.scale, sum.w * a.scale};
-        store_vec<T, 4>(dq + i * a.qkv_row + col, out);
+        store_vec<T, 4>(dq + i * a.grad_row + col, out);
       }
     }
   }

@@ -15,6 +15,7 @@
   X(softmax_dropout_bwd)   \
   X(attention_fwd)         \
   X(attention_bwd)         \
+  X(attention_bwd_dqkv)    \
   X(attention_qkv_fwd)     \
   X(attention_qkv_bwd)     \
   X(bias_grad)

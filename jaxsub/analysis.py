@@ -75,11 +75,13 @@ _FUSED = {
     "jaxsub_bias_gelu_dropout_fwd": (ELEMENTWISE, 7), "jaxsub_bias_gelu_dropout_bwd": (ELEMENTWISE, 12),
     "jaxsub_softmax_dropout_fwd": (NORMALIZATION, 7), "jaxsub_softmax_dropout_bwd": (NORMALIZATION, 9),
     "jaxsub_attention_fwd": (CONTRACTION, None), "jaxsub_attention_bwd": (CONTRACTION, None),
+    "jaxsub_attention_bwd_dqkv": (CONTRACTION, None),
     "jaxsub_attention_qkv_fwd": (CONTRACTION, None), "jaxsub_attention_qkv_bwd": (CONTRACTION, None),
     "jaxsub_bias_grad": (NORMALIZATION, 1),  # a column sum, classed like XLA's reduce_sum
 }
 _WORKSPACES = {"jaxsub_layer_norm_bwd": 1, "jaxsub_bdrln_bwd": 1, "jaxsub_bias_gelu_dropout_bwd": 1,
-               "jaxsub_attention_bwd": 2, "jaxsub_attention_qkv_bwd": 2, "jaxsub_bias_grad": 1}
+               "jaxsub_attention_bwd": 2, "jaxsub_attention_bwd_dqkv": 2, "jaxsub_attention_qkv_bwd": 2,
+               "jaxsub_bias_grad": 1}
 
 
 @dataclasses.dataclass
@@ -143,7 +145,7 @@ def _fused_row(node):
     cls, per_element = _FUSED.get(target, (ELEMENTWISE, 0))
     results = node.outs[:len(node.outs) - _WORKSPACES.get(target, 0)]
     if per_element is None:  # attention: q [B, Sq, H, D], k [B, Sk, H, D]; packed: out [B, S, H, D]
-        bwd = target.endswith("_bwd")
+        bwd = "_bwd" in target
         if "_qkv_" in target:
             b, sq, h, d = (node.ins[0] if bwd else results[0]).shape
             sk = sq

@@ -5,7 +5,7 @@ from jaxsub.ops.norm import bias_dropout_residual_layer_norm, layer_norm
 from jaxsub.ops.gelu import bias_gelu_dropout
 from jaxsub.ops.bias import bias_add
 from jaxsub.ops.softmax import softmax_dropout
-from jaxsub.ops.attn import attention, attention_packed
+from jaxsub.ops.attn import attention, attention_packed, attention_projected
 
 __all__ = [
     "dropout_mask",
@@ -16,4 +16,5 @@ __all__ = [
     "softmax_dropout",
     "attention",
     "attention_packed",
+    "attention_projected",
 ]

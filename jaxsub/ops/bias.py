@@ -56,6 +56,17 @@ def _grad_call(dy, bias):
     return dbias.reshape(bias.shape)
 
 
+def bias_grad(dy, bias):
+    """The gradient of a bias broadcast over dy's leading dims: dy summed over them in fp32,
+    in bias's shape and dtype (`bias` may be a ShapeDtypeStruct). The fused column sum
+    where it takes the size, else XLA's reduction. For other ops' backward rules (the
+    attention with its q/k/v projections) as well as `bias_add`'s."""
+    if dy.size == 0 or bias.size > _ffi.MAX_COLS:
+        lead = tuple(range(dy.ndim - len(bias.shape)))
+        return jnp.sum(dy.astype(jnp.float32), axis=lead).astype(bias.dtype)
+    return _grad_call(dy, bias)
+
+
 # ---------------------------------------------------------------------------------------
 # custom_vjp. The bias is the residual only for its shape and dtype (it is a live input
 # anyway); nothing of x's size is saved.
@@ -71,7 +82,7 @@ def _bias_add_fwd(x, bias):
 
 
 def _bias_add_bwd(bias, dy):
-    return dy, _grad_call(dy, bias)
+    return dy, bias_grad(dy, bias)
 
 
 _bias_add.defvjp(_bias_add_fwd, _bias_add_bwd)

@@ -1,0 +1,223 @@
+"""attention_projected: self-attention on x's three projections equals `attention` on
+x·W_q + b_q, x·W_k + b_k, x·W_v + b_v (outputs and the gradients of x, the weights and the
+biases; both implementations, masks, causal, dropout), its fused path lowers to the
+forward and the packed-gradient backward targets, that backward target equals
+`attention_bwd` (CPU; GPU), check_grads, vmap, validation; on the GPU, the op against the
+CPU handlers at BERT shapes and odd sizes."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxsub
+from jaxsub.testing import assert_close
+from test_attention import BF16, F16, F32, IMPLEMENTATIONS, make_mask, normal
+
+op = jaxsub.ops.attention_projected
+attn = importlib.import_module("jaxsub.ops.attn")
+
+
+def inputs(seed, b, s, e, h, d, dtype, bias=True):
+    """x, three weights (scaled so that the scores are O(1) to O(10)), three biases and an
+    output cotangent."""
+    rng = np.random.default_rng(seed)
+    x = normal(rng, (b, s, e), dtype)
+    ws = tuple(normal(rng, (e, h, d), dtype) * jnp.asarray(scale / np.sqrt(e), dtype) for scale in (3.0, 1.0, 1.0))
+    bs = tuple(normal(rng, (h, d), dtype) for _ in range(3)) if bias else None
+    return x, ws, bs, normal(rng, (b, s, h, d), dtype)
+
+
+def on_projections(x, ws, bs, **kw):
+    """`attention` on the three projections, written as a user would."""
+    q, k, v = (jnp.einsum("bse,ehd->bshd", x, w) + (0 if bs is None else b)
+               for w, b in zip(ws, bs if bs is not None else (None,) * 3))
+    return jaxsub.ops.attention(q, k, v, **kw)
+
+
+def vjp(f, x, ws, bs, dout, **kw):
+    out, pull = jax.vjp(lambda x, ws, bs: f(x, ws, bs, **kw), x, ws, bs)
+    return out, pull(dout)
+
+
+_STATIC = ("causal", "dropout_rate", "implementation")
+projected_vjp = jax.jit(lambda *a, **kw: vjp(op, *a, **kw), static_argnames=_STATIC)
+reference_vjp = jax.jit(lambda *a, **kw: vjp(on_projections, *a, **kw), static_argnames=_STATIC)
+
+
+def assert_vjps_close(got, want, dtype, s, e, what=""):
+    (out, (dx, dws, dbs)), (want_out, (wdx, wdws, wdbs)) = got, want
+    assert_close(out, want_out, dtype, reduction=s * e, what=f"{what} out")
+    assert_close(dx, wdx, dtype, reduction=s * e, grad=True, what=f"{what} dx")
+    for i in range(3):
+        assert_close(dws[i], wdws[i], dtype, reduction=s * e, grad=True, what=f"{what} dw[{i}]")
+        if dbs is not None:
+            assert_close(dbs[i], wdbs[i], dtype, reduction=s * e, grad=True, what=f"{what} db[{i}]")
+
+
+# (S, E, H, D, dtype, mask, causal, rate)
+CASES = [
+    (1, 4, 1, 8, F32, None, False, 0.0),
+    (7, 12, 3, 4, F32, "padding", True, 0.1),
+    (130, 16, 1, 64, BF16, "additive", False, 0.1),
+    (128, 24, 3, 8, F16, None, True, 0.0),
+    (65, 10, 2, 8, F32, "bool4d", False, 0.2),
+]
+
+
+@pytest.mark.parametrize("s,e,h,d,dtype,mask_kind,causal,rate", CASES,
+                         ids=[f"s{c[0]}-e{c[1]}-h{c[2]}-d{c[3]}-{c[4].name}-{c[5]}-{'causal' if c[6] else 'full'}-p{c[7]}"
+                              for c in CASES])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_equals_attention_on_the_projections(implementation, s, e, h, d, dtype, mask_kind, causal, rate):
+    b = 2
+    x, ws, bs, dout = inputs(s * 10 + d, b, s, e, h, d, dtype)
+    kw = dict(mask=make_mask(mask_kind, s + 1, b, h, s, s), key=jax.random.key(s), causal=causal,
+              dropout_rate=rate, implementation=implementation)
+    got = projected_vjp(x, ws, bs, dout, **kw)
+    want = reference_vjp(x, ws, bs, dout, **kw)
+    assert got[0].shape == (b, s, h, d) and got[0].dtype == dtype
+    assert [a.shape for a in got[1][1]] == [(e, h, d)] * 3 and [a.shape for a in got[1][2]] == [(h, d)] * 3
+    assert all(a.dtype == dtype for a in jax.tree.leaves(got))
+    assert_vjps_close(got, want, dtype, s, e)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_without_biases(implementation):
+    x, ws, _, dout = inputs(3, 2, 7, 12, 3, 4, F32, bias=False)
+    kw = dict(dropout_rate=0.1, key=jax.random.key(1), implementation=implementation)
+    got, want = projected_vjp(x, ws, None, dout, **kw), reference_vjp(x, ws, None, dout, **kw)
+    assert got[1][2] is None
+    assert_vjps_close(got, want, F32, 7, 12)
+
+
+def _bwd_pair(seed, b, s, h, d, dtype, mask_kind, causal, rate):
+    """(dqkv from jaxsub_attention_bwd_dqkv, (dq, dk, dv) from jaxsub_attention_bwd) on one
+    forward's out and lse, as jitted functions of the inputs."""
+    from jaxsub.ops import dropout as _dropout
+    from jaxsub.ops import masks as _masks
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = (normal(rng, (b, s, h, d), dtype) for _ in range(4))
+    mask4d, kind = _masks.normalize("t", make_mask(mask_kind, seed, b, h, s, s), (b, h), s, s, key_padding_ok=True)
+    seed_words = _dropout.seed_from_key("t", jax.random.key(seed)) if rate else _dropout.NO_SEED
+    static = (1.0 / np.sqrt(d), causal, kind, rate)
+
+    def both(q, k, v, dout, mask4d, seed_words):
+        out, lse = attn._fwd_call(q, k, v, mask4d, seed_words, *static)
+        return (attn._bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed_words, *static),
+                attn._bwd_call(dout, q, k, v, out, lse, mask4d, seed_words, *static))
+
+    return jax.jit(both), (q, k, v, dout, jnp.asarray(mask4d), seed_words)
+
+
+@pytest.mark.parametrize("s,h,d,dtype,mask_kind,causal,rate", [
+    (1, 1, 8, F32, None, False, 0.0), (7, 3, 4, BF16, "padding", True, 0.1), (130, 2, 16, F16, "additive", False, 0.2)])
+def test_packed_gradient_target_equals_attention_bwd(s, h, d, dtype, mask_kind, causal, rate):
+    # The CPU handlers run the same loops, writing at other strides: identical values.
+    run, args = _bwd_pair(s + d, 2, s, h, d, dtype, mask_kind, causal, rate)
+    dqkv, grads = run(*args)
+    assert dqkv.shape == (2, s, 3, h, d) and dqkv.dtype == dtype
+    for i, (name, g) in enumerate(zip(("dq", "dk", "dv"), grads)):
+        np.testing.assert_array_equal(np.asarray(dqkv[:, :, i], np.float32), np.asarray(g, np.float32), err_msg=name)
+
+
+def test_fused_lowers_to_the_projected_targets():
+    x, ws, bs, _ = inputs(0, 2, 7, 12, 3, 8, BF16)
+    f = lambda x, ws, bs, impl: op(x, ws, bs, dropout_rate=0.1, key=jax.random.key(0), implementation=impl)
+    grad = lambda impl: jax.jit(jax.grad(lambda *a: f(*a, impl).astype(F32).sum(), argnums=(0, 1, 2)))
+    hlo = grad("fused").lower(x, ws, bs).as_text()
+    assert "@jaxsub_attention_fwd(" in hlo and "@jaxsub_attention_bwd_dqkv(" in hlo and "@jaxsub_bias_grad(" in hlo
+    assert "jaxsub_attention_qkv" not in hlo and "@jaxsub_attention_bwd(" not in hlo
+    unfused = grad("unfused").lower(x, ws, bs).as_text()
+    assert "jaxsub_softmax_dropout_fwd" in unfused and "jaxsub_attention" not in unfused
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_check_grads_fused(rate):
+    x, ws, bs, _ = inputs(3, 1, 5, 6, 2, 4, F32)
+    mask = jnp.asarray([[True, True, False, True, True]])
+    f = lambda x, ws, bs: op(x, ws, bs, mask=mask, causal=True, dropout_rate=rate, key=jax.random.key(4),
+                             implementation="fused")
+    check_grads(f, (x, ws, bs), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_vmap_over_extra_leading_axis_matches_loop(implementation):
+    x = jnp.stack([inputs(10 + i, 2, 7, 12, 3, 8, F32)[0] for i in range(3)])
+    _, ws, bs, _ = inputs(9, 2, 7, 12, 3, 8, F32)
+    keys = jax.random.split(jax.random.key(5), 3)
+    f = lambda x, k: op(x, ws, bs, causal=True, dropout_rate=0.2, key=k, implementation=implementation)
+    got = jax.vmap(f)(x, keys)
+    for i in range(3):
+        assert_close(got[i], f(x[i], keys[i]), F32, reduction=7 * 12, what=f"vmap element {i}")
+
+
+_W = tuple(np.zeros((12, 3, 4), np.float32) for _ in range(3))
+_B = tuple(np.zeros((3, 4), np.float32) for _ in range(3))
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(x=np.zeros((2, 7, 3, 12), np.float32)), ValueError, ["attention_projected", "`x`", "rank 3"]),
+    (dict(x=np.zeros((2, 7, 12), np.int32)), TypeError, ["attention_projected", "`x`", "int32"]),
+    (dict(weights=_W[:2]), TypeError, ["attention_projected", "`weights`", "three"]),
+    (dict(weights=(np.zeros((10, 3, 4), np.float32),) + _W[1:]), ValueError, ["attention_projected", "weights[0]"]),
+    (dict(weights=_W[:2] + (np.zeros((12, 3, 5), np.float32),)), ValueError, ["attention_projected", "weights[2]"]),
+    (dict(weights=_W[:2] + (np.zeros((12, 3, 4), np.float16),)), TypeError, ["attention_projected", "weights[2]"]),
+    (dict(biases=_B[:1] + (np.zeros((4, 3), np.float32),) + _B[2:]), ValueError, ["attention_projected", "biases[1]"]),
+    (dict(biases=np.zeros((3, 3, 4), np.float32)), TypeError, ["attention_projected", "`biases`"]),
+    (dict(dropout_rate=0.1), ValueError, ["attention_projected", "key"]),
+])
+def test_bad_inputs_raise_naming_op_and_argument(kwargs, exc, words):
+    args = dict(x=np.zeros((2, 7, 12), np.float32), weights=_W, biases=_B)
+    args.update(kwargs)
+    with pytest.raises(exc) as info:
+        op(args.pop("x"), args.pop("weights"), args.pop("biases"), **args)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+class TestCuda:
+    """The fused op on the GPU against the CPU handlers (same inputs and key), and the
+    packed-gradient kernel against the separate-gradient one on the GPU."""
+
+    @staticmethod
+    def _cuda_vs_cpu(b, s, e, h, d, *, causal, rate, dtype=BF16, mask_kind=None, seed=161):
+        x, ws, bs, dout = inputs(seed, b, s, e, h, d, dtype)
+        kw = dict(mask=make_mask(mask_kind, seed + 1, b, h, s, s), key=jax.random.key(seed + 2), causal=causal,
+                  dropout_rate=rate, implementation="fused")
+        run = jax.jit(lambda *a: vjp(op, *a, **kw))
+        args = (x, ws, bs, dout)
+        hlo = run.lower(*args).as_text()
+        assert "@jaxsub_attention_bwd_dqkv(" in hlo, "the packed-gradient kernel did not run"
+        want = run(*jax.device_put(args, jax.devices("cpu")[0]))
+        got = run(*jax.device_put(args, jax.devices()[0]))
+        assert_vjps_close(got, want, dtype, s, e, what="cuda vs cpu")
+
+    def test_bert_large_dropout_matches_cpu(self):
+        self._cuda_vs_cpu(8, 512, 1024, 16, 64, causal=False, rate=0.1, mask_kind="padding")
+
+    def test_short_sequences_matches_cpu(self):  # S 128: the cluster-reduced dq on sm_90a
+        self._cuda_vs_cpu(12, 128, 256, 4, 64, causal=False, rate=0.1)
+
+    @pytest.mark.parametrize("d", [32, 64, 128])
+    @pytest.mark.parametrize("s,mask_kind,causal", [(1, None, False), (7, "padding", True), (130, "additive", False),
+                                                    (200, "headkeys", True)])
+    def test_odd_sizes_match_cpu(self, s, mask_kind, causal, d):
+        self._cuda_vs_cpu(2, s, 40, 3, d, causal=causal, rate=0.1, dtype=F16 if d == 32 else BF16,
+                          mask_kind=mask_kind, seed=s * 10 + d)
+
+    @pytest.mark.parametrize("s,d,causal", [(512, 64, False), (128, 64, False), (130, 128, True), (77, 32, False)])
+    def test_packed_gradient_kernel_equals_separate(self, s, d, causal):
+        # Same kernels, other gradient strides: dk and dv bitwise equal; dq adds f32 atomics
+        # in a nondeterministic order (outside the cluster path), so within tolerance.
+        run, args = _bwd_pair(s + d, 4, s, 4, d, BF16, "padding", causal, 0.1)
+        dqkv, (dq, dk, dv) = run(*args)
+        assert_close(dqkv[:, :, 0], dq, BF16, reduction=s, grad=True, what="dq")
+        for name, i, g in (("dk", 1, dk), ("dv", 2, dv)):
+            np.testing.assert_array_equal(np.asarray(dqkv[:, :, i], np.float32), np.asarray(g, np.float32),
+                                          err_msg=name)
