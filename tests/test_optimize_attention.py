@@ -235,6 +235,7 @@ def test_flax_linen_causal_mask():
 
 
 PACKED = "computed as one product with the weights stacked (attention_packed, axis 2)"
+APART = "as three products, their gradient packed (attention_projected)"
 
 
 def _packed_targets(f, *args):
@@ -245,32 +246,45 @@ def _packed_targets(f, *args):
     return {t: text.count(f"@{t}(") for t in ("jaxsub_attention_fwd", "jaxsub_attention_qkv_fwd")}
 
 
+def _grad_targets(f, *args):
+    """The attention backward and bias-gradient targets in the lowered HLO of the gradient
+    of optimize(f) (argument 0 and 1) on the fused path."""
+    opt = jaxsub.optimize(f, layouts="none")
+    loss = lambda *a: sum(jnp.sum(jnp.square(o)) for o in jax.tree.leaves(opt(*a)))
+    with ops.config.use({"attention": {"impl": "fused"}}):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text()
+    return {t: text.count(f"@{t}(") for t in ("jaxsub_attention_bwd", "jaxsub_attention_bwd_dqkv",
+                                              "jaxsub_attention_qkv_bwd", "jaxsub_bias_grad")}
+
+
 def test_flax_nnx():
     layer = nnx.MultiHeadAttention(num_heads=H, in_features=E, decode=False, rngs=nnx.Rngs(0))
     report = _check(lambda x: layer(x), (_normal(0, (B, S, E)),), {"attention": 1}, argnums=(0,))
-    assert PACKED in str(report), str(report)
+    assert APART in str(report), str(report)
 
 
-def test_flax_linen_projections_become_one_packed_product():
-    """MultiHeadDotProductAttention's three DenseGenerals (with biases) of one input: one
-    product with the weights stacked, read in place by attention_packed; values and
-    gradients (the three kernels and biases included) as the original's."""
+def test_flax_linen_projections_become_attention_projected():
+    """MultiHeadDotProductAttention's three DenseGenerals (with biases) of one input:
+    attention_projected, whose forward keeps the three products (each with its bias) and
+    whose backward writes one packed gradient; values and gradients (the three kernels
+    and biases included) as the original's."""
     m, params, x = _linen()
 
     def f(params, x):
         return m.apply(params, x)
 
     report = _check(f, (params, x), {"attention": 1}, argnums=(0, 1))
-    assert PACKED in str(report) and "+ bias" in str(report), str(report)
-    assert _packed_targets(f, params, x) == {"jaxsub_attention_fwd": 0, "jaxsub_attention_qkv_fwd": 1}
-    # The stacked bias's gradient: the fused column sum.
-    text = jax.jit(jax.grad(lambda p, x: jnp.sum(jaxsub.optimize(f)(p, x) ** 2))).lower(params, x).as_text()
-    assert "@jaxsub_bias_grad(" in text
+    assert APART in str(report) and "+ bias" in str(report), str(report)
+    assert _packed_targets(f, params, x) == {"jaxsub_attention_fwd": 1, "jaxsub_attention_qkv_fwd": 0}
+    # One packed gradient; the three biases' gradient by one fused column sum.
+    assert _grad_targets(f, params, x) == {"jaxsub_attention_bwd": 0, "jaxsub_attention_bwd_dqkv": 1,
+                                           "jaxsub_attention_qkv_bwd": 0, "jaxsub_bias_grad": 1}
     # Without biases as well.
     m2 = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, use_bias=False)
     p2 = m2.init(jax.random.key(0), x)
     report = _check(lambda p, x: m2.apply(p, x), (p2, x), {"attention": 1}, argnums=(0, 1))
-    assert PACKED in str(report) and "+ bias" not in str(report), str(report)
+    assert APART in str(report) and "+ bias" not in str(report), str(report)
+    assert _grad_targets(lambda p, x: m2.apply(p, x), p2, x)["jaxsub_bias_grad"] == 0
 
 
 def _projected(x, y, w, b, i):
@@ -315,7 +329,7 @@ def test_projections_that_differ_are_reported():
     assert "not packed: an input of a projection is computed inside the attention" in str(report), str(report)
 
 
-def test_jnp_projections_become_one_packed_product():
+def test_jnp_projections_become_attention_projected():
     x, y = _normal(0, (B, S, E)), _normal(1, (B, S, E))
     w, b = _normal(2, (3, E, H, D)) * 0.2, _normal(3, (3, H, D))
 
@@ -323,8 +337,9 @@ def test_jnp_projections_become_one_packed_product():
         return attn_bshd(*(_projected(x, x, w, b, i) for i in range(3)))
 
     report = _check(self_attention, (x, w, b), {"attention": 1})
-    assert PACKED in str(report), str(report)
-    assert _packed_targets(self_attention, x, w, b)["jaxsub_attention_qkv_fwd"] == 1
+    assert APART in str(report), str(report)
+    assert _packed_targets(self_attention, x, w, b) == {"jaxsub_attention_fwd": 1, "jaxsub_attention_qkv_fwd": 0}
+    assert _grad_targets(self_attention, x, w, b)["jaxsub_attention_bwd_dqkv"] == 1
 
 
 def test_projections_with_the_contraction_last_in_the_weights():

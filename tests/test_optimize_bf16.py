@@ -65,8 +65,8 @@ def _fwd_counts(c):
 
 
 def _bwd_counts(c):
-    return {"attention_or_softmax": c["jaxsub_attention_bwd"] + c["jaxsub_attention_qkv_bwd"]
-            + c["jaxsub_softmax_dropout_bwd"],
+    return {"attention_or_softmax": c["jaxsub_attention_bwd"] + c["jaxsub_attention_bwd_dqkv"]
+            + c["jaxsub_attention_qkv_bwd"] + c["jaxsub_softmax_dropout_bwd"],
             "jaxsub_bdrln_bwd": c["jaxsub_bdrln_bwd"],
             "jaxsub_bias_gelu_dropout_bwd": c["jaxsub_bias_gelu_dropout_bwd"]}
 

@@ -533,6 +533,8 @@ def match_attention(g, anchor, options):
         if packed is not None:
             qkv = ops.bias_add(read(biased[0]), read(biased[1])) if biased is not None else read(packed[0])
             out = ops.attention_packed(qkv, axis=packed[1], **kw)
+        elif projected is not None and projected.apart:
+            out = ops.attention_projected(*projected.operands(read), **kw)
         elif projected is not None:
             out = ops.attention_packed(projected.build(read), axis=2, **kw)
         else:
@@ -548,7 +550,7 @@ def match_attention(g, anchor, options):
         if biased is not None:
             detail += f", its bias {shapes(biased[1])} added by ops.bias_add"
     elif projected is not None:
-        detail += f", {projected.describe()} (attention_packed, axis 2)"
+        detail += f", {projected.describe()}"
     elif unpacked is not None:
         detail += f", q/k/v projections of one input not packed: {unpacked}"
     return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), build, detail)

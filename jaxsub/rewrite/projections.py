@@ -12,6 +12,11 @@ backward has one input-gradient product and one bias reduction instead of three 
 and the additions between them (bench/NOTES.md, "Packed projections and short-sequence
 dQ").
 
+Where the three have Flax's form (x [B, S, E] · w [E, H, D] + bias), the matcher calls
+`ops.attention_projected` instead: the same packed gradient, but three products in the
+forward, each adding its own bias in its GEMM's epilogue, where the stacked bias is a
+kernel of its own (bench/NOTES.md, seventeenth session).
+
 Taken only when the projections are private to the attention (each product used only by
 its bias add, each q/k/v only by the attention), which the matcher checks with the
 nodes returned here.
@@ -53,11 +58,21 @@ def _projection(g: G.Graph, ref) -> Projection | None:
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """q, k and v as one projection; `build(read)` gives the [B, S, 3, H, D] array."""
+    """q, k and v as one projection; `build(read)` gives the [B, S, 3, H, D] array, and
+    where `apart` holds, `operands(read)` gives `ops.attention_projected`'s arguments."""
     projections: tuple
     nodes: list
     w_axis: int      # where the weights are stacked
     dims: tuple      # the packed product's dimension numbers
+    apart: bool = False  # x [B, S, E] · w [E, H, D] (+ bias [1, 1, H, D]), all of one dtype
+
+    def operands(self, read):
+        """(x, the three weights, the three biases [H, D] or None) for attention_projected."""
+        first = self.projections[0]
+        weights = tuple(read(p.w) for p in self.projections)
+        if first.bias is None:
+            return read(first.x), weights, None
+        return read(first.x), weights, tuple(read(p.bias).reshape(p.bias.shape[2:]) for p in self.projections)
 
     def build(self, read):
         first = self.projections[0]
@@ -83,8 +98,11 @@ class Packed:
     def describe(self) -> str:
         p = self.projections[0]
         bias = " + bias" if p.bias is not None else ""
+        if self.apart:
+            return (f"q/k/v projections x{list(p.x.shape)} @ w{list(p.w.shape)}{bias} as three products, "
+                    f"their gradient packed (attention_projected)")
         return (f"q/k/v projections x{list(p.x.shape)} @ w{list(p.w.shape)}{bias} computed as one product "
-                f"with the weights stacked")
+                f"with the weights stacked (attention_packed, axis 2)")
 
 
 def _suffix(shape, of) -> bool:
@@ -145,4 +163,15 @@ def pack(g: G.Graph, q, k, v) -> Packed | str | None:
     axis = free[0]
     dims = ((tuple(lc), tuple(c + (c >= axis) for c in rc)), ((), ()))
     nodes = [n for p in projs for n in (p.dot, p.add) if n is not None]
-    return Packed(tuple(projs), nodes, axis, dims)
+    return Packed(tuple(projs), nodes, axis, dims, _apart(first))
+
+
+def _apart(p: Projection) -> bool:
+    """Whether the projections have attention_projected's form: x [B, S, E] · w [E, H, D]
+    contracting E, default precision, x, w, the product and a [1, 1, H, D] bias of one dtype."""
+    params = p.dot.params
+    out = p.dot.outs[0]
+    return (tuple(map(tuple, params["dimension_numbers"][0])) == ((2,), (0,)) and len(p.w.shape) == 3
+            and params.get("precision") is None and params.get("preferred_element_type") in (None, out.dtype)
+            and p.x.dtype == p.w.dtype == out.dtype
+            and (p.bias is None or tuple(p.bias.shape) == (1, 1, *p.w.shape[1:])))
