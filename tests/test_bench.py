@@ -249,7 +249,7 @@ def test_host_cost_runs_on_a_small_config(capsys):
 def test_bias_epilogue_runs_on_a_small_config(capsys):
     assert _tool("bias_epilogue").main(["--small"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 5 and lines[0].startswith("parameter [3, H, D]")
+    assert len(lines) == 7 and lines[0].startswith("parameter [3, H, D]") and lines[-1].startswith("three products, ")
     assert all("epilogues" in line and "writers of y" in line for line in lines)
 
 

@@ -6,7 +6,8 @@ forms, and prints for each the epilogues of the compiled cuBLAS calls ("BIAS" wh
 add rides in the GEMM) and the fusions that write the projection's output. On the H200
 (jax 0.11.2) only a bias that is a parameter of the jitted function was folded; stacked,
 concatenated, scaled or barrier-wrapped ones were a separate add (bench/NOTES.md,
-"Packed projections"). On CPU nothing is a cuBLAS call: the lists are empty.
+"Packed projections"); three products of x get it only when barriers keep them apart
+(NOTES, "Seventeenth session"). On CPU nothing is a cuBLAS call: the lists are empty.
 
 Usage: python3 tools/bias_epilogue.py [--small]
 """
@@ -25,6 +26,9 @@ def forms(h: int, d: int):
     def proj(x, w):
         return jnp.einsum("bse,ethd->bsthd", x, jnp.stack(w, 1))
 
+    def one(x, w):
+        return jnp.einsum("bse,ehd->bshd", x, w)
+
     def vec(b):
         return jnp.concatenate([bi.reshape(-1) for bi in b]).reshape(3, h, d)
 
@@ -34,6 +38,13 @@ def forms(h: int, d: int):
         "concatenated vector": lambda x, w, b, bp: proj(x, w) + vec(b),
         "parameter * 1.5": lambda x, w, b, bp: proj(x, w) + bp * 1.5,
         "stack behind a barrier": lambda x, w, b, bp: proj(x, w) + jax.lax.optimization_barrier(jnp.stack(b, 0)),
+        # Three products of x (ops.attention_projected's forward): as written, XLA's dot
+        # merger joins them into one GEMM and adds the biases after it; each (x, W_i) behind
+        # a barrier, they stay apart and each [H, D] parameter bias is folded.
+        "three products": lambda x, w, b, bp: tuple(one(x, wi) + bi for wi, bi in zip(w, b)),
+        "three products, barriers": lambda x, w, b, bp: tuple(
+            one(*((x, wi) if i == 0 else jax.lax.optimization_barrier((x, wi)))) + bi
+            for i, (wi, bi) in enumerate(zip(w, b))),
     }
 
 
@@ -48,8 +59,9 @@ def main(argv: list[str]) -> int:
     out = re.compile(r"\s+(ROOT )?(%\S+) = \S*bf16\[(" + f"{bsz},{s},3,{h},{d}|{bsz * s},{3 * h * d}" + r")\]")
     for name, f in forms(h, d).items():
         def loss(x, w, b, bp, dy, f=f):
-            y = f(x, w, b, bp).astype(jnp.float32)
-            return jnp.sum(y * y * dy)
+            y = f(x, w, b, bp)
+            y = jnp.stack(y, axis=2) if isinstance(y, tuple) else y
+            return jnp.sum(jnp.square(y.astype(jnp.float32)) * dy)
 
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, b, bp, dy).compile().as_text()
         epilogues = re.findall(r'"epilogue":"([A-Z_]+)"', text)
