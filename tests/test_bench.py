@@ -246,6 +246,18 @@ def test_host_cost_runs_on_a_small_config(capsys):
     assert capsys.readouterr().out.splitlines()[0].startswith("small-b2s64-bf16 opt-flax: enqueue")
 
 
+def test_scan_cost_runs_on_a_small_stack(capsys):
+    assert _tool("scan_cost").main(["--config", "small-stack2-b2s64-bf16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"small-stack2-b2s64-bf16 {r}" for r in
+                                                        ("jaxsub-loop", "jaxsub-scan", "xla-loop", "xla-scan")]
+    losses = [float(line.rsplit("loss ", 1)[1]) for line in lines]
+    # Plain XLA's loop and scan draw the same dropout masks: the same loss up to rounding.
+    assert abs(losses[2] - losses[3]) <= 1e-2 * abs(losses[3]) + 1e-3, losses
+    with pytest.raises(SystemExit):
+        _tool("scan_cost").main(["--config", "small-b2s64-bf16"])
+
+
 def test_bias_epilogue_runs_on_a_small_config(capsys):
     assert _tool("bias_epilogue").main(["--small"]) == 0
     lines = capsys.readouterr().out.splitlines()
