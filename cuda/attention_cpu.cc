@@ -367,6 +367,19 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
   });
 }
 
+// The arguments and attributes of attention_bwd and attention_bwd_dqkv (their results differ).
+auto separate_bwd_binding() {
+  return attention_attrs(ffi::Ffi::Bind()
+                             .Arg<ffi::AnyBuffer>()    // dout
+                             .Arg<ffi::AnyBuffer>()    // q
+                             .Arg<ffi::AnyBuffer>()    // k
+                             .Arg<ffi::AnyBuffer>()    // v
+                             .Arg<ffi::AnyBuffer>()    // out
+                             .Arg<ffi::AnyBuffer>()    // lse
+                             .Arg<ffi::AnyBuffer>()    // mask
+                             .Arg<ffi::AnyBuffer>());  // seed
+}
+
 }  // namespace
 }  // namespace jaxsub
 
@@ -383,15 +396,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_fwd, jaxsub::AttentionFwdCpu,
                                   .Ret<xla::ffi::AnyBuffer>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
-                              jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
-                                                          .Arg<xla::ffi::AnyBuffer>()   // dout
-                                                          .Arg<xla::ffi::AnyBuffer>()   // q
-                                                          .Arg<xla::ffi::AnyBuffer>()   // k
-                                                          .Arg<xla::ffi::AnyBuffer>()   // v
-                                                          .Arg<xla::ffi::AnyBuffer>()   // out
-                                                          .Arg<xla::ffi::AnyBuffer>()   // lse
-                                                          .Arg<xla::ffi::AnyBuffer>()   // mask
-                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
+                              jaxsub::separate_bwd_binding()
                                   .Ret<xla::ffi::AnyBuffer>()   // dq
                                   .Ret<xla::ffi::AnyBuffer>()   // dk
                                   .Ret<xla::ffi::AnyBuffer>()   // dv
@@ -399,15 +404,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd_dqkv, jaxsub::AttentionBwdDqkvCpu,
-                              jaxsub::attention_attrs(xla::ffi::Ffi::Bind()
-                                                          .Arg<xla::ffi::AnyBuffer>()   // dout
-                                                          .Arg<xla::ffi::AnyBuffer>()   // q
-                                                          .Arg<xla::ffi::AnyBuffer>()   // k
-                                                          .Arg<xla::ffi::AnyBuffer>()   // v
-                                                          .Arg<xla::ffi::AnyBuffer>()   // out
-                                                          .Arg<xla::ffi::AnyBuffer>()   // lse
-                                                          .Arg<xla::ffi::AnyBuffer>()   // mask
-                                                          .Arg<xla::ffi::AnyBuffer>())  // seed
+                              jaxsub::separate_bwd_binding()
                                   .Ret<xla::ffi::AnyBuffer>()   // dqkv
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator
