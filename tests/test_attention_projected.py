@@ -19,6 +19,8 @@ from test_attention import BF16, F16, F32, IMPLEMENTATIONS, make_mask, normal
 
 op = jaxsub.ops.attention_projected
 attn = importlib.import_module("jaxsub.ops.attn")
+_dropout = importlib.import_module("jaxsub.ops.dropout")
+_masks = importlib.import_module("jaxsub.ops.masks")
 
 
 def inputs(seed, b, s, e, h, d, dtype, bias=True):
@@ -97,8 +99,6 @@ def test_without_biases(implementation):
 def _bwd_pair(seed, b, s, h, d, dtype, mask_kind, causal, rate):
     """(dqkv from jaxsub_attention_bwd_dqkv, (dq, dk, dv) from jaxsub_attention_bwd) on one
     forward's out and lse, as jitted functions of the inputs."""
-    from jaxsub.ops import dropout as _dropout
-    from jaxsub.ops import masks as _masks
     rng = np.random.default_rng(seed)
     q, k, v, dout = (normal(rng, (b, s, h, d), dtype) for _ in range(4))
     mask4d, kind = _masks.normalize("t", make_mask(mask_kind, seed, b, h, s, s), (b, h), s, s, key_padding_ok=True)

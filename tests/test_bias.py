@@ -205,6 +205,20 @@ def test_bias_above_max_cols_falls_back(fallback_log):
     check_against_reference(x, bias, dy)
 
 
+@pytest.mark.parametrize("bias_shape", [(3, 4, 8), (3, 8192)], ids=["column-sum", "above-max-cols"])
+def test_bias_grad_sums_the_leading_dims_in_f32(bias_shape):
+    """bias_grad, the helper other ops' backward rules call (attention_projected): the fused
+    column sum where the bias fits, XLA's reduction above MAX_COLS; both the f32 sum."""
+    from jaxsub.ops.bias import bias_grad
+    dy = jnp.asarray(np.random.default_rng(5).standard_normal((2, 7, *bias_shape)), BF16)
+    like = jax.ShapeDtypeStruct(bias_shape, BF16)
+    text = jax.jit(lambda dy: bias_grad(dy, like)).lower(dy).as_text()
+    assert ("jaxsub_bias_grad" in text) == (math.prod(bias_shape) <= _ffi.MAX_COLS)
+    got = bias_grad(dy, like)
+    assert got.shape == bias_shape and got.dtype == BF16
+    assert_close(got, jnp.sum(dy.astype(F32), axis=(0, 1)).astype(BF16), BF16, reduction=14, grad=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 class TestCuda:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 
 import jax
 
-from bench import encoder, layers
+from bench import encoder, layers, timing
 from bench.layers import ROWS, jnp_layer
+from jaxsub import _timing
 from jaxsub.flax import EncoderLayer
 
 FORMS = ("jaxsub-loop", "jaxsub-scan", "xla-loop", "xla-scan")
@@ -57,16 +57,10 @@ def _forms(cfg):
 
 
 def _ms_per_step(step, args) -> float:
-    def sample(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready([step(*args) for _ in range(n)])
-        return time.perf_counter() - t0
-
-    short, long = [], []
-    for _ in range(5):
-        short.append(sample(2))
-        long.append(sample(6))
-    return (statistics.median(long) - statistics.median(short)) / 4 * 1e3
+    """The encoder benchmark's slope: 2- and 6-step samples alternating, five of each."""
+    t2, t6 = timing.median_times([(encoder._repeat(step, 2), args), (encoder._repeat(step, 6), args)],
+                                 repeats=5, warmup=1)
+    return _timing.slope(t2, t6, 2, 6)[0] * 1e3
 
 
 def main(argv: list[str]) -> int:

@@ -250,12 +250,12 @@ def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
     # The stacked product's gradients: one GEMM for dx, one for the three weights.
     dx = jax.lax.dot_general(dqkv, jnp.stack(weights, axis=1), (((2, 3, 4), (1, 2, 3)), ((), ())))
     dw = jax.lax.dot_general(x, dqkv, (((0, 1), (0, 1)), ((), ())))
-    dws = tuple(dw[:, i].astype(w.dtype) for i, w in enumerate(weights))
+    dws = tuple(dw[:, i] for i in range(3))  # x, the weights and the biases share one dtype
     dbs = None
     if biases is not None:
         db = _bias.bias_grad(dqkv, jax.ShapeDtypeStruct((3, *biases[0].shape), biases[0].dtype))
         dbs = tuple(db[i] for i in range(3))
-    return dx.astype(x.dtype), dws, dbs, None, None
+    return dx, dws, dbs, None, None
 
 
 _fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd)
