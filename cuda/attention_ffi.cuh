@@ -122,6 +122,19 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_
   return run_bwd(op, stream, qkv.element_type(), d, a);
 }
 
+// The two backward targets that read q, k and v apart take the same arguments.
+auto separate_bwd_binding() {
+  return attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+      .Arg<ffi::AnyBuffer>()           // dout
+      .Arg<ffi::AnyBuffer>()           // q
+      .Arg<ffi::AnyBuffer>()           // k
+      .Arg<ffi::AnyBuffer>()           // v
+      .Arg<ffi::AnyBuffer>()           // out
+      .Arg<ffi::AnyBuffer>()           // lse
+      .Arg<ffi::AnyBuffer>()           // mask
+      .Arg<ffi::Buffer<ffi::U32>>();  // seed
+}
+
 }  // namespace
 }  // namespace jaxsub
 
@@ -139,15 +152,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_fwd, jaxsub::AttentionFwd,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
-                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::Buffer<ffi::U32>>()
+                              jaxsub::separate_bwd_binding()
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
@@ -156,15 +161,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd_dqkv, jaxsub::AttentionBwdDqkv,
-                              jaxsub::attention_attrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::Buffer<ffi::U32>>()
+                              jaxsub::separate_bwd_binding()
                                   .Ret<ffi::AnyBuffer>()  // dqkv
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
                                   .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
