@@ -1,11 +1,11 @@
 """jaxsub: fused, data-movement-minimizing transformer kernels for JAX."""
 
-from jaxsub import layout, ops
+from jaxsub import layout, ops, stack
 from jaxsub._ffi import cuda_available
 from jaxsub.rewrite import explain, optimize
 from jaxsub.analysis import analyze
 
-__all__ = ["ops", "cuda_available", "optimize", "explain", "analyze", "layout", "flax"]
+__all__ = ["ops", "cuda_available", "optimize", "explain", "analyze", "layout", "stack", "flax"]
 __version__ = "0.1.0"
 
 

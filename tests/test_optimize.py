@@ -338,6 +338,13 @@ def test_lax_scan_stack():
     x = _normal(0, (8, N))
     _assert_same(f, (ws, x), argnums=(0, 1))
     _expect(f, (ws, x), bias_gelu_dropout=1, bdrln=1)
+    # A scan whose body runs fused ops goes through jaxsub.stack.scan: for a GPU its
+    # gradient allocates the residual stacks (AllocateBuffer) rather than zero-filling them.
+    grad = jax.jit(jax.grad(lambda ws, x: jnp.sum(jaxsub.optimize(f)(ws, x)), argnums=(0, 1)))
+    text = grad.trace(ws, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@AllocateBuffer" in text
+    assert "@AllocateBuffer" not in jax.jit(jax.grad(lambda ws, x: jnp.sum(f(ws, x)))).trace(ws, x).lower(
+        lowering_platforms=("cuda",)).as_text()
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@
 memory-bound parts run as jaxsub's fused kernels; `ReferenceEncoderLayer` is the same
 layer in plain Flax (`nn.MultiHeadDotProductAttention`, `nn.Dense`, `nn.LayerNorm`,
 `nn.Dropout`), and `to_flax_params` / `from_flax_params` convert parameters between
-the two, so a checkpoint of either runs in the other. `Encoder` stacks layers, with
-`nn.scan` (parameters stacked on a leading layer axis) and optional `nn.remat`.
+the two, so a checkpoint of either runs in the other. `Encoder` stacks layers, scanned
+(parameters stacked on a leading layer axis, as `nn.scan` stacks them) or unrolled, with
+optional rematerialization.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from jaxsub import layout, ops
+from jaxsub import layout, ops, stack
 
 Initializer = Callable[..., Any]
 
@@ -312,14 +314,18 @@ class Encoder(_LayerFields):
     """A stack of `num_layers` EncoderLayers (fields as EncoderLayer's; `num_layers` by keyword).
 
     Attributes:
-      scan_layers: run the layers with nn.scan: one compiled layer body, parameters
-        stacked on a leading axis of size num_layers, under params["layers"]["layer"].
-        Without scan, layer i's parameters are params[f"layers_{i}"]["layer"]. The scan
-        compiles fast but copies each layer's residuals into and out of stacked buffers:
-        on the H200, 24 layers at batch 8 x 512 bf16 took 25.1 ms per training step with
-        scan and 21.6 ms as 24 layers unrolled (compile 4 s against 71 s;
-        bench/NOTES.md, seventeenth session).
-      remat: rematerialize each layer's activations in the backward pass (nn.remat).
+      scan_layers: scan over the layers: one compiled layer body, parameters stacked on
+        a leading axis of size num_layers, under params["layers"]["layer"] (nn.scan's
+        tree; `init` runs nn.scan). Applying runs `jaxsub.stack.scan`, whose gradient
+        keeps each layer's residuals in buffers it does not zero-fill first; dropout
+        keys are one per layer, split from the 'dropout' stream. Without scan, layer i's
+        parameters are params[f"layers_{i}"]["layer"]. The scan compiles fast but copies
+        each layer's residuals into and out of its stacked buffers: on the H200, 24
+        layers at batch 8 x 512 bf16 took 25.1 ms per training step under nn.scan, 24.7
+        ms with jaxsub.stack.scan (NOTES, eighteenth session) and 21.6 ms as 24 layers
+        unrolled (compile 4 s against 71 s; NOTES, seventeenth session).
+      remat: rematerialize each layer's activations in the backward pass (jax.checkpoint
+        of each layer; nn.remat without scan).
       layouts: as EncoderLayer's; every layer has the same shapes, so one selection
         (one tuning) serves the whole stack.
 
@@ -340,10 +346,14 @@ class Encoder(_LayerFields):
         deterministic = bool(deterministic)
         block = nn.remat(_Block, prevent_cse=not self.scan_layers) if self.remat else _Block
         x = jnp.asarray(x, self.dtype)
-        if self.scan_layers:
+        if self.scan_layers and self.is_initializing():
+            # nn.scan makes the stacked parameters (so init draws what it always drew);
+            # applying runs the same layers through stack.scan.
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                             in_axes=nn.broadcast, length=self.num_layers)
             x, _ = stack(layer, deterministic, name="layers")(x, mask)
+        elif self.scan_layers:
+            x = self._scan(layer, deterministic, x, mask)
         else:
             for i in range(self.num_layers):
                 x, _ = block(layer, deterministic, name=f"layers_{i}")(x, mask)
@@ -351,3 +361,24 @@ class Encoder(_LayerFields):
             scale, bias = _Norm(x.shape[-1], self.param_dtype, name="final_norm")()
             x = ops.layer_norm(x, scale.astype(self.dtype), bias.astype(self.dtype), eps=self.epsilon)
         return x
+
+    def _scan(self, layer, deterministic, x, mask):
+        """The stack as stack.scan over the stacked parameters: each layer's
+        residuals go into buffers allocated once rather than into nn.scan's stacked
+        outputs, which JAX fills with zeros first. One dropout key per layer, split from
+        this module's 'dropout' stream."""
+        params = self.variables["params"]["layers"]["layer"]
+        module = EncoderLayer(**layer)
+        rates = (self.dropout_rate, self.attention_dropout_rate)
+        keys = None
+        if not deterministic and any(r > 0.0 for r in rates):
+            keys = jax.random.split(self.make_rng("dropout"), self.num_layers)
+
+        def body(mask, h, xs):
+            p, key = xs
+            rngs = None if key is None else {"dropout": key}
+            return module.apply({"params": p}, h, mask, deterministic, rngs=rngs)
+
+        if self.remat:
+            body = jax.checkpoint(body, prevent_cse=False)  # the loop already keeps XLA from merging layers
+        return stack.scan(lambda mask, h, xs: (body(mask, h, xs), None), x, (params, keys), mask)[0]

@@ -16,23 +16,34 @@ import functools
 import jax
 import numpy as np
 
+from jaxsub import stack
 from jaxsub.layout import select as _select
 from jaxsub.ops import config as _config
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import patterns as P
 
 
+def _fuses(plan: P.Plan) -> bool:
+    return bool(plan.at) or any(_fuses(sub) for sub in plan.sub.values())
+
+
 def _scan(node, plan, vals):
+    """A scan whose body runs fused ops goes through stack.scan (residuals in buffers
+    allocated once, none zero-filled); any other keeps lax.scan, and with it forward-mode
+    differentiation."""
     p = node.params
     nc, nk = G.scan_counts(p)
     consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
 
-    def body(carry, x):
+    def body(consts, carry, x):
         outs = run(node.body, plan, [*consts, *carry, *x])
         return outs[:nk], outs[nk:]
 
-    carry, ys = jax.lax.scan(body, list(init), list(xs), length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
+    if _fuses(plan) and p["unroll"] == 1:
+        carry, ys = stack.scan(body, list(init), list(xs), list(consts), length=p["length"], reverse=p["reverse"])
+    else:
+        carry, ys = jax.lax.scan(lambda carry, x: body(consts, carry, x), list(init), list(xs), length=p["length"],
+                                 reverse=p["reverse"], unroll=p["unroll"])
     return [*carry, *ys]
 
 

@@ -1,0 +1,192 @@
+"""`lax.scan` over a stack of layers, its residuals written into buffers allocated once.
+
+Under `jax.grad`, `lax.scan` saves each iteration's residuals as the scan's stacked
+outputs, and JAX fills those outputs with zeros before the loop: for the 24-layer
+BERT-large stack at batch 8 x 512 that is 3 GB written before the first layer runs
+(1.2 ms of a 25.9 ms training step on the H200; bench/NOTES.md, eighteenth session).
+
+`scan(body, init, xs, consts)` computes what
+
+    lax.scan(lambda h, x: body(consts, h, x), init, xs)
+
+computes, with a `custom_vjp` of its own:
+
+- forward: the loop runs `jax.vjp(body, ...)` at each step and writes the pullback's
+  residuals, and the step's outputs, into loop-carried buffers made by `lax.empty`
+  (uninitialized on GPU: XLA's `AllocateBuffer`; zeros on CPU). Residuals that are the
+  body's own inputs (a slice of xs such as the layer's parameters, or one of consts) are
+  not stored: the backward passes them again.
+- backward: a loop in the other direction calls each step's pullback on its stored
+  residuals and writes the gradients of xs into buffers made the same way.
+
+Without differentiation it is the plain `lax.scan`. Forward-mode differentiation
+(`jax.jvp`) is not supported, as for any `custom_vjp` function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_OP = "jaxsub.stack.scan"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One step's pullback: its tree, where each leaf comes from (("const", j) and
+    ("x", j): leaves of consts and of the step's slice of xs; ("res", j): the j-th stored
+    residual), the stored residuals' and the step outputs' abstract values, the length
+    and the direction."""
+
+    tree: Any
+    sources: tuple
+    stored: tuple
+    ys: Any
+    length: int
+    reverse: bool
+
+
+def _pullback(body, consts, carry, x):
+    """Run body under jax.vjp; return its (carry, y), the pullback's tree, each leaf's
+    source and the leaves to store."""
+    out, pullback = jax.vjp(body, consts, carry, x)
+    leaves, tree = jax.tree.flatten(pullback)
+    inputs = (("const", jax.tree.leaves(consts)), ("x", jax.tree.leaves(x)))
+    sources, stored = [], []
+    for leaf in leaves:
+        source = next(((kind, j) for kind, group in inputs for j, a in enumerate(group) if a is leaf), None)
+        if source is None:
+            source = ("res", len(stored))
+            stored.append(leaf)
+        sources.append(source)
+    return out, tree, tuple(sources), stored
+
+
+def _dtype(a):
+    return a.dtype if hasattr(a, "dtype") else jnp.result_type(a)
+
+
+def _is_float(a) -> bool:
+    return jnp.issubdtype(_dtype(a), jnp.inexact)
+
+
+def _length(xs, length) -> int:
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree.leaves(xs)}
+    if length is not None:
+        sizes.add(length)
+    if not sizes:
+        raise ValueError(f"{_OP}: `length` is needed when `xs` has no arrays")
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"{_OP}: every leaf of `xs` (and `length`, if given) needs one leading size, got "
+                         f"{sorted(str(n) for n in sizes)}")
+    return sizes.pop()
+
+
+def _avals(tree):
+    return jax.tree.map(lambda a: (tuple(jnp.shape(a)), jnp.dtype(_dtype(a))), tree)
+
+
+def _plan(body, consts, carry, xs, length, reverse) -> _Plan:
+    x0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], _dtype(a)), xs)
+    found = {}
+
+    def probe(consts, carry, x):
+        out, tree, sources, stored = _pullback(body, consts, carry, x)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(f"{_OP}: `body` must return a pair (carry, y), got {type(out).__name__}")
+        found.update(tree=tree, sources=sources)
+        return out, stored
+
+    (out_carry, ys), stored = jax.eval_shape(probe, consts, carry, x0)
+    if jax.tree.structure(out_carry) != jax.tree.structure(carry) or _avals(out_carry) != _avals(carry):
+        raise TypeError(f"{_OP}: `body` must return a carry of the input carry's structure, shapes and dtypes; "
+                        f"got {_avals(out_carry)} for {_avals(carry)}")
+    return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse)
+
+
+def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = None, reverse: bool = False):
+    """`lax.scan(lambda h, x: body(consts, h, x), init, xs, length, reverse)`, whose
+    gradient keeps each step's residuals in buffers allocated once (module docstring).
+
+    Args:
+      body: (consts, carry, x) -> (carry, y), with x one step's slice of xs. It must be a
+        pure function of its arguments: pass traced values it needs in consts rather than
+        closing over them.
+      init: the first carry, a pytree; each step returns a carry of its structure,
+        shapes and dtypes.
+      xs: a pytree of arrays with a leading (layer) axis, e.g. stacked parameters and
+        per-layer dropout keys; None or empty with `length`.
+      consts: a pytree every step reads, e.g. an attention mask.
+      length, reverse: as lax.scan's.
+
+    Returns (the last carry, the steps' ys stacked), differentiable with respect to
+    consts, init and xs (their floating-point leaves).
+    """
+    length = _length(xs, length)
+    plan = _plan(body, consts, init, xs, length, reverse)
+    return _scan(body, plan, consts, init, xs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scan(body, plan, consts, init, xs):
+    return lax.scan(lambda h, x: body(consts, h, x), init, xs, length=plan.length, reverse=plan.reverse)
+
+
+def _empty_stack(length, a):
+    return lax.empty((length, *jnp.shape(a)), _dtype(a))
+
+
+def _scan_fwd(body, plan, consts, init, xs):
+    n = plan.length
+    buffers = [_empty_stack(n, a) for a in plan.stored]
+    ys = jax.tree.map(lambda a: _empty_stack(n, a), plan.ys)
+
+    def step(state, x):
+        i, h, buffers, ys = state
+        (h, y), _, sources, stored = _pullback(body, consts, h, x)
+        if sources != plan.sources or _avals(stored) != _avals(list(plan.stored)):
+            raise RuntimeError(f"{_OP}: `body` traced to other residuals inside the loop than outside it; "
+                               "it must be a pure function of its arguments")
+        buffers = [lax.dynamic_update_index_in_dim(b, r, i, 0) for b, r in zip(buffers, stored)]
+        ys = jax.tree.map(lambda b, r: lax.dynamic_update_index_in_dim(b, r, i, 0), ys, y)
+        return (i - 1 if plan.reverse else i + 1, h, buffers, ys), None
+
+    first = jnp.int32(n - 1 if plan.reverse else 0)
+    (_, carry, buffers, ys), _ = lax.scan(step, (first, init, buffers, ys), xs, length=n, reverse=plan.reverse)
+    return (carry, ys), (consts, xs, buffers)
+
+
+def _scan_bwd(body, plan, residuals, cotangents):
+    consts, xs, buffers = residuals
+    dcarry, dys = cotangents
+    n = plan.length
+    const_leaves = jax.tree.leaves(consts)
+    x_leaves, x_tree = jax.tree.flatten(xs)
+    is_none = lambda a: a is None  # noqa: E731 - the integer leaves' place in a tree
+    grads = [lax.empty(jnp.shape(a), _dtype(a)) if _is_float(a) else None for a in x_leaves]
+    dconsts = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), _dtype(a)) if _is_float(a) else None, consts)
+
+    def step(state, inputs):
+        i, dh, dconsts, grads = state
+        x, stored, dy = inputs
+        x_at = jax.tree.leaves(x)
+        leaves = [const_leaves[j] if kind == "const" else x_at[j] if kind == "x" else stored[j]
+                  for kind, j in plan.sources]
+        d_consts, dh, d_x = jax.tree.unflatten(plan.tree, leaves)((dh, dy))
+        dconsts = jax.tree.map(lambda acc, d: None if acc is None else acc + d, dconsts, d_consts, is_leaf=is_none)
+        grads = [None if g is None else lax.dynamic_update_index_in_dim(g, d, i, 0)
+                 for g, d in zip(grads, jax.tree.leaves(d_x, is_leaf=is_none))]
+        return (i + 1 if plan.reverse else i - 1, dh, dconsts, grads), None
+
+    last = jnp.int32(0 if plan.reverse else n - 1)
+    state = (last, dcarry, dconsts, grads)
+    (_, dinit, dconsts, grads), _ = lax.scan(step, state, (xs, buffers, dys), length=n, reverse=not plan.reverse)
+    return dconsts, dinit, jax.tree.unflatten(x_tree, grads)
+
+
+_scan.defvjp(_scan_fwd, _scan_bwd)

@@ -1,0 +1,146 @@
+"""jaxsub.stack.scan: lax.scan's values and gradients, with each step's residuals in
+buffers allocated once (uninitialized on GPU) instead of zero-filled stacked outputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.test_util import check_grads
+
+from jaxsub import stack
+from jaxsub.testing import assert_close
+
+L, N = 5, 7
+
+
+def _body(c, h, x):
+    """A layer with a parameter slice, a per-layer key, a float and a bool constant,
+    a pytree carry and a pytree output per step."""
+    y = jnp.tanh(h["a"] @ x["w"] + x["b"]) * c["s"]
+    keep = jax.random.bernoulli(x["key"], 0.8, y.shape)
+    a = jnp.where(c["m"], y * keep, h["a"])
+    return {"a": a, "n": h["n"] + jnp.sum(a)}, {"y": jnp.sin(a), "z": a.sum(0)}
+
+
+def _inputs(seed):
+    r = np.random.default_rng(seed)
+    xs = {"w": jnp.asarray(r.standard_normal((L, N, N)) / 3, jnp.float32),
+          "b": jnp.asarray(r.standard_normal((L, N)), jnp.float32),
+          "key": jax.random.split(jax.random.key(seed), L)}
+    c = {"s": jnp.float32(1.3), "m": jnp.asarray(r.random(N) > 0.3)}
+    h = {"a": jnp.asarray(r.standard_normal((4, N)), jnp.float32), "n": jnp.float32(0.5)}
+    return c, h, xs
+
+
+def _loss(scan_fn):
+    def loss(c, h, xs):
+        (carry, ys) = scan_fn(c, h, xs)
+        return jnp.sum(carry["a"] ** 2) + carry["n"] + jnp.sum(ys["y"] ** 3) + jnp.sum(jnp.cos(ys["z"]))
+    return loss
+
+
+def _pair(reverse):
+    ours = lambda c, h, xs: stack.scan(_body, h, xs, c, reverse=reverse)  # noqa: E731
+    ref = lambda c, h, xs: lax.scan(lambda h, x: _body(c, h, x), h, xs, reverse=reverse)  # noqa: E731
+    return ours, ref
+
+
+def _assert_tree_close(got, want, what, grad=False):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            assert_close(a, b, reduction=N * L, grad=grad, what=f"{what}{jax.tree_util.keystr(path)}")
+        else:
+            assert a.dtype == b.dtype, what
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_values_and_gradients_match_lax_scan(reverse):
+    c, h, xs = _inputs(seed=3 + reverse)
+    ours, ref = _pair(reverse)
+    _assert_tree_close(jax.jit(ours)(c, h, xs), ref(c, h, xs), "value")
+    grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2), allow_int=True))  # noqa: E731
+    got, want = grad(ours)(c, h, xs), grad(ref)(c, h, xs)
+    _assert_tree_close(got, want, "grad", grad=True)
+    assert float(jnp.abs(got[2]["w"]).min()) >= 0 and float(jnp.abs(got[2]["w"]).max()) > 0
+
+
+def test_vmap_of_the_gradient():
+    c, h, xs = _inputs(seed=5)
+    hb = jax.tree.map(lambda a: jnp.stack([a, 2 * a, -a]), h)
+    ours, ref = _pair(False)
+    g = lambda f: jax.vmap(jax.grad(_loss(f), argnums=(1, 2), allow_int=True), in_axes=(None, 0, None))  # noqa: E731
+    _assert_tree_close(g(ours)(c, hb, xs), g(ref)(c, hb, xs), "vmap grad", grad=True)
+
+
+def test_check_grads():
+    c, h, xs = _inputs(seed=6)
+    f = lambda a, w: _loss(_pair(False)[0])(c, {"a": a, "n": h["n"]}, {**xs, "w": w})  # noqa: E731
+    check_grads(f, (h["a"], xs["w"]), order=1, modes=["rev"], atol=5e-2, rtol=5e-2, eps=1e-2)
+
+
+def test_inputs_are_not_stored_as_residuals():
+    """The parameter slice and the constant the pullback needs come back as inputs; the
+    stored residuals are the values the step computed."""
+    c, h, xs = _inputs(seed=7)
+    plan = stack._plan(_body, c, h, xs, L, False)
+    x_leaves = jax.tree.leaves(jax.tree.map(lambda a: a[0], xs))
+    w = next(j for j, a in enumerate(x_leaves) if a.shape == (N, N))
+    assert ("x", w) in plan.sources
+    assert all(s.shape != (N, N) for s in plan.stored)
+
+
+def test_no_zero_filled_stacks_on_gpu():
+    """Lowered for a GPU (no GPU needed to lower): lax.scan's gradient zero-fills its
+    stacked residuals (broadcasts of [L, ...] zeros); ours allocates them with
+    AllocateBuffer and broadcasts nothing of that size."""
+    c, h, xs = _inputs(seed=8)
+    ours, ref = _pair(False)
+
+    def lowered(f):
+        step = jax.jit(jax.grad(_loss(f), argnums=(1, 2), allow_int=True))
+        return step.trace(c, h, xs).lower(lowering_platforms=("cuda",)).as_text()
+
+    def zero_filled(text):
+        found = []
+        for func in text.split("func.func")[1:]:  # SSA names are local to a function
+            lines = func.splitlines()
+            zeros = {ln.split()[0] for ln in lines if "stablehlo.constant dense<0.000000e+00>" in ln}
+            found += [ln for ln in lines if "broadcast_in_dim" in ln and f"-> tensor<{L}x4x{N}xf32>" in ln
+                      and ln.split()[3].rstrip(",") in zeros]
+        return found
+
+    assert zero_filled(lowered(ref)), "lax.scan's gradient should zero-fill its residual stack"
+    text = lowered(ours)
+    assert not zero_filled(text)
+    assert text.count("@AllocateBuffer") >= 3
+
+
+def test_no_gradient_is_plain_lax_scan():
+    c, h, xs = _inputs(seed=9)
+    ours, ref = _pair(False)
+    assert "AllocateBuffer" not in jax.jit(ours).trace(c, h, xs).lower(lowering_platforms=("cuda",)).as_text()
+    np.testing.assert_array_equal(np.asarray(jax.jit(ours)(c, h, xs)[0]["a"]), np.asarray(jax.jit(ref)(c, h, xs)[0]["a"]))
+
+
+def test_length_without_xs():
+    def body(c, h, x):
+        return h * c + 1.0, h
+    got = stack.scan(body, jnp.float32(1.0), None, jnp.float32(2.0), length=4)
+    want = lax.scan(lambda h, x: body(2.0, h, x), jnp.float32(1.0), None, length=4)
+    _assert_tree_close(got, want, "value")
+    g = jax.grad(lambda c: stack.scan(body, jnp.float32(1.0), None, c, length=4)[1].sum())(jnp.float32(2.0))
+    assert_close(g, jax.grad(lambda c: lax.scan(lambda h, x: body(c, h, x), 1.0, None, length=4)[1].sum())(2.0),
+                 what="dconst")
+
+
+def test_bad_input():
+    c, h, xs = _inputs(seed=10)
+    with pytest.raises(TypeError, match="jaxsub.stack.scan.*pair"):
+        stack.scan(lambda c, h, x: h, h, xs, c)
+    with pytest.raises(TypeError, match="jaxsub.stack.scan.*carry"):
+        stack.scan(lambda c, h, x: ({"a": h["a"][:1], "n": h["n"]}, None), h, xs, c)
+    with pytest.raises(ValueError, match="jaxsub.stack.scan.*leading"):
+        stack.scan(_body, h, {**xs, "b": xs["b"][:2]}, c)
+    with pytest.raises(ValueError, match="jaxsub.stack.scan.*length"):
+        stack.scan(lambda c, h, x: (h, None), h, None, c)
