@@ -18,6 +18,9 @@ computes, with a `custom_vjp` of its own:
   not stored: the backward passes them again.
 - backward: a loop in the other direction calls each step's pullback on its stored
   residuals and writes the gradients of xs into buffers made the same way.
+- small residuals (up to 1 MiB: row statistics, log-sum-exps, dropout seeds) of one
+  dtype share one buffer, so a step writes them with one copy and reads them with one,
+  not one each: a copy of a few KB costs about a microsecond of GPU time however small.
 
 Without differentiation it is the plain `lax.scan`. Forward-mode differentiation
 (`jax.jvp`) is not supported, as for any `custom_vjp` function.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 _OP = "jaxsub.stack.scan"
+_SMALL = 1 << 20  # bytes: residuals up to this size share one buffer per dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,35 @@ class _Plan:
     ys: Any
     length: int
     reverse: bool
+    groups: tuple = ()  # indices into stored, one tuple per shared buffer
+
+    @property
+    def alone(self) -> tuple:
+        shared = {j for group in self.groups for j in group}
+        return tuple(j for j in range(len(self.stored)) if j not in shared)
+
+    def buffers(self):
+        """Abstract values of one step's stored residuals as they are written: those
+        alone, then each group flattened and concatenated."""
+        groups = [jax.ShapeDtypeStruct((sum(math.prod(self.stored[j].shape) for j in g),), self.stored[g[0]].dtype)
+                  for g in self.groups]
+        return [self.stored[j] for j in self.alone] + groups
+
+    def pack(self, stored) -> list:
+        return [stored[j] for j in self.alone] + [
+            jnp.concatenate([jnp.ravel(stored[j]) for j in g]) for g in self.groups]
+
+    def unpack(self, buffers) -> list:
+        stored = [None] * len(self.stored)
+        for j, b in zip(self.alone, buffers):
+            stored[j] = b
+        for g, b in zip(self.groups, buffers[len(self.alone):]):
+            start = 0
+            for j in g:
+                shape = self.stored[j].shape
+                stored[j] = lax.slice_in_dim(b, start, start + math.prod(shape)).reshape(shape)
+                start += math.prod(shape)
+        return stored
 
 
 def _pullback(body, consts, carry, x):
@@ -106,7 +140,16 @@ def _plan(body, consts, carry, xs, length, reverse) -> _Plan:
     if jax.tree.structure(out_carry) != jax.tree.structure(carry) or _avals(out_carry) != _avals(carry):
         raise TypeError(f"{_OP}: `body` must return a carry of the input carry's structure, shapes and dtypes; "
                         f"got {_avals(out_carry)} for {_avals(carry)}")
-    return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse)
+    return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse, _groups(stored))
+
+
+def _groups(stored) -> tuple:
+    """Small residuals of one dtype, two or more, to share a buffer."""
+    by_dtype = {}
+    for j, a in enumerate(stored):
+        if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) and math.prod(a.shape) * a.dtype.itemsize <= _SMALL:
+            by_dtype.setdefault(jnp.dtype(a.dtype), []).append(j)
+    return tuple(tuple(g) for g in by_dtype.values() if len(g) > 1)
 
 
 def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = None, reverse: bool = False):
@@ -143,7 +186,7 @@ def _empty_stack(length, a):
 
 def _scan_fwd(body, plan, consts, init, xs):
     n = plan.length
-    buffers = [_empty_stack(n, a) for a in plan.stored]
+    buffers = [_empty_stack(n, a) for a in plan.buffers()]
     ys = jax.tree.map(lambda a: _empty_stack(n, a), plan.ys)
 
     def step(state, x):
@@ -152,7 +195,7 @@ def _scan_fwd(body, plan, consts, init, xs):
         if sources != plan.sources or _avals(stored) != _avals(list(plan.stored)):
             raise RuntimeError(f"{_OP}: `body` traced to other residuals inside the loop than outside it; "
                                "it must be a pure function of its arguments")
-        buffers = [lax.dynamic_update_index_in_dim(b, r, i, 0) for b, r in zip(buffers, stored)]
+        buffers = [lax.dynamic_update_index_in_dim(b, r, i, 0) for b, r in zip(buffers, plan.pack(stored))]
         ys = jax.tree.map(lambda b, r: lax.dynamic_update_index_in_dim(b, r, i, 0), ys, y)
         return (i - 1 if plan.reverse else i + 1, h, buffers, ys), None
 
@@ -173,7 +216,8 @@ def _scan_bwd(body, plan, residuals, cotangents):
 
     def step(state, inputs):
         i, dh, dconsts, grads = state
-        x, stored, dy = inputs
+        x, buffers, dy = inputs
+        stored = plan.unpack(buffers)
         x_at = jax.tree.leaves(x)
         leaves = [const_leaves[j] if kind == "const" else x_at[j] if kind == "x" else stored[j]
                   for kind, j in plan.sources]

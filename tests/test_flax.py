@@ -248,3 +248,10 @@ def test_scanned_encoder_runs_each_forward_kernel_once():
         compiled = _forward_targets(lowered.compile().as_text(), r'custom_call_target="(jaxsub_\w+)"')
         assert {"jaxsub_bdrln_fwd", "jaxsub_bias_gelu_dropout_fwd"} <= set(traced), traced
         assert compiled == traced, layouts
+
+
+def test_scanned_encoder_names_missing_stacked_parameters():
+    x = jnp.ones((1, S, E), jnp.float32)
+    params = _encoder().init(jax.random.key(0), x)["params"]
+    with pytest.raises(ValueError, match=r"Encoder.*params\['layers'\]\['layer'\]"):
+        _encoder().apply({"params": {k: v for k, v in params.items() if k != "layers"}}, x)

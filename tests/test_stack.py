@@ -144,3 +144,17 @@ def test_bad_input():
         stack.scan(_body, h, {**xs, "b": xs["b"][:2]}, c)
     with pytest.raises(ValueError, match="jaxsub.stack.scan.*length"):
         stack.scan(lambda c, h, x: (h, None), h, None, c)
+
+
+def test_small_residuals_share_a_buffer(monkeypatch):
+    """Residuals up to stack._SMALL bytes share one buffer per dtype; the gradients are
+    the same with and without sharing."""
+    c, h, xs = _inputs(seed=11)
+    plan = stack._plan(_body, c, h, xs, L, False)
+    assert plan.groups and len(plan.buffers()) < len(plan.stored)
+    assert all(len({plan.stored[j].dtype for j in g}) == 1 for g in plan.groups)
+    grad = lambda: jax.jit(jax.grad(_loss(_pair(False)[0]), argnums=(1, 2), allow_int=True))(c, h, xs)  # noqa: E731
+    shared = grad()
+    monkeypatch.setattr(stack, "_SMALL", 0)
+    assert not stack._plan(_body, c, h, xs, L, False).groups
+    _assert_tree_close(shared, grad(), "grads, shared against separate buffers", grad=True)

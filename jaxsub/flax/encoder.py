@@ -367,7 +367,10 @@ class Encoder(_LayerFields):
         residuals go into buffers allocated once rather than into nn.scan's stacked
         outputs, which JAX fills with zeros first. One dropout key per layer, split from
         this module's 'dropout' stream."""
-        params = self.variables["params"]["layers"]["layer"]
+        params = self.variables.get("params", {}).get("layers", {}).get("layer")
+        if params is None:
+            raise ValueError("jaxsub.flax.Encoder: with scan_layers=True the parameters need the stacked "
+                             "layers under params['layers']['layer'] (as Encoder.init makes them)")
         module = EncoderLayer(**layer)
         rates = (self.dropout_rate, self.attention_dropout_rate)
         keys = None
