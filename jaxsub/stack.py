@@ -223,8 +223,9 @@ def _scan_bwd(body, plan, residuals, cotangents):
                   for kind, j in plan.sources]
         d_consts, dh, d_x = jax.tree.unflatten(plan.tree, leaves)((dh, dy))
         dconsts = jax.tree.map(lambda acc, d: None if acc is None else acc + d, dconsts, d_consts, is_leaf=is_none)
+        # d_x has x's leaves (float0 arrays for the integer ones), in x_leaves' order.
         grads = [None if g is None else lax.dynamic_update_index_in_dim(g, d, i, 0)
-                 for g, d in zip(grads, jax.tree.leaves(d_x, is_leaf=is_none))]
+                 for g, d in zip(grads, jax.tree.leaves(d_x), strict=True)]
         return (i + 1 if plan.reverse else i - 1, dh, dconsts, grads), None
 
     last = jnp.int32(0 if plan.reverse else n - 1)

@@ -158,3 +158,18 @@ def test_small_residuals_share_a_buffer(monkeypatch):
     monkeypatch.setattr(stack, "_SMALL", 0)
     assert not stack._plan(_body, c, h, xs, L, False).groups
     _assert_tree_close(shared, grad(), "grads, shared against separate buffers", grad=True)
+
+
+def test_none_and_integer_leaves_anywhere_in_xs():
+    """xs with None and integer leaves between the floating ones (as the Encoder's
+    (params, None) without dropout): each gradient lands on its own leaf."""
+    c, h, xs = _inputs(seed=12)
+    xs2 = {"a": None, "b": xs["b"], "k": jnp.arange(L), "w": xs["w"], "key": xs["key"]}
+
+    def body(c, h, x):
+        return _body(c, h, {"w": x["w"], "b": x["b"] + x["k"][None].astype(jnp.float32), "key": x["key"]})
+
+    ours = lambda c, h, xs: stack.scan(body, h, xs, c)  # noqa: E731
+    ref = lambda c, h, xs: lax.scan(lambda h, x: body(c, h, x), h, xs)  # noqa: E731
+    grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=2, allow_int=True))(c, h, xs2)  # noqa: E731
+    _assert_tree_close(grad(ours), grad(ref), "grad", grad=True)
