@@ -16,9 +16,12 @@ struct GeluPtrs {
   const uint32_t* seed;  // [2]
   void* out;             // [R, N] T: y (forward) or dx (backward)
   float* workspace;      // [C, 1, N] f32 (backward)
+  void* y = nullptr;     // [R, N] T or null (backward): the forward's y, recomputed
 };
 
-template <typename T, int VEC, int NV, bool kBackward>
+// kStoreY (backward): also write the forward's y to p.y, for callers that keep x rather
+// than y (a scanned stack need not store y then).
+template <typename T, int VEC, int NV, bool kBackward, bool kStoreY = false>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     gelu_kernel(GeluPtrs p, bool pf32, int64_t rows, int64_t n, bool approximate, uint32_t threshold,
                 float keep_scale) {
@@ -48,7 +51,9 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
       for (int e = 0; e < VEC; ++e) {
         const float u = t.v[v][e] + b.v[v][e];
         if constexpr (kBackward) {
-          t.v[v][e] = d.v[v][e] * m[e] * gelu_grad(u, approximate);
+          float y;
+          t.v[v][e] = d.v[v][e] * m[e] * gelu_and_grad(u, approximate, y);
+          if constexpr (kStoreY) d.v[v][e] = y * m[e];  // dy is spent: d now holds the forward's y
           acc[0].v[v][e] += t.v[v][e];
         } else {
           t.v[v][e] = gelu(u, approximate) * m[e];
@@ -56,6 +61,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
       }
     }
     store_tile<T, VEC, NV>(static_cast<T*>(p.out) + r * n, n, true, t);
+    if constexpr (kStoreY) store_tile<T, VEC, NV>(static_cast<T*>(p.y) + r * n, n, true, d);
   }
   if constexpr (kBackward) write_partials<1, VEC, NV>(acc, smem, p.workspace, n);
 }
@@ -70,7 +76,8 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
   const bool pf32 = prm == ffi::DataType::F32;
   return dispatch_float<DeviceTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
-    const bool aligned = aligned16(p.x) && aligned16(p.bias) && aligned16(p.out) && (!kBackward || aligned16(p.dy));
+    const bool aligned = aligned16(p.x) && aligned16(p.bias) && aligned16(p.out) &&
+                         (!kBackward || (aligned16(p.dy) && (p.y == nullptr || aligned16(p.y))));
     // Defaults. No row reductions here: forward up to 16 elements per thread, backward 8
     // (16-bit) / 16 (f32), since the column partials stay live beside x and dy.
     const int max_elems = kernel.elems_or(kBackward && sizeof(T) < 4 ? 8 : 16);
@@ -82,7 +89,7 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       if constexpr (kBackward) {
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
-        auto kernel = gelu_kernel<T, VEC, NV, true>;
+        auto kernel = p.y != nullptr ? gelu_kernel<T, VEC, NV, true, true> : gelu_kernel<T, VEC, NV, true>;
         const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
         kernel<<<blocks, block, smem, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
         status = launch_check(op, "gelu_kernel<bwd>", c, blocks, smem);
@@ -115,17 +122,21 @@ ffi::Error BiasGeluDropoutFwd(cudaStream_t stream, bool approximate, uint32_t th
                             keep_scale, {block_threads, max_elems}, 0, nullptr);
 }
 
-// dy, x: [R, N]; bias: [N]; seed: [2] -> dx: [R, N]; dbias: [N]; workspace: [C, 1, N].
+// dy, x: [R, N]; bias: [N]; seed: [2] -> dx: [R, N]; dbias: [N]; workspace: [C, 1, N];
+// y: [R, N] (the forward's output, written again) or empty (not written).
 ffi::Error BiasGeluDropoutBwd(cudaStream_t stream, bool approximate, uint32_t threshold, float keep_scale,
                               int32_t block_threads, int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                               ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
-                              ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
+                              ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
+                              ffi::Result<ffi::AnyBuffer> y) {
   const char* op = "bias_gelu_dropout_bwd";
   const Rows rc = as_rows(x);
   if (static_cast<int64_t>(bias.element_count()) != rc.cols) return invalid(op, "bias length != last dim");
   if (dy.element_count() != x.element_count()) return invalid(op, "dy and x shapes differ");
+  if (y->element_count() != 0 && (y->element_count() != x.element_count() || y->element_type() != x.element_type()))
+    return invalid(op, "y must be empty or match x in dtype and size");
   GeluPtrs p{dy.untyped_data(), x.untyped_data(), bias.untyped_data(), seed.typed_data(), dx->untyped_data(),
-             data<float>(workspace)};
+             data<float>(workspace), y->element_count() ? y->untyped_data() : nullptr};
   const int64_t ws_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   return launch_gelu<true>(stream, op, x.element_type(), bias.element_type(), rc, p, approximate, threshold,
                            keep_scale, {block_threads, max_elems}, ws_rows, dbias->untyped_data());
@@ -162,7 +173,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bias_gelu_dropout_bwd, jaxsub::BiasGelu
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()   // dx
+                                  .Ret<ffi::AnyBuffer>()   // dbias
+                                  .Ret<ffi::AnyBuffer>()   // workspace
+                                  .Ret<ffi::AnyBuffer>(),  // y, or empty
                               {ffi::Traits::kCmdBufferCompatible});

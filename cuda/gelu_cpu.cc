@@ -103,17 +103,22 @@ ffi::Error BiasGeluDropoutFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buf
 }
 
 // dy: T[R, N]; x: T[R, N]; bias: P[N]; seed: u32[2];
-// dx: T[R, N]; dbias: P[N]; workspace: f32[C, 1, N] (GPU scratch, untouched here).
+// dx: T[R, N]; dbias: P[N]; workspace: f32[C, 1, N] (GPU scratch, untouched here);
+// y: T[R, N] (the forward's output, written again) or empty (not written).
 ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                                  ffi::Buffer<ffi::U32> seed, bool approximate, uint32_t threshold,
                                  float keep_scale, int32_t block_threads, int32_t max_elems,
                                  ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
-                                 ffi::Result<ffi::AnyBuffer> workspace) {
+                                 ffi::Result<ffi::AnyBuffer> workspace, ffi::Result<ffi::AnyBuffer> y) {
   if (auto e = check_kernel_config(kBwd, {block_threads, max_elems}); e.failure()) return e;
   if (auto e = check_common(kBwd, x, bias, seed); e.failure()) return e;
   if (auto e = check_like(kBwd, "dy", dy, "x", x); e.failure()) return e;
   if (auto e = check_like(kBwd, "dx", *dx, "x", x); e.failure()) return e;
   if (auto e = check_like(kBwd, "dbias", *dbias, "bias", bias); e.failure()) return e;
+  const bool store_y = y->element_count() != 0;
+  if (store_y) {
+    if (auto e = check_like(kBwd, "y", *y, "x", x); e.failure()) return e;
+  }
   const Rows d = as_rows(x);
   return dispatch_act_param(kBwd, x.element_type(), bias.element_type(), [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
@@ -123,13 +128,16 @@ ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBu
     const P* bs = data<P>(bias);
     T* dxs = data<T>(dx);
     P* dbs = data<P>(dbias);
+    T* ys = store_y ? data<T>(y) : nullptr;
     // Rows are summed in a fixed order in double, so dbias is deterministic and its
     // rounding error does not grow with R.
     std::vector<double> acc(static_cast<size_t>(d.cols), 0.0);
     for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
-      const float g = kept ? to_float(dys[i]) * keep_scale : 0.f;
-      const float v = g * gelu_grad(to_float(xs[i]) + to_float(bs[c]), approximate);
+      const float m = kept ? keep_scale : 0.f;
+      float fwd;
+      const float v = to_float(dys[i]) * m * gelu_and_grad(to_float(xs[i]) + to_float(bs[c]), approximate, fwd);
       dxs[i] = from_float<T>(v);
+      if (store_y) ys[i] = from_float<T>(fwd * m);
       acc[c] += v;
     });
     for (int64_t c = 0; c < d.cols; ++c) dbs[c] = from_float<P>(static_cast<float>(acc[c]));
@@ -165,4 +173,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_bwd, jaxsub::BiasGeluD
                                   .Attr<int32_t>("max_elems")
                                   .Ret<xla::ffi::AnyBuffer>()                 // dx
                                   .Ret<xla::ffi::AnyBuffer>()                 // dbias
-                                  .Ret<xla::ffi::AnyBuffer>());               // workspace
+                                  .Ret<xla::ffi::AnyBuffer>()                 // workspace
+                                  .Ret<xla::ffi::AnyBuffer>());               // y, or empty

@@ -71,16 +71,24 @@ JAXSUB_HD float gelu(float v, bool approximate) {
   return fmaf(-fabsf(v), normal_tail(v), fmaxf(v, 0.f));
 }
 
-// d gelu(v) / dv.
-JAXSUB_HD float gelu_grad(float v, bool approximate) {
+// d gelu(v) / dv, and gelu(v) in `y` from the same normal tail (an FMA and a max more).
+JAXSUB_HD float gelu_and_grad(float v, bool approximate, float& y) {
   using namespace gelu_detail;
   if (approximate) {
     const float t = tanh_gelu_inner(v);
+    y = 0.5f * v * (1.f + t);
     return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kTanhCubic * v * v);
   }
   float gauss;
   const float q = normal_tail(v, gauss);
+  y = fmaf(-fabsf(v), q, fmaxf(v, 0.f));
   return fmaf(v * kInvSqrt2Pi, gauss, v < 0.f ? q : 1.f - q);
+}
+
+// d gelu(v) / dv (the compiler drops the unused y).
+JAXSUB_HD float gelu_grad(float v, bool approximate) {
+  float y;
+  return gelu_and_grad(v, approximate, y);
 }
 
 }  // namespace jaxsub

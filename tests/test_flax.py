@@ -255,3 +255,32 @@ def test_scanned_encoder_names_missing_stacked_parameters():
     params = _encoder().init(jax.random.key(0), x)["params"]
     with pytest.raises(ValueError, match=r"Encoder.*params\['layers'\]\['layer'\]"):
         _encoder().apply({"params": {k: v for k, v in params.items() if k != "layers"}}, x)
+
+
+@pytest.mark.parametrize("layouts", ["heuristic", "none"])
+def test_recompute_gelu_same_numbers_gelu_output_not_kept(layouts):
+    """recompute_gelu runs the GELU and the feed-forward output product as
+    ops.bias_gelu_dropout_dense: same loss and gradients (same dropout masks), and the
+    GELU backward target is asked to write the GELU output again."""
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((B, S, E)), jnp.float32)
+    params = None
+    results, texts = [], []
+    for recompute in (False, True):
+        layer = EncoderLayer(num_heads=H, mlp_dim=F, dropout_rate=0.1, layouts=layouts, recompute_gelu=recompute)
+        params = params or _perturb(layer.init(jax.random.key(6), x)["params"], 7)
+
+        def loss(p):
+            y = layer.apply({"params": p}, x, deterministic=False, rngs={"dropout": jax.random.key(8)})
+            return jnp.sum(jnp.sin(y))
+
+        step = jax.jit(jax.value_and_grad(loss))
+        results.append(step(params))
+        texts.append(step.lower(params).as_text())
+    (v0, g0), (v1, g1) = results
+    assert_close(v1, v0, reduction=B * S * E * F, what="loss")
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        assert_close(a, b, reduction=B * S * E * F, grad=True, what="grads")
+    shape = f"tensor<{B}x{S}x{F}xf32>"
+    bwd = [[ln for ln in t.splitlines() if "@jaxsub_bias_gelu_dropout_bwd" in ln] for t in texts]
+    assert len(bwd[0]) == len(bwd[1]) == 1
+    assert bwd[0][0].rstrip().endswith("tensor<0xf32>)") and bwd[1][0].rstrip().endswith(f"{shape})")

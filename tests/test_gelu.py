@@ -276,9 +276,79 @@ def test_exact_gelu_accuracy_on_dense_grid():
     assert err_y < 2.5e-7 and err_dx < 2.5e-7, (err_y, err_dx)
 
 
+# bias_gelu_dropout_dense: the op followed by a product, whose backward has the GELU
+# kernel write the op's output again instead of keeping it.
+
+
+def dense_vjp(x, bias, w, dout, *, rate, key, approximate, fused=True):
+    if fused:
+        f = lambda x, b, w: jaxsub.ops.bias_gelu_dropout_dense(x, b, w, rate=rate, key=key, approximate=approximate)
+    else:
+        f = lambda x, b, w: jnp.einsum("...n,ne->...e", op(x, b, rate=rate, key=key, approximate=approximate), w)
+    out, vjp = jax.vjp(f, x, bias, w)
+    return (out, *vjp(dout))
+
+
+dense_vjp_jit = jax.jit(dense_vjp, static_argnames=("rate", "approximate", "fused"))
+
+
+@pytest.mark.parametrize("cols,dtype,rate,approximate", [
+    (130, F32, 0.1, False), (1000, BF16, 0.25, True), (7, F16, 0.0, False), (4096, BF16, 0.1, False)])
+def test_dense_matches_op_then_product(cols, dtype, rate, approximate):
+    """Values and gradients equal bias_gelu_dropout followed by einsum (the same dropout
+    mask); no [..., N] residual besides x is kept."""
+    x, bias, _ = inputs(31, (2, 5, cols), dtype, dtype)
+    w = normal(34, (cols, 24), dtype, scale=1 / math.sqrt(cols))
+    dout = normal(35, (2, 5, 24), dtype)
+    key = jax.random.key(36)
+    got = dense_vjp_jit(x, bias, w, dout, rate=rate, key=key, approximate=approximate)
+    want = dense_vjp_jit(x, bias, w, dout, rate=rate, key=key, approximate=approximate, fused=False)
+    for g, v, what, red in zip(got, want, ("out", "dx", "dbias", "dw"), (cols, cols, 10 * cols, 10)):
+        assert g.dtype == v.dtype and g.shape == v.shape, what
+        assert_close(g, v, dtype, reduction=red, grad=what != "out", what=what)
+
+
+def test_dense_backward_writes_y_and_keeps_x_only():
+    x, bias, _ = inputs(41, (4, 64), F32, F32)
+    w = normal(42, (64, 8), F32)
+    f = lambda x, b, w: jaxsub.ops.bias_gelu_dropout_dense(x, b, w, rate=0.1, key=jax.random.key(43))
+    text = jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))).lower(x, bias, w).as_text()
+    bwd = [ln for ln in text.splitlines() if "@jaxsub_bias_gelu_dropout_bwd" in ln]
+    assert len(bwd) == 1 and "tensor<4x64xf32>, tensor<64xf32>, tensor<" in bwd[0] and bwd[0].rstrip().endswith(
+        "tensor<4x64xf32>)"), bwd
+    # Without this op the product keeps the op's output: grad of the plain composition
+    # asks the bwd target for no y.
+    plain = lambda x, b, w: jnp.einsum("...n,ne->...e", op(x, b, rate=0.1, key=jax.random.key(43)), w)
+    text = jax.jit(jax.grad(lambda *a: plain(*a).sum(), argnums=(0, 1, 2))).lower(x, bias, w).as_text()
+    assert any("@jaxsub_bias_gelu_dropout_bwd" in ln and ln.rstrip().endswith("tensor<0xf32>)")
+               for ln in text.splitlines())
+
+
+def test_dense_bad_kernel():
+    x, bias, _ = inputs(44, (4, 16), F32, F32)
+    with pytest.raises(ValueError, match="bias_gelu_dropout_dense.*kernel"):
+        jaxsub.ops.bias_gelu_dropout_dense(x, bias, jnp.ones((8, 3)), rate=0.0, key=None)
+    with pytest.raises(TypeError, match="bias_gelu_dropout_dense.*kernel"):
+        jaxsub.ops.bias_gelu_dropout_dense(x, bias, jnp.ones((16, 3), BF16), rate=0.0, key=None)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 class TestCuda:
+    @pytest.mark.parametrize("approximate", [False, True])
+    def test_dense_cuda_matches_cpu(self, approximate):
+        """The backward kernel's second output (the forward's y, written again) at
+        BERT-large sizes: gradients as the CPU handlers give them."""
+        x, bias, _ = inputs(131, (8, 512, 4096), BF16, BF16)
+        w = normal(132, (4096, 1024), BF16, scale=1 / 64)
+        dout = normal(133, (8, 512, 1024), BF16)
+        args = (x, bias, w, dout, jax.random.key(134))
+        run = jax.jit(lambda x, b, w, d, k: dense_vjp(x, b, w, d, rate=0.1, key=k, approximate=approximate))
+        want = run(*jax.device_put(args, jax.devices("cpu")[0]))
+        got = run(*jax.device_put(args, jax.devices()[0]))
+        for g, v, what, red in zip(got, want, ("out", "dx", "dbias", "dw"), (4096, 4096, 4096, 4096)):
+            assert_close(g, v, BF16, reduction=red, grad=what != "out", what=what)
+
     @pytest.mark.parametrize("approximate", [False, True])
     @pytest.mark.parametrize("dtype,bias_dtype", [(BF16, BF16), (F16, F32)])
     def test_cuda_matches_cpu(self, dtype, bias_dtype, approximate):

@@ -112,13 +112,21 @@ def test_encoder_layer_with_any_selection_matches_default(pre_layer_norm):
     paths = [list(p) for p in itertools.islice(_random_paths(problem, 4, seed=int(pre_layer_norm)), 4)]
     # Every non-default label at least once: all the last candidates of each stage.
     paths.append([st.candidates[-1] for st in problem.stages])
-    for path in paths:
+    paths.append(list(problem.default()))  # row-major feed-forward: fused with recompute_gelu
+    fused = 0
+    for path, recompute in itertools.product(paths, (False, True)):
         sel = Selection.of(problem, path)
-        (_, got), (gp, gx) = run(base.clone(layouts=sel))
-        assert_close(got, want, reduction=E * F, what=str(sel))
-        assert_close(gx, gx_want, reduction=S * E * F, grad=True, what=str(sel))
+        # recompute_gelu fuses the GELU and the feed-forward output product where both are
+        # row-major, else leaves them apart: the same numbers either way.
+        fused += recompute and problem._dense_fits(path[STAGE_NAMES.index("bias_gelu_dropout")],
+                                                   path[STAGE_NAMES.index("ffn_out")])
+        (_, got), (gp, gx) = run(base.clone(layouts=sel, recompute_gelu=recompute))
+        what = f"{sel} recompute_gelu={recompute}"
+        assert_close(got, want, reduction=E * F, what=what)
+        assert_close(gx, gx_want, reduction=S * E * F, grad=True, what=what)
         for g, w in zip(jax.tree.leaves(gp), jax.tree.leaves(gp_want)):
-            assert_close(g, w, reduction=B * S * E * F, grad=True, what=str(sel))
+            assert_close(g, w, reduction=B * S * E * F, grad=True, what=what)
+    assert 0 < fused < len(paths)  # both cases ran
 
 
 def test_selection_that_does_not_fit_is_rejected():

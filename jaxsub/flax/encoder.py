@@ -138,6 +138,12 @@ class EncoderLayer(_LayerFields):
       choice computes the same function (same dropout masks); only speed differs. The
       choice never changes the parameter tree. See `jaxsub.layout.encoder`.
 
+    recompute_gelu: in the backward pass, have the GELU kernel write its output again
+      for the feed-forward output weight's gradient instead of keeping it from the
+      forward (`ops.bias_gelu_dropout_dense`; row-major feed-forward layouts only). It
+      saves a [B, S, F] residual for one more [B, S, F] write: `Encoder` sets it for its
+      scanned stack, where a kept value is copied into the stack and back out.
+
     `__call__(x, mask=None, deterministic=True)`: x [B, S, E]; mask as in
     `ops.attention` (boolean key padding [B, S], or boolean / additive broadcastable to
     [B, H, S, S]). With deterministic=False, dropout keys come from the 'dropout' rng.
@@ -145,6 +151,7 @@ class EncoderLayer(_LayerFields):
     """
 
     layouts: Any = "auto"
+    recompute_gelu: bool = False
 
     def _affine(self, name, fan_in, kernel_shape, bias_shape):
         kernel, bias = _Affine(fan_in, kernel_shape, bias_shape, self.kernel_init, self.bias_init,
@@ -201,7 +208,8 @@ class EncoderLayer(_LayerFields):
         # residual), whatever the layouts.
         keys = {"attn": self._key(self.attention_dropout_rate, det), "drop1": self._key(self.dropout_rate, det),
                 "gelu": self._key(self.dropout_rate, det), "drop2": self._key(self.dropout_rate, det)}
-        return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det)
+        return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det,
+                             recompute_gelu=self.recompute_gelu)
 
 
 class ReferenceEncoderLayer(_LayerFields):
@@ -371,7 +379,7 @@ class Encoder(_LayerFields):
         if params is None:
             raise ValueError("jaxsub.flax.Encoder: with scan_layers=True the parameters need the stacked "
                              "layers under params['layers']['layer'] (as Encoder.init makes them)")
-        module = EncoderLayer(**layer)
+        module = EncoderLayer(**layer, recompute_gelu=True)
         rates = (self.dropout_rate, self.attention_dropout_rate)
         keys = None
         if not deterministic and any(r > 0.0 for r in rates):

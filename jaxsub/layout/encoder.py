@@ -294,6 +294,14 @@ class EncoderProblem(Problem):
 
         return {"ffn": _rowwise(lay, "BSF", key is not None, gelu, v["ffn"]), "h": v["h"]}
 
+    def _gelu_dense(self, gelu_cand, p, v, ext):
+        """bias_gelu_dropout and ffn_out as one op (apply's recompute_gelu), row-major."""
+        s = self.spec
+        out = ops.bias_gelu_dropout_dense(v["ffn"], p["in_bias"], p["ffn_kernel"], rate=s.dropout_rate,
+                                          key=ext["keys"]["gelu"], approximate=s.approximate_gelu,
+                                          deterministic=ext["deterministic"], kernel_config=kernel_config(gelu_cand))
+        return {"out": out, "h": v["h"]}
+
     def _ffn_out(self, cand, p, v, ext):
         src = parse_label(cand.in_layout)["ffn"]
         dst = parse_label(cand.out_layout)["out"]
@@ -335,17 +343,38 @@ class EncoderProblem(Problem):
                                  f"for this layer (pre_layer_norm={self.spec.pre_layer_norm})")
         return selection
 
-    def apply(self, selection: Selection, params: dict, x, mask=None, keys=None, deterministic=True):
-        """The layer's output [B,S,E] for x [B,S,E] with the stages `selection` chose."""
+    def apply(self, selection: Selection, params: dict, x, mask=None, keys=None, deterministic=True,
+              recompute_gelu=False):
+        """The layer's output [B,S,E] for x [B,S,E] with the stages `selection` chose.
+
+        recompute_gelu: where bias_gelu_dropout and ffn_out are both row-major ([B, S, F]
+        into [B, S, E]), run them as one `ops.bias_gelu_dropout_dense`, whose backward
+        writes the GELU output again rather than keeping it (what a scanned stack wants:
+        jaxsub.flax.Encoder)."""
+        choices = self.check(selection).choices
         ext = {"x": x, "mask": mask, "keys": _keys(keys), "deterministic": bool(deterministic)}
+        gelu, ffn_out = STAGE_NAMES.index("bias_gelu_dropout"), STAGE_NAMES.index("ffn_out")
+        dense = recompute_gelu and self._dense_fits(choices[gelu].candidate, choices[ffn_out].candidate)
         value, prev = {"x": x}, IN_LABEL
-        for i, choice in enumerate(self.check(selection).choices):
+        for i, choice in enumerate(choices):
             cand = choice.candidate
             if cand.in_layout != prev:
                 value = relayout(value, prev, cand.in_layout)
-            value = self.run_stage(i, cand, params, value, ext)
+            if dense and i == gelu:
+                pass  # run with ffn_out below
+            elif dense and i == ffn_out:
+                value = self._gelu_dense(choices[gelu].candidate, params, value, ext)
+            else:
+                value = self.run_stage(i, cand, params, value, ext)
             prev = cand.out_layout
         return value["y"]
+
+    @staticmethod
+    def _dense_fits(gelu: Candidate, ffn_out: Candidate) -> bool:
+        """Whether bias_gelu_dropout and ffn_out can run as bias_gelu_dropout_dense: the
+        feed-forward activations [B, S, F] into a [B, S, E] output, no relayout between."""
+        return (parse_label(gelu.in_layout)["ffn"] == FFN_LAYOUTS[0] and gelu.out_layout == ffn_out.in_layout
+                and parse_label(ffn_out.out_layout)["out"] == TOKEN_LAYOUTS[0])
 
     # -----------------------------------------------------------------------------------
     # What the tuner times.

@@ -52,20 +52,23 @@ def _fwd_call(x, bias, seed, *, approximate, rate, kernel):
     )
 
 
-def _bwd_call(dy, x, bias, seed, *, approximate, rate, kernel):
-    dx, dbias, _ = _ffi.call(
+def _bwd_call(dy, x, bias, seed, *, approximate, rate, kernel, with_y=False):
+    """(dx, dbias, y): y, the forward's output written again by the same kernel, only
+    with_y (else None; the target's y result is then empty)."""
+    dx, dbias, _, y = _ffi.call(
         "jaxsub_bias_gelu_dropout_bwd",
         (
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(bias.shape, bias.dtype),
             _ffi.workspace(x, 1),
+            jax.ShapeDtypeStruct(x.shape if with_y else (0,), x.dtype),
         ),
         dy, x, bias, seed,
         approximate=approximate,
         **_dropout.attrs(rate),
         **kernel.attrs("bwd"),
     )
-    return dx, dbias
+    return dx, dbias, (y if with_y else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -85,11 +88,44 @@ def _fused_fwd(x, bias, seed, approximate, rate, kernel):
 
 def _fused_bwd(approximate, rate, kernel, res, dy):
     x, bias, seed = res
-    dx, dbias = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate, kernel=kernel)
+    dx, dbias, _ = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate, kernel=kernel)
     return dx, dbias, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# The op followed by a product with a [N, E] weight. Autodiff of `y @ w` keeps y for w's
+# gradient; here the backward kernel writes y again instead (two more instructions per
+# element beside the derivative), so only x is kept. That pays where a kept value costs
+# more than writing it again: in a scanned stack, y (the size of x) is copied into the
+# residual stack and back out for the product (bench/NOTES.md, eighteenth session).
+
+
+def _dense(y, w):
+    return jnp.einsum("...n,ne->...e", y, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused_dense(x, bias, w, seed, approximate, rate, kernel):
+    return _dense(_fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel), w)
+
+
+def _fused_dense_fwd(x, bias, w, seed, approximate, rate, kernel):
+    out = _dense(_fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel), w)
+    return out, (x, bias, w, seed)
+
+
+def _fused_dense_bwd(approximate, rate, kernel, res, dout):
+    x, bias, w, seed = res
+    dy = jnp.einsum("...e,ne->...n", dout, w)
+    dx, dbias, y = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate, kernel=kernel, with_y=True)
+    lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))
+    dw = jnp.einsum(f"{lead}n,{lead}e->ne", y, dout)
+    return dx, dbias, dw, None
+
+
+_fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -115,6 +151,24 @@ def _check_inputs(x, bias):
     if bias.dtype not in (x.dtype, jnp.dtype(jnp.float32)):
         raise TypeError(f"jaxsub.{_OP}: `bias` must have x's dtype ({x.dtype}) or float32, got {bias.dtype}")
     return x, bias
+
+
+def _prepare(x, bias, rate, key, approximate, deterministic, kernel_config):
+    """Checked (x, bias, rate, approximate, seed, kernel, fallback reason or None)."""
+    x, bias = _check_inputs(x, bias)
+    rate = _dropout.check_rate(_OP, rate)
+    approximate = _check_bool("approximate", approximate)
+    deterministic = _check_bool("deterministic", deterministic)
+    if deterministic:
+        rate = 0.0
+    seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
+    kernel = _config.kernel_config(_OP, kernel_config, _config.row_signature(
+        x, bias.dtype, approximate=approximate, dropout_rate=rate))
+    n = x.shape[-1]
+    reason = None
+    if n > _ffi.MAX_COLS or x.size == 0:
+        reason = "zero-size input" if x.size == 0 else f"last dimension {n} > {_ffi.MAX_COLS}"
+    return x, bias, rate, approximate, seed, kernel, reason
 
 
 def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=False, kernel_config=None):
@@ -144,20 +198,39 @@ def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=Fa
     reproduces the result. The backward pass regenerates the mask from the seed, so no
     mask is stored. Gradients flow to `x` and `bias`.
     """
-    x, bias = _check_inputs(x, bias)
-    rate = _dropout.check_rate(_OP, rate)
-    approximate = _check_bool("approximate", approximate)
-    deterministic = _check_bool("deterministic", deterministic)
-    if deterministic:
-        rate = 0.0
-    seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
-    kernel = _config.kernel_config(_OP, kernel_config, _config.row_signature(
-        x, bias.dtype, approximate=approximate, dropout_rate=rate))
-
-    n = x.shape[-1]
-    if n > _ffi.MAX_COLS or x.size == 0:
-        reason = "zero-size input" if x.size == 0 else f"last dimension {n} > {_ffi.MAX_COLS}"
+    x, bias, rate, approximate, seed, kernel, reason = _prepare(x, bias, rate, key, approximate, deterministic,
+                                                                 kernel_config)
+    if reason is not None:
         _ffi.fallback(_OP, reason)
         keep = _dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 and x.size else None
         return reference_bias_gelu_dropout(x, bias, keep=keep, rate=rate, approximate=approximate)
     return _fused(x, bias, seed, approximate, rate, kernel)
+
+
+def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, deterministic=False,
+                            kernel_config=None):
+    """`bias_gelu_dropout(x, bias, ...) @ kernel`, keeping x rather than the GELU output for
+    the backward pass.
+
+    Args:
+      x, bias, rate, key, approximate, deterministic, kernel_config: as bias_gelu_dropout's.
+      kernel: [N, E] with N = x.shape[-1], x's dtype.
+
+    Returns:
+      [..., E] in x's dtype: the same values as `jnp.einsum("...n,ne->...e",
+      bias_gelu_dropout(x, bias, ...), kernel)` and the same gradients. The backward
+      kernel writes the GELU output again for kernel's gradient (one more write of x's
+      size) instead of the forward keeping it: what a scanned stack of layers wants, where
+      every kept value is copied into the stack and back out.
+    """
+    x, bias, rate, approximate, seed, config, reason = _prepare(x, bias, rate, key, approximate, deterministic,
+                                                                kernel_config)
+    kernel = kernel if isinstance(kernel, jax.Array) else jnp.asarray(kernel)
+    if kernel.ndim != 2 or kernel.shape[0] != x.shape[-1]:
+        raise ValueError(f"jaxsub.{_OP}_dense: `kernel` must have shape ({x.shape[-1]}, E), got {kernel.shape}")
+    if kernel.dtype != x.dtype:
+        raise TypeError(f"jaxsub.{_OP}_dense: `kernel` must have x's dtype ({x.dtype}), got {kernel.dtype}")
+    if reason is not None:
+        return _dense(bias_gelu_dropout(x, bias, rate=rate, key=key, approximate=approximate,
+                                        kernel_config=kernel_config), kernel)
+    return _fused_dense(x, bias, kernel, seed, approximate, rate, config)
