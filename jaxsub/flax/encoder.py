@@ -328,10 +328,11 @@ class Encoder(_LayerFields):
         keeps each layer's residuals in buffers it does not zero-fill first; dropout
         keys are one per layer, split from the 'dropout' stream. Without scan, layer i's
         parameters are params[f"layers_{i}"]["layer"]. The scan compiles fast but copies
-        each layer's residuals into and out of its stacked buffers: on the H200, 24
-        layers at batch 8 x 512 bf16 took 25.1 ms per training step under nn.scan, 24.7
-        ms with jaxsub.stack.scan (NOTES, eighteenth session) and 21.6 ms as 24 layers
-        unrolled (compile 4 s against 71 s; NOTES, seventeenth session).
+        each layer's residuals into and out of its stacked buffers, so its layers keep
+        the feed-forward input rather than the GELU output (EncoderLayer's
+        recompute_gelu). On the H200, 24 layers at batch 8 x 512 bf16 took 25.8 ms per
+        training step under nn.scan and 23.6 ms now (NOTES, eighteenth session), 21.6 ms
+        as 24 layers unrolled (compile 4 s against 71 s; NOTES, seventeenth session).
       remat: rematerialize each layer's activations in the backward pass (jax.checkpoint
         of each layer; nn.remat without scan).
       layouts: as EncoderLayer's; every layer has the same shapes, so one selection
