@@ -38,6 +38,9 @@ class Match:
     build: Callable
     description: str
     near_misses: list = dataclasses.field(default_factory=list)
+    # Static parameters of the fused op (rate, approximate, ...) for plan rewrites that
+    # build it another way (rewrite.scan_products).
+    attrs: dict = dataclasses.field(default_factory=dict)
 
 
 class Copies(tuple):
@@ -106,6 +109,12 @@ def plan(g: G.Graph, options: Options) -> Plan:
                 at[node] = found
                 break
     sub = {n: plan(n.body, options) for n in g.nodes if n.body is not None}
+    if any(n.prim == G.SCAN for n in sub):
+        from jaxsub.rewrite import scan_products  # it builds on this module's Match
+
+        for n in sub:
+            if n.prim == G.SCAN:
+                sub[n] = scan_products.fuse(n.body, sub[n])
     # A matched call (softmax's custom_jvp_call) is replaced whole, not left unsearched.
     unsearched = [n for n in g.nodes if n.prim in G.UNSEARCHED and n not in claimed]
     return Plan(at, claimed - set(at), misses[::-1], sub, unsearched)
