@@ -292,18 +292,20 @@ def dense_vjp(x, bias, w, dout, *, rate, key, approximate, fused=True):
 dense_vjp_jit = jax.jit(dense_vjp, static_argnames=("rate", "approximate", "fused"))
 
 
-@pytest.mark.parametrize("cols,dtype,rate,approximate", [
-    (130, F32, 0.1, False), (1000, BF16, 0.25, True), (7, F16, 0.0, False), (4096, BF16, 0.1, False)])
-def test_dense_matches_op_then_product(cols, dtype, rate, approximate):
+@pytest.mark.parametrize("lead,cols,dtype,rate,approximate", [
+    ((2, 5), 130, F32, 0.1, False), ((2, 5), 1000, BF16, 0.25, True), ((10,), 7, F16, 0.0, False),
+    ((2, 5), 4096, BF16, 0.1, False), ((), 33, F32, 0.1, False), ((1, 2, 1, 5, 1), 9, F32, 0.5, True)])
+def test_dense_matches_op_then_product(lead, cols, dtype, rate, approximate):
     """Values and gradients equal bias_gelu_dropout followed by einsum (the same dropout
-    mask); no [..., N] residual besides x is kept."""
-    x, bias, _ = inputs(31, (2, 5, cols), dtype, dtype)
+    mask), for any number of leading axes."""
+    x, bias, _ = inputs(31, (*lead, cols), dtype, dtype)
     w = normal(34, (cols, 24), dtype, scale=1 / math.sqrt(cols))
-    dout = normal(35, (2, 5, 24), dtype)
+    dout = normal(35, (*lead, 24), dtype)
     key = jax.random.key(36)
     got = dense_vjp_jit(x, bias, w, dout, rate=rate, key=key, approximate=approximate)
     want = dense_vjp_jit(x, bias, w, dout, rate=rate, key=key, approximate=approximate, fused=False)
-    for g, v, what, red in zip(got, want, ("out", "dx", "dbias", "dw"), (cols, cols, 10 * cols, 10)):
+    rows = math.prod(lead)
+    for g, v, what, red in zip(got, want, ("out", "dx", "dbias", "dw"), (cols, cols, rows * cols, rows)):
         assert g.dtype == v.dtype and g.shape == v.shape, what
         assert_close(g, v, dtype, reduction=red, grad=what != "out", what=what)
 

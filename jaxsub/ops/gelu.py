@@ -120,8 +120,7 @@ def _fused_dense_bwd(approximate, rate, kernel, res, dout):
     x, bias, w, seed = res
     dy = jnp.einsum("...e,ne->...n", dout, w)
     dx, dbias, y = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate, kernel=kernel, with_y=True)
-    lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))
-    dw = jnp.einsum(f"{lead}n,{lead}e->ne", y, dout)
+    dw = jnp.einsum("tn,te->ne", y.reshape(-1, y.shape[-1]), dout.reshape(-1, dout.shape[-1]))
     return dx, dbias, dw, None
 
 
