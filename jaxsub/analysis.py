@@ -79,9 +79,10 @@ _FUSED = {
     "jaxsub_attention_qkv_fwd": (CONTRACTION, None), "jaxsub_attention_qkv_bwd": (CONTRACTION, None),
     "jaxsub_bias_grad": (NORMALIZATION, 1),  # a column sum, classed like XLA's reduce_sum
 }
-_WORKSPACES = {"jaxsub_layer_norm_bwd": 1, "jaxsub_bdrln_bwd": 1, "jaxsub_bias_gelu_dropout_bwd": 1,
-               "jaxsub_attention_bwd": 2, "jaxsub_attention_bwd_dqkv": 2, "jaxsub_attention_qkv_bwd": 2,
-               "jaxsub_bias_grad": 1}
+# Positions of each target's scratch results (ABI.md), not counted as moved bytes.
+_WORKSPACES = {"jaxsub_layer_norm_bwd": (-1,), "jaxsub_bdrln_bwd": (-1,), "jaxsub_bias_gelu_dropout_bwd": (2,),
+               "jaxsub_attention_bwd": (-2, -1), "jaxsub_attention_bwd_dqkv": (-2, -1),
+               "jaxsub_attention_qkv_bwd": (-2, -1), "jaxsub_bias_grad": (-1,)}
 
 
 @dataclasses.dataclass
@@ -143,7 +144,8 @@ def _contraction_flops(node) -> int:
 def _fused_row(node):
     target = node.params["target_name"]
     cls, per_element = _FUSED.get(target, (ELEMENTWISE, 0))
-    results = node.outs[:len(node.outs) - _WORKSPACES.get(target, 0)]
+    scratch = {i % len(node.outs) for i in _WORKSPACES.get(target, ())}
+    results = [r for i, r in enumerate(node.outs) if i not in scratch]
     if per_element is None:  # attention: q [B, Sq, H, D], k [B, Sk, H, D]; packed: out [B, S, H, D]
         bwd = "_bwd" in target
         if "_qkv_" in target:

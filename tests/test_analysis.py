@@ -196,6 +196,21 @@ def test_fused_target_bytes_match_the_op_benchmark_floor():
     assert {row.cls for row in fused.values()} == {NORM}
 
 
+def test_gelu_backward_counts_its_y_result_not_its_workspace():
+    """bias_gelu_dropout_bwd's results are dx, dbias, workspace, y: the workspace is
+    scratch, y (written again by bias_gelu_dropout_dense's backward) is moved bytes."""
+    x, bias, w = _normal(10, (64, 48)), _normal(11, (48,)), _normal(12, (48, 8))
+    key = jax.random.key(13)
+    rows = {}
+    for name, f in (("op", lambda x, b, w: jnp.sum(ops.bias_gelu_dropout(x, b, rate=0.1, key=key) @ w)),
+                    ("dense", lambda x, b, w: jnp.sum(ops.bias_gelu_dropout_dense(x, b, w, rate=0.1, key=key)))):
+        r = jaxsub.analyze(f, x, bias, w, compare_optimized=False, grad=True, argnums=(0, 1, 2))
+        rows[name] = next(row for row in r.ops if row.op == "jaxsub_bias_gelu_dropout_bwd")
+    # dy, x, bias, seed in; dx, dbias out (f32); the dense op's y: one more x-sized write.
+    assert rows["op"].bytes == 4 * (3 * 64 * 48 + 2 * 48) + 8
+    assert rows["dense"].bytes == rows["op"].bytes + 4 * 64 * 48
+
+
 def test_fused_attention_is_a_contraction_with_its_bytes():
     b, s, h, d = 2, 8, 2, 4
     q, k, v = (_normal(i, (b, s, h, d)) for i in (12, 13, 14))
