@@ -62,7 +62,7 @@ def test_values_and_gradients_match_lax_scan(reverse):
     grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2), allow_int=True))  # noqa: E731
     got, want = grad(ours)(c, h, xs), grad(ref)(c, h, xs)
     _assert_tree_close(got, want, "grad", grad=True)
-    assert float(jnp.abs(got[2]["w"]).min()) >= 0 and float(jnp.abs(got[2]["w"]).max()) > 0
+    assert float(jnp.abs(got[2]["w"]).max()) > 0  # the parameters' gradients are not all zero
 
 
 def test_vmap_of_the_gradient():

@@ -42,7 +42,7 @@ def _product(g: G.Graph, y) -> G.Node | None:
 def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
     """`plan` with each bias_gelu_dropout match whose output feeds only such a product
     replaced by one match of both, anchored at the product."""
-    at = dict(plan.at)
+    at, fused = dict(plan.at), set()
     for anchor, match in plan.at.items():
         if match.pattern != "bias_gelu_dropout" or not match.attrs:
             continue
@@ -58,11 +58,12 @@ def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
                                                 approximate=attrs["approximate"])]
 
         del at[anchor]
+        fused.add(anchor)
         at[node] = dataclasses.replace(
             match, anchor=node, nodes=[*match.nodes, node], inputs={**match.inputs, "w": w}, build=build,
             description=f"{match.description}; with the product after it, whose backward writes the GELU "
                         "output again rather than keeping it in the scan (ops.bias_gelu_dropout_dense)")
-    if at == plan.at:
+    if not fused:
         return plan
-    skip = (plan.skip | {a for a in plan.at if a not in at}) - set(at)
-    return dataclasses.replace(plan, at=at, skip=skip)
+    # The GELU matches' old anchors are consumed nodes now; the products are anchors.
+    return dataclasses.replace(plan, at=at, skip=(plan.skip | fused) - set(at))
