@@ -18,12 +18,12 @@
   X(attention_bwd_dqkv)    \
   X(attention_qkv_fwd)     \
   X(attention_qkv_bwd)     \
-  X(bias_grad)
+  X(bias_grad)             \
+  X(gemm)
 
 // Staged targets: always registered for "cpu"; their CUDA handlers are compiled and
 // exported (cuda_staged_targets) but registered for "CUDA" only when the environment sets
 // JAXSUB_STAGED_CUDA=1, so GPU tests and compute-sanitizer can run them before they are
 // trusted. Without it Python routes GPU calls elsewhere (jaxsub._ffi.has_cuda_target) with
 // a log line. Move an entry to JAXSUB_TARGETS once its GPU tests pass on the H200.
-// (Empty now: fused attention passed its GPU tests and moved to JAXSUB_TARGETS.)
 #define JAXSUB_STAGED_TARGETS(X)

@@ -89,12 +89,16 @@ def workspace(x, k: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((min(max(rows, 1), WORKSPACE_ROWS), k, x.shape[-1]), jnp.float32)
 
 
-def call(target: str, out_types, *args, **attrs):
+def call(target: str, out_types, *args, barrier: bool = True, **attrs):
     """An ffi_call of a jaxsub target. Kernels treat leading axes as rows, so `vmap` maps
     the call sequentially: that keeps every argument's meaning (per-example keys,
-    batched parameters) exact."""
+    batched parameters) exact. `barrier=False`: the results without the barrier below,
+    for a call whose result XLA should write straight into a dynamic-update-slice that
+    is its only user (the gemm target's gradients, jaxsub/ops/dense.py)."""
     register()
     out = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)
+    if not barrier:
+        return out
     # The results pass through an optimization barrier (an identity that costs nothing):
     # under `lax.scan` / `nn.scan`, a result that is both used in the loop body and saved
     # as a residual for the backward pass is written into the stacked residual buffer by

@@ -78,11 +78,13 @@ _FUSED = {
     "jaxsub_attention_bwd_dqkv": (CONTRACTION, None),
     "jaxsub_attention_qkv_fwd": (CONTRACTION, None), "jaxsub_attention_qkv_bwd": (CONTRACTION, None),
     "jaxsub_bias_grad": (NORMALIZATION, 1),  # a column sum, classed like XLA's reduce_sum
+    "jaxsub_gemm": (CONTRACTION, None),
 }
 # Positions of each target's scratch results (ABI.md), not counted as moved bytes.
 _WORKSPACES = {"jaxsub_layer_norm_bwd": (-1,), "jaxsub_bdrln_bwd": (-1,), "jaxsub_bias_gelu_dropout_bwd": (2,),
                "jaxsub_attention_bwd": (-2, -1), "jaxsub_attention_bwd_dqkv": (-2, -1),
-               "jaxsub_attention_qkv_bwd": (-2, -1), "jaxsub_bias_grad": (-1,)}
+               "jaxsub_attention_qkv_bwd": (-2, -1), "jaxsub_bias_grad": (-1,),
+               "jaxsub_gemm": (-1,)}
 
 
 @dataclasses.dataclass
@@ -117,7 +119,14 @@ def _size(ref) -> int:
 def _is_view(node) -> bool:
     if node.prim == "convert_element_type":
         return node.ins[0].dtype == node.outs[0].dtype
+    if node.prim == "optimization_barrier":  # an identity on each operand (jaxsub._ffi.call's)
+        return len(node.ins) == len(node.outs) >= 1
     return node.prim in _VIEWS and len(node.ins) >= 1
+
+
+def _viewed(node, ref):
+    """The operand of view `node` that its result `ref` shows."""
+    return node.ins[node.outs.index(ref)] if node.prim == "optimization_barrier" else node.ins[0]
 
 
 def _source(g, ref):
@@ -125,7 +134,7 @@ def _source(g, ref):
     while True:
         node = g.producer.get(ref)
         if node is not None and _is_view(node):
-            ref = node.ins[0]
+            ref = _viewed(node, ref)
         elif (node is not None and node.prim in _FREE) or (ref.value is not None and _size(ref) <= 1):
             return None
         else:
@@ -146,7 +155,10 @@ def _fused_row(node):
     cls, per_element = _FUSED.get(target, (ELEMENTWISE, 0))
     scratch = {i % len(node.outs) for i in _WORKSPACES.get(target, ())}
     results = [r for i, r in enumerate(node.outs) if i not in scratch]
-    if per_element is None:  # attention: q [B, Sq, H, D], k [B, Sk, H, D]; packed: out [B, S, H, D]
+    if target == "jaxsub_gemm":  # d [M, N] from a contraction over K
+        a, trans_a = node.ins[0].shape, dict(node.params.get("attributes", ())).get("trans_a", False)
+        flops = 2 * _size(results[0]) * (a[0] if trans_a else a[1])
+    elif per_element is None:  # attention: q [B, Sq, H, D], k [B, Sk, H, D]; packed: out [B, S, H, D]
         bwd = "_bwd" in target
         if "_qkv_" in target:
             b, sq, h, d = (node.ins[0] if bwd else results[0]).shape

@@ -185,23 +185,34 @@ def _empty_stack(length, a):
     return lax.empty((length, *jnp.shape(a)), _dtype(a))
 
 
+def _slice(tree, at):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, at, 0, keepdims=False), tree)
+
+
+# Both loops count i = 0, 1, ... and address layer `at` = i or n - 1 - i, slicing and
+# updating their stacks themselves: every offset is then a function of the loop's own
+# induction variable, which XLA's dynamic-slice fusion needs to run a custom call on a
+# stack's slice, or write its result into one, in place. (A second counter running the
+# other way, as `lax.scan(reverse=True)` beside a carried index would give, is not one.)
+
+
 def _scan_fwd(body, plan, consts, init, xs):
     n = plan.length
     buffers = [_empty_stack(n, a) for a in plan.buffers()]
     ys = jax.tree.map(lambda a: _empty_stack(n, a), plan.ys)
 
-    def step(state, x):
+    def step(state, _):
         i, h, buffers, ys = state
-        (h, y), _, sources, stored = _pullback(body, consts, h, x)
+        at = n - 1 - i if plan.reverse else i
+        (h, y), _, sources, stored = _pullback(body, consts, h, _slice(xs, at))
         if sources != plan.sources or _avals(stored) != _avals(list(plan.stored)):
             raise RuntimeError(f"{_OP}: `body` traced to other residuals inside the loop than outside it; "
                                "it must be a pure function of its arguments")
-        buffers = [lax.dynamic_update_index_in_dim(b, r, i, 0) for b, r in zip(buffers, plan.pack(stored))]
-        ys = jax.tree.map(lambda b, r: lax.dynamic_update_index_in_dim(b, r, i, 0), ys, y)
-        return (i - 1 if plan.reverse else i + 1, h, buffers, ys), None
+        buffers = [lax.dynamic_update_index_in_dim(b, r, at, 0) for b, r in zip(buffers, plan.pack(stored))]
+        ys = jax.tree.map(lambda b, r: lax.dynamic_update_index_in_dim(b, r, at, 0), ys, y)
+        return (i + 1, h, buffers, ys), None
 
-    first = jnp.int32(n - 1 if plan.reverse else 0)
-    (_, carry, buffers, ys), _ = lax.scan(step, (first, init, buffers, ys), xs, length=n, reverse=plan.reverse)
+    (_, carry, buffers, ys), _ = lax.scan(step, (jnp.int32(0), init, buffers, ys), None, length=n)
     return (carry, ys), (consts, xs, buffers)
 
 
@@ -210,28 +221,28 @@ def _scan_bwd(body, plan, residuals, cotangents):
     dcarry, dys = cotangents
     n = plan.length
     const_leaves = jax.tree.leaves(consts)
-    x_leaves, x_tree = jax.tree.flatten(xs)
+    x_tree = jax.tree.structure(xs)
+    x_leaves = jax.tree.leaves(xs)
     is_none = lambda a: a is None  # noqa: E731 - the integer leaves' place in a tree
     grads = [lax.empty(jnp.shape(a), _dtype(a)) if _is_float(a) else None for a in x_leaves]
     dconsts = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), _dtype(a)) if _is_float(a) else None, consts)
 
-    def step(state, inputs):
+    def step(state, _):
         i, dh, dconsts, grads = state
-        x, buffers, dy = inputs
-        stored = plan.unpack(buffers)
+        at = i if plan.reverse else n - 1 - i  # the forward's layers, last first
+        x, stored, dy = _slice(xs, at), plan.unpack(_slice(buffers, at)), _slice(dys, at)
         x_at = jax.tree.leaves(x)
         leaves = [const_leaves[j] if kind == "const" else x_at[j] if kind == "x" else stored[j]
                   for kind, j in plan.sources]
         d_consts, dh, d_x = jax.tree.unflatten(plan.tree, leaves)((dh, dy))
         dconsts = jax.tree.map(lambda acc, d: None if acc is None else acc + d, dconsts, d_consts, is_leaf=is_none)
         # d_x has x's leaves (float0 arrays for the integer ones), in x_leaves' order.
-        grads = [None if g is None else lax.dynamic_update_index_in_dim(g, d, i, 0)
+        grads = [None if g is None else lax.dynamic_update_index_in_dim(g, d, at, 0)
                  for g, d in zip(grads, jax.tree.leaves(d_x), strict=True)]
-        return (i + 1 if plan.reverse else i - 1, dh, dconsts, grads), None
+        return (i + 1, dh, dconsts, grads), None
 
-    last = jnp.int32(0 if plan.reverse else n - 1)
-    state = (last, dcarry, dconsts, grads)
-    (_, dinit, dconsts, grads), _ = lax.scan(step, state, (xs, buffers, dys), length=n, reverse=not plan.reverse)
+    state = (jnp.int32(0), dcarry, dconsts, grads)
+    (_, dinit, dconsts, grads), _ = lax.scan(step, state, None, length=n)
     return dconsts, dinit, jax.tree.unflatten(x_tree, grads)
 
 

@@ -144,6 +144,13 @@ class EncoderLayer(_LayerFields):
       saves a [B, S, F] residual for one more [B, S, F] write: `Encoder` sets it for its
       scanned stack, where a kept value is copied into the stack and back out.
 
+    library_products: run the four projections (where their layouts are row-major) and
+      their gradients through `ops.dense`, jaxsub's cuBLASLt call, rather than XLA's
+      GEMMs: XLA runs a custom call on slices of stacked arrays in place, where it copies
+      a slice for its own GEMMs. `Encoder` sets it for its scanned stack, whose weights,
+      residuals and weight gradients are all such slices (on GPU). Same numbers up to
+      the order of f32 sums.
+
     `__call__(x, mask=None, deterministic=True)`: x [B, S, E]; mask as in
     `ops.attention` (boolean key padding [B, S], or boolean / additive broadcastable to
     [B, H, S, S]). With deterministic=False, dropout keys come from the 'dropout' rng.
@@ -152,6 +159,7 @@ class EncoderLayer(_LayerFields):
 
     layouts: Any = "auto"
     recompute_gelu: bool = False
+    library_products: bool = False
 
     def _affine(self, name, fan_in, kernel_shape, bias_shape):
         kernel, bias = _Affine(fan_in, kernel_shape, bias_shape, self.kernel_init, self.bias_init,
@@ -209,7 +217,7 @@ class EncoderLayer(_LayerFields):
         keys = {"attn": self._key(self.attention_dropout_rate, det), "drop1": self._key(self.dropout_rate, det),
                 "gelu": self._key(self.dropout_rate, det), "drop2": self._key(self.dropout_rate, det)}
         return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det,
-                             recompute_gelu=self.recompute_gelu)
+                             recompute_gelu=self.recompute_gelu, library_products=self.library_products)
 
 
 class ReferenceEncoderLayer(_LayerFields):
@@ -330,7 +338,8 @@ class Encoder(_LayerFields):
         parameters are params[f"layers_{i}"]["layer"]. The scan compiles fast but copies
         each layer's residuals into and out of its stacked buffers, so its layers keep
         the feed-forward input rather than the GELU output (EncoderLayer's
-        recompute_gelu). On the H200, 24 layers at batch 8 x 512 bf16 took 25.8 ms per
+        recompute_gelu) and run their projections through jaxsub's GEMM, which reads
+        the stacked weights and residuals in place (EncoderLayer's library_products). On the H200, 24 layers at batch 8 x 512 bf16 took 25.8 ms per
         training step under nn.scan and 23.6 ms now (NOTES, eighteenth session), 21.6 ms
         as 24 layers unrolled (compile 4 s against 71 s; NOTES, seventeenth session).
       remat: rematerialize each layer's activations in the backward pass (jax.checkpoint
@@ -380,7 +389,8 @@ class Encoder(_LayerFields):
         if params is None:
             raise ValueError("jaxsub.flax.Encoder: with scan_layers=True the parameters need the stacked "
                              "layers under params['layers']['layer'] (as Encoder.init makes them)")
-        module = EncoderLayer(**layer, recompute_gelu=True)
+        # jaxsub's GEMM where it reads the stacks in place: on GPU (on CPU XLA's dot is faster).
+        module = EncoderLayer(**layer, recompute_gelu=True, library_products=jax.default_backend() == "gpu")
         rates = (self.dropout_rate, self.attention_dropout_rate)
         keys = None
         if not deterministic and any(r > 0.0 for r in rates):

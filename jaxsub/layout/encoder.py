@@ -161,6 +161,16 @@ def _residual(x, y, bias, rate, key):
     return x + y
 
 
+def _dense(ext, a, kernel, bias=None):
+    """`ops.dense` over a's axes after B, S with the kernel flattened to [K, N], where
+    apply's library_products asks for it and the dtypes agree; else None (the stage's
+    einsum)."""
+    if not ext["library"] or a.dtype != kernel.dtype or (bias is not None and bias.dtype != a.dtype):
+        return None
+    rows = a.reshape(*a.shape[:2], -1)
+    return ops.dense(rows, kernel.reshape(rows.shape[-1], -1), None if bias is None else bias.reshape(-1))
+
+
 class EncoderProblem(Problem):
     kind = "encoder_layer"
 
@@ -222,7 +232,8 @@ class EncoderProblem(Problem):
     # -----------------------------------------------------------------------------------
     # The stages. Each takes (candidate, params, value in the input label, ext) and
     # returns the value in the output label; ext = {"x": layer input, "mask", "keys",
-    # "deterministic"}; keys = {"attn", "drop1", "gelu", "drop2"}, None where off.
+    # "deterministic", "library" (apply's library_products)}; keys = {"attn", "drop1",
+    # "gelu", "drop2"}, None where off.
 
     def run_stage(self, i, cand: Candidate, p, v, ext):
         return getattr(self, "_" + STAGE_NAMES[i])(cand, p, v, ext)
@@ -233,6 +244,9 @@ class EncoderProblem(Problem):
         if s.pre_layer_norm:
             a = ops.layer_norm(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon, kernel_config={})
         q = parse_label(cand.out_layout)["qkv"]
+        out = _dense(ext, a, p["qkv_kernel"], p["qkv_bias"]) if q == "BS3HD" else None
+        if out is not None:  # the bias in the GEMM's epilogue
+            return {"qkv": out.reshape(*a.shape[:2], *p["qkv_bias"].shape)}
         out = jnp.einsum(f"bse,ethd->{_ein(q)}", a, p["qkv_kernel"])
         if q.endswith("3HD"):  # the bias is a suffix: its gradient by the fused column sum
             return {"qkv": ops.bias_add(out, p["qkv_bias"])}
@@ -256,7 +270,10 @@ class EncoderProblem(Problem):
     def _out_proj(self, cand, p, v, ext):
         src = parse_label(cand.in_layout)["ctx"]
         dst = parse_label(cand.out_layout)["proj"]
-        return {"proj": jnp.einsum(f"{_ein(src)},hde->{_ein(dst)}", v["ctx"], p["out_kernel"])}
+        out = _dense(ext, v["ctx"], p["out_kernel"]) if (src, dst) == ("BSHD", "BSE") else None
+        if out is None:
+            out = jnp.einsum(f"{_ein(src)},hde->{_ein(dst)}", v["ctx"], p["out_kernel"])
+        return {"proj": out}
 
     def _bdrln1(self, cand, p, v, ext):
         s = self.spec
@@ -280,7 +297,10 @@ class EncoderProblem(Problem):
         src = parse_label(cand.in_layout)["h"]
         dst = parse_label(cand.out_layout)["ffn"]
         a = v["a"] if self.spec.pre_layer_norm else v["hm"]
-        return {"ffn": jnp.einsum(f"{_ein(src)},ef->{_ein(dst)}", a, p["in_kernel"]), "h": v["h"]}
+        out = _dense(ext, a, p["in_kernel"]) if (src, dst) == ("BSE", "BSF") else None
+        if out is None:
+            out = jnp.einsum(f"{_ein(src)},ef->{_ein(dst)}", a, p["in_kernel"])
+        return {"ffn": out, "h": v["h"]}
 
     def _bias_gelu_dropout(self, cand, p, v, ext):
         s = self.spec
@@ -299,13 +319,17 @@ class EncoderProblem(Problem):
         s = self.spec
         out = ops.bias_gelu_dropout_dense(v["ffn"], p["in_bias"], p["ffn_kernel"], rate=s.dropout_rate,
                                           key=ext["keys"]["gelu"], approximate=s.approximate_gelu,
-                                          deterministic=ext["deterministic"], kernel_config=kernel_config(gelu_cand))
+                                          deterministic=ext["deterministic"], kernel_config=kernel_config(gelu_cand),
+                                          library_products=ext["library"])
         return {"out": out, "h": v["h"]}
 
     def _ffn_out(self, cand, p, v, ext):
         src = parse_label(cand.in_layout)["ffn"]
         dst = parse_label(cand.out_layout)["out"]
-        return {"out": jnp.einsum(f"{_ein(src)},fe->{_ein(dst)}", v["ffn"], p["ffn_kernel"]), "h": v["h"]}
+        out = _dense(ext, v["ffn"], p["ffn_kernel"]) if (src, dst) == ("BSF", "BSE") else None
+        if out is None:
+            out = jnp.einsum(f"{_ein(src)},fe->{_ein(dst)}", v["ffn"], p["ffn_kernel"])
+        return {"out": out, "h": v["h"]}
 
     def _bdrln2(self, cand, p, v, ext):
         s = self.spec
@@ -344,15 +368,19 @@ class EncoderProblem(Problem):
         return selection
 
     def apply(self, selection: Selection, params: dict, x, mask=None, keys=None, deterministic=True,
-              recompute_gelu=False):
+              recompute_gelu=False, library_products=False):
         """The layer's output [B,S,E] for x [B,S,E] with the stages `selection` chose.
 
         recompute_gelu: where bias_gelu_dropout and ffn_out are both row-major ([B, S, F]
         into [B, S, E]), run them as one `ops.bias_gelu_dropout_dense`, whose backward
         writes the GELU output again rather than keeping it (what a scanned stack wants:
-        jaxsub.flax.Encoder)."""
+        jaxsub.flax.Encoder).
+        library_products: the four projections, where row-major, through `ops.dense`
+        (jaxsub's GEMM target, which XLA runs on slices of stacked parameters and
+        residuals in place: also for a scanned stack), the q/k/v bias in its epilogue."""
         choices = self.check(selection).choices
-        ext = {"x": x, "mask": mask, "keys": _keys(keys), "deterministic": bool(deterministic)}
+        ext = {"x": x, "mask": mask, "keys": _keys(keys), "deterministic": bool(deterministic),
+               "library": bool(library_products)}
         gelu, ffn_out = STAGE_NAMES.index("bias_gelu_dropout"), STAGE_NAMES.index("ffn_out")
         dense = recompute_gelu and self._dense_fits(choices[gelu].candidate, choices[ffn_out].candidate)
         value, prev = {"x": x}, IN_LABEL
@@ -427,7 +455,7 @@ class EncoderProblem(Problem):
         def fn(diff, aux):
             params, value, x = diff
             keys, mask = aux
-            ext = {"x": x, "mask": mask, "keys": keys, "deterministic": det}
+            ext = {"x": x, "mask": mask, "keys": keys, "deterministic": det, "library": False}
             return self.run_stage(i, cand, params, value, ext)
 
         def make(seed):

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxsub import _ffi
 from jaxsub.ops import config as _config
+from jaxsub.ops import dense as _dense_op
 from jaxsub.ops import dropout as _dropout
 
 _OP = "bias_gelu_dropout"
@@ -102,25 +103,34 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 # residual stack and back out for the product (bench/NOTES.md, eighteenth session).
 
 
-def _dense(y, w):
-    return jnp.einsum("...n,ne->...e", y, w)
+def _dense(y, w, library=False):
+    """y @ w over y's last axis: XLA's product, or jaxsub's GEMM target (`ops.dense`'s
+    reason: in a scan it reads the stacked w in place)."""
+    if not library:
+        return jnp.einsum("...n,ne->...e", y, w)
+    return _dense_op.gemm(y.reshape(-1, y.shape[-1]), w).reshape(*y.shape[:-1], w.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused_dense(x, bias, w, seed, approximate, rate, kernel):
-    return _dense(_fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel), w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused_dense(x, bias, w, seed, approximate, rate, kernel, library):
+    return _dense(_fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel), w, library)
 
 
-def _fused_dense_fwd(x, bias, w, seed, approximate, rate, kernel):
-    out = _dense(_fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel), w)
+def _fused_dense_fwd(x, bias, w, seed, approximate, rate, kernel, library):
+    out = _dense(_fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel), w, library)
     return out, (x, bias, w, seed)
 
 
-def _fused_dense_bwd(approximate, rate, kernel, res, dout):
+def _fused_dense_bwd(approximate, rate, kernel, library, res, dout):
     x, bias, w, seed = res
-    dy = jnp.einsum("...e,ne->...n", dout, w)
+    d2 = dout.reshape(-1, dout.shape[-1])
+    if library:  # the gradients without barriers: XLA may write dw straight into a scan's stack
+        dy = _dense_op.gemm(d2, w, trans_b=True, barrier=False).reshape(*x.shape)
+    else:
+        dy = jnp.einsum("...e,ne->...n", dout, w)
     dx, dbias, y = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate, kernel=kernel, with_y=True)
-    dw = jnp.einsum("tn,te->ne", y.reshape(-1, y.shape[-1]), dout.reshape(-1, dout.shape[-1]))
+    y2 = y.reshape(-1, y.shape[-1])
+    dw = _dense_op.gemm(y2, d2, trans_a=True, barrier=False) if library else jnp.einsum("tn,te->ne", y2, d2)
     return dx, dbias, dw, None
 
 
@@ -207,13 +217,16 @@ def bias_gelu_dropout(x, bias, *, rate, key, approximate=False, deterministic=Fa
 
 
 def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, deterministic=False,
-                            kernel_config=None):
+                            kernel_config=None, library_products=False):
     """`bias_gelu_dropout(x, bias, ...) @ kernel`, keeping x rather than the GELU output for
     the backward pass.
 
     Args:
       x, bias, rate, key, approximate, deterministic, kernel_config: as bias_gelu_dropout's.
       kernel: [N, E] with N = x.shape[-1], x's dtype.
+      library_products: the product and its two gradient products through jaxsub's GEMM
+        target (`jaxsub.ops.dense`: for a kernel sliced from stacked layers in a scan)
+        rather than XLA's.
 
     Returns:
       [..., E] in x's dtype: the same values as `jnp.einsum("...n,ne->...e",
@@ -232,4 +245,5 @@ def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, de
     if reason is not None:
         return _dense(bias_gelu_dropout(x, bias, rate=rate, key=key, approximate=approximate,
                                         kernel_config=kernel_config), kernel)
-    return _fused_dense(x, bias, kernel, seed, approximate, rate, config)
+    library = _check_bool("library_products", library_products) and _dense_op.supported(x, kernel)
+    return _fused_dense(x, bias, kernel, seed, approximate, rate, config, library)

@@ -1,0 +1,36 @@
+// The gemm target's shape contract (ABI.md: gemm), shared by its CPU and CUDA handlers.
+#pragma once
+
+#include "common.h"
+
+namespace jaxsub {
+
+// d[m, n] = op(a) · op(b) (+ bias): a [m, k] or, trans_a, [k, m]; b [k, n] or, trans_b,
+// [n, k]; bias [n] or [0] (none); d [m, n]; all of one float dtype.
+struct GemmShape {
+  int64_t m = 0, n = 0, k = 0;
+  bool bias = false;
+};
+
+inline ffi::Error check_gemm(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                             const ffi::AnyBuffer& bias, const ffi::AnyBuffer& d, bool trans_a, bool trans_b,
+                             GemmShape& g) {
+  auto ad = a.dimensions(), bd = b.dimensions(), dd = d.dimensions(), cd = bias.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || dd.size() != 2 || cd.size() != 1)
+    return invalid(op, "a, b and d must be 2-D and bias 1-D");
+  const auto t = a.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
+    return invalid(op, "unsupported dtype (expected float32, bfloat16 or float16)");
+  if (b.element_type() != t || d.element_type() != t || bias.element_type() != t)
+    return invalid(op, "a, b, bias and d must have one dtype");
+  g.m = trans_a ? ad[1] : ad[0];
+  g.k = trans_a ? ad[0] : ad[1];
+  g.n = trans_b ? bd[0] : bd[1];
+  if ((trans_b ? bd[1] : bd[0]) != g.k) return invalid(op, "the contracted dims of a and b differ");
+  if (dd[0] != g.m || dd[1] != g.n) return invalid(op, "d must be [m, n]");
+  if (cd[0] != 0 && cd[0] != g.n) return invalid(op, "bias must be [n] or [0]");
+  g.bias = cd[0] != 0;
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxsub

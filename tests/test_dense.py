@@ -1,0 +1,223 @@
+"""dense (the jaxsub_gemm target): values and gradients against the reference, the
+target's transposes and bias, transformations, scans, validation and the fallback."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxsub
+from jaxsub import _ffi
+from jaxsub.ops.dense import gemm, reference_dense
+from jaxsub.testing import assert_close
+
+op = jaxsub.ops.dense
+F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+DTYPES = (F32, BF16, F16)
+
+
+def normal(seed, shape, dtype=F32, scale=1.0):
+    v = np.random.default_rng(seed).standard_normal(shape) * scale
+    return jnp.asarray(v.astype(np.float32), dtype)
+
+
+def inputs(seed, lead, k, n, dtype, bias=True):
+    x = normal(seed, (*lead, k), dtype)
+    w = normal(seed + 1, (k, n), dtype, 1 / math.sqrt(k))
+    b = normal(seed + 2, (n,), dtype) if bias else None
+    dy = normal(seed + 3, (*lead, n), dtype)
+    return x, w, b, dy
+
+
+def vjp_of(f):
+    def run(x, w, b, dy):
+        if b is None:
+            y, pull = jax.vjp(f, x, w)
+        else:
+            y, pull = jax.vjp(f, x, w, b)
+        return (y, *pull(dy))
+    return jax.jit(run)
+
+
+fused_vjp, reference_vjp = vjp_of(op), vjp_of(reference_dense)
+
+
+def check(x, w, b, dy):
+    got, want = fused_vjp(x, w, b, dy), reference_vjp(x, w, b, dy)
+    k, rows = x.shape[-1], x.size // x.shape[-1]
+    assert got[0].shape == want[0].shape and got[0].dtype == x.dtype
+    assert_close(got[0], want[0], x.dtype, reduction=k, what="y")
+    assert_close(got[1], want[1], x.dtype, reduction=w.shape[1], grad=True, what="dx")
+    assert_close(got[2], want[2], x.dtype, reduction=rows, grad=True, what="dkernel")
+    if b is not None:
+        assert_close(got[3], want[3], x.dtype, reduction=rows, grad=True, what="dbias")
+
+
+CASES = [(lead, k, n, dtype, bias) for dtype in DTYPES for (lead, k, n) in (((1,), 1, 1), ((3,), 5, 7), ((2, 9), 33, 17),
+                                                                            ((130,), 64, 96))
+         for bias in (True, False)]
+
+
+@pytest.mark.parametrize("lead,k,n,dtype,bias", CASES,
+                         ids=[f"{'x'.join(map(str, c[0]))}-{c[1]}-{c[2]}-{c[3].name}-{'b' if c[4] else 'nb'}"
+                              for c in CASES])
+def test_fwd_and_vjp_match_reference(lead, k, n, dtype, bias):
+    check(*inputs(100 + k + 3 * n + DTYPES.index(dtype), lead, k, n, dtype, bias))
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_target_transposes(trans_a, trans_b, dtype):
+    m, k, n = 19, 23, 13
+    a = normal(7, (k, m) if trans_a else (m, k), dtype)
+    b = normal(8, (n, k) if trans_b else (k, n), dtype)
+    bias = normal(9, (n,), dtype)
+    got = jax.jit(lambda a, b, c: gemm(a, b, c, trans_a=trans_a, trans_b=trans_b))(a, b, bias)
+    want = reference_dense(a.T if trans_a else a, b.T if trans_b else b, bias)
+    assert_close(got, want, dtype, reduction=k, what="d")
+
+
+def test_exact_on_integers():
+    # Small integers in f32: every product and partial sum is exact, so any order agrees.
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.integers(-8, 8, (37, 29)).astype(np.float32))
+    w = jnp.asarray(rng.integers(-8, 8, (29, 41)).astype(np.float32))
+    b = jnp.asarray(rng.integers(-8, 8, (41,)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(op)(x, w, b)), np.asarray(x) @ np.asarray(w) + np.asarray(b))
+
+
+def test_check_grads():
+    x, w, b, _ = inputs(11, (4,), 6, 5, F32)
+    check_grads(op, (x, w, b), order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-3)
+
+
+def test_vmap_matches_loop():
+    x, w, b, dy = inputs(21, (3, 4), 8, 6, F32)
+    ws = normal(25, (3, 8, 6))
+    got = jax.jit(jax.vmap(lambda x, w, dy: fused_vjp(x, w, b, dy)))(x, ws, dy)
+    for i in range(3):
+        want = reference_vjp(x[i], ws[i], b, dy[i])
+        for g, v, what in zip(got, want, ("y", "dx", "dkernel", "dbias")):
+            assert_close(g[i], v, F32, reduction=8, grad=what != "y", what=what)
+
+
+def _stack_loss(scan):
+    def loss(ws, bs, x):
+        def body(h, wb):
+            return jnp.tanh(op(h, *wb)), None
+        h, _ = scan(body, x, (ws, bs))
+        return jnp.sum(h.astype(F32) ** 2)
+    return loss
+
+
+@pytest.mark.parametrize("scan", ["lax", "stack"])
+def test_in_a_scan_over_stacked_weights(scan):
+    # Weights and biases as slices of stacked arrays, their gradients written into stacks:
+    # what the op is for. Against the reference op under lax.scan.
+    ws, bs, x = normal(31, (3, 24, 24), F32, 0.2), normal(32, (3, 24)), normal(33, (5, 24))
+    run = {"lax": jax.lax.scan, "stack": lambda f, c, xs: jaxsub.stack.scan(lambda _, h, x: f(h, x), c, xs, ())}[scan]
+    got = jax.jit(jax.value_and_grad(_stack_loss(run), (0, 1, 2)))(ws, bs, x)
+
+    def ref(h, wb):
+        return jnp.tanh(reference_dense(h, *wb)), None
+    want = jax.jit(jax.value_and_grad(lambda ws, bs, x: jnp.sum(jax.lax.scan(ref, x, (ws, bs))[0] ** 2),
+                                      (0, 1, 2)))(ws, bs, x)
+    assert_close(got[0], want[0], F32, reduction=120, what="loss")
+    for g, v, what in zip(got[1], want[1], ("dws", "dbs", "dx")):
+        assert_close(g, v, F32, reduction=120, grad=True, what=what)
+
+
+def test_lowering_has_the_target_and_unbarriered_gradients():
+    x, w, b, dy = inputs(41, (4,), 16, 8, BF16)
+    fwd = jax.jit(op).lower(x, w, b).as_text()
+    bwd = jax.jit(jax.grad(lambda x, w, b: (op(x, w, b).astype(F32) ** 2).sum(), (0, 1, 2))).lower(x, w, b).as_text()
+    assert "@jaxsub_gemm" in fwd and "optimization_barrier" in fwd
+    assert bwd.count("@jaxsub_gemm") == 3  # forward, dx, dkernel
+    assert "jaxsub_bias_grad" in bwd
+    # Barriers on the forward's result and the bias gradient's, none on dx and dkernel.
+    assert bwd.count("optimization_barrier") == 2
+
+
+def _bad_cases():
+    x, w = normal(91, (4, 8)), normal(92, (8, 3))
+    return [
+        ("x-rank0", dict(x=jnp.float32(1.0), kernel=w), ValueError, "`x`"),
+        ("x-int", dict(x=jnp.ones((4, 8), jnp.int32), kernel=w), TypeError, "`x`"),
+        ("kernel-rank", dict(x=x, kernel=normal(0, (8, 3, 1))), ValueError, "`kernel`"),
+        ("kernel-k", dict(x=x, kernel=normal(0, (7, 3))), ValueError, "`kernel`"),
+        ("kernel-dtype", dict(x=x, kernel=w.astype(BF16)), TypeError, "`kernel`"),
+        ("bias-shape", dict(x=x, kernel=w, bias=normal(0, (4,))), ValueError, "`bias`"),
+        ("bias-dtype", dict(x=x, kernel=w, bias=normal(0, (3,), BF16)), TypeError, "`bias`"),
+    ]
+
+
+@pytest.mark.parametrize("name,kwargs,exc,arg", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_inputs_raise_naming_op_and_argument(name, kwargs, exc, arg):
+    with pytest.raises(exc, match="jaxsub.dense") as info:
+        op(**kwargs)
+    assert arg in str(info.value)
+
+
+def test_zero_size_falls_back(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, **_: calls.append((op_name, reason)))
+    x, w, b, dy = inputs(111, (0,), 8, 3, F32)
+    y, dx, dw, db = fused_vjp(x, w, b, dy)
+    assert y.shape == (0, 3) and dx.shape == x.shape and not np.asarray(dw).any() and not np.asarray(db).any()
+    assert ("dense", "zero-size input") in calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+class TestCuda:
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (7, 33, 5), (130, 72, 18), (257, 1023, 129)])
+    def test_cuda_matches_reference(self, dtype, m, k, n):
+        for bias in (True, False):
+            check(*jax.device_put(inputs(200 + m + k + n, (m,), k, n, dtype, bias), jax.devices()[0]))
+
+    @pytest.mark.parametrize("k,n", [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)])
+    def test_bert_shapes(self, k, n):
+        check(*jax.device_put(inputs(300 + n, (8, 512), k, n, BF16), jax.devices()[0]))
+
+    @pytest.mark.parametrize("trans_a", [False, True])
+    @pytest.mark.parametrize("trans_b", [False, True])
+    def test_cuda_transposes_match_cpu(self, trans_a, trans_b):
+        m, k, n = 67, 129, 45
+        a = normal(17, (k, m) if trans_a else (m, k), BF16)
+        b = normal(18, (n, k) if trans_b else (k, n), BF16)
+        bias = normal(19, (n,), BF16)
+        f = jax.jit(lambda a, b, c: gemm(a, b, c, trans_a=trans_a, trans_b=trans_b))
+        got = f(*jax.device_put((a, b, bias), jax.devices()[0]))
+        want = f(*jax.device_put((a, b, bias), jax.devices("cpu")[0]))
+        assert_close(got, want, BF16, reduction=k, what="d")
+
+    @pytest.mark.parametrize("n", [130, 256])
+    def test_scan_reads_slices_in_place(self, n):
+        """A 12-layer stack.scan over stacked weights and biases (at n = 130 a layer's
+        bias starts 260 bytes after the last: not 16-byte aligned, so the bias is added
+        after the product, and the weights 8-byte aligned): same values as the reference
+        under lax.scan, and the compiled step runs the target inside XLA's dynamic-slice
+        fusion, on the stacks' slices in place."""
+        layers = 12
+        ws, bs, x = normal(51, (layers, n, n), BF16, 1 / math.sqrt(n)), normal(52, (layers, n), BF16), \
+            normal(53, (256, n), BF16)
+        args = jax.device_put((ws, bs, x), jax.devices()[0])
+        scan = lambda f, c, xs: jaxsub.stack.scan(lambda _, h, x: f(h, x), c, xs, ())  # noqa: E731
+        step = jax.jit(jax.value_and_grad(_stack_loss(scan), (0, 1, 2)))
+        got = step(*args)
+
+        def ref(h, wb):
+            return jnp.tanh(reference_dense(h, *wb)), None
+        want = jax.jit(jax.value_and_grad(lambda ws, bs, x: jnp.sum(jax.lax.scan(ref, x, (ws, bs))[0].astype(F32) ** 2),
+                                          (0, 1, 2)))(*args)
+        assert_close(got[0], want[0], BF16, reduction=256 * n, what="loss")
+        for g, v, what in zip(got[1], want[1], ("dws", "dbs", "dx")):
+            assert_close(g, v, BF16, reduction=256 * n, grad=True, what=what)
+        text = step.lower(*args).compile().as_text()
+        fusions = [c for c in text.split("\n\n") if "dynamic-slice-fusion" in c.split("\n")[0] and "jaxsub_gemm" in c]
+        assert fusions, "no jaxsub_gemm inside a dynamic-slice fusion"
