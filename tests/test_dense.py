@@ -90,6 +90,22 @@ def test_exact_on_integers():
     np.testing.assert_array_equal(np.asarray(jax.jit(op)(x, w, b)), np.asarray(x) @ np.asarray(w) + np.asarray(b))
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_multi_axis_kernels(dtype):
+    # The encoder's forms: x [B, S, E] with a [E, 3, H, D] kernel and [3, H, D] bias, and
+    # the attention output [B, S, H, D] contracted over (H, D) with an [H, D, E] kernel.
+    x, k1, b1, dy1 = (normal(61, (2, 5, 12), dtype), normal(62, (12, 3, 2, 4), dtype, 0.3),
+                      normal(63, (3, 2, 4), dtype), normal(64, (2, 5, 3, 2, 4), dtype))
+    c, k2, dy2 = normal(65, (2, 5, 2, 4), dtype), normal(66, (2, 4, 12), dtype, 0.3), normal(67, (2, 5, 12), dtype)
+    for args, axes in (((x, k1, b1, dy1), 1), ((c, k2, None, dy2), 2)):
+        got = vjp_of(lambda *a: op(*a, axes=axes))(*args)
+        want = vjp_of(lambda *a: reference_dense(*a, axes=axes))(*args)
+        assert got[0].shape == want[0].shape == args[3].shape
+        for g, v, what in zip(got, want, ("y", "dx", "dkernel", "dbias")):
+            assert g.shape == v.shape, what
+            assert_close(g, v, dtype, reduction=12, grad=what != "y", what=what)
+
+
 def test_check_grads():
     x, w, b, _ = inputs(11, (4,), 6, 5, F32)
     check_grads(op, (x, w, b), order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-3)
@@ -147,7 +163,11 @@ def _bad_cases():
     return [
         ("x-rank0", dict(x=jnp.float32(1.0), kernel=w), ValueError, "`x`"),
         ("x-int", dict(x=jnp.ones((4, 8), jnp.int32), kernel=w), TypeError, "`x`"),
-        ("kernel-rank", dict(x=x, kernel=normal(0, (8, 3, 1))), ValueError, "`kernel`"),
+        ("kernel-rank", dict(x=x, kernel=normal(0, (8,))), ValueError, "`kernel`"),
+        ("axes-0", dict(x=x, kernel=w, axes=0), ValueError, "`axes`"),
+        ("axes-above-x", dict(x=x, kernel=normal(0, (4, 8, 8, 3)), axes=3), ValueError, "`x`"),
+        ("axes-2-mismatch", dict(x=normal(0, (2, 4, 8)), kernel=normal(0, (8, 4, 3)), axes=2), ValueError,
+         "`kernel`"),
         ("kernel-k", dict(x=x, kernel=normal(0, (7, 3))), ValueError, "`kernel`"),
         ("kernel-dtype", dict(x=x, kernel=w.astype(BF16)), TypeError, "`kernel`"),
         ("bias-shape", dict(x=x, kernel=w, bias=normal(0, (4,))), ValueError, "`bias`"),

@@ -162,13 +162,11 @@ def _residual(x, y, bias, rate, key):
 
 
 def _dense(ext, a, kernel, bias=None):
-    """`ops.dense` over a's axes after B, S with the kernel flattened to [K, N], where
-    apply's library_products asks for it and the dtypes agree; else None (the stage's
-    einsum)."""
+    """`ops.dense` of a's axes after B, S with the kernel's leading axes, where apply's
+    library_products asks for it and the dtypes agree; else None (the stage's einsum)."""
     if not ext["library"] or a.dtype != kernel.dtype or (bias is not None and bias.dtype != a.dtype):
         return None
-    rows = a.reshape(*a.shape[:2], -1)
-    return ops.dense(rows, kernel.reshape(rows.shape[-1], -1), None if bias is None else bias.reshape(-1))
+    return ops.dense(a, kernel, bias, axes=a.ndim - 2)
 
 
 class EncoderProblem(Problem):
@@ -246,7 +244,7 @@ class EncoderProblem(Problem):
         q = parse_label(cand.out_layout)["qkv"]
         out = _dense(ext, a, p["qkv_kernel"], p["qkv_bias"]) if q == "BS3HD" else None
         if out is not None:  # the bias in the GEMM's epilogue
-            return {"qkv": out.reshape(*a.shape[:2], *p["qkv_bias"].shape)}
+            return {"qkv": out}
         out = jnp.einsum(f"bse,ethd->{_ein(q)}", a, p["qkv_kernel"])
         if q.endswith("3HD"):  # the bias is a suffix: its gradient by the fused column sum
             return {"qkv": ops.bias_add(out, p["qkv_bias"])}

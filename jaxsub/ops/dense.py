@@ -17,6 +17,7 @@ the bias gradient by `bias_grad`'s column sum.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -37,11 +38,11 @@ _TARGET = "jaxsub_gemm"
 # Reference.
 
 
-def reference_dense(x, kernel, bias=None):
-    """Pure-JAX x @ kernel (+ bias) over x's last axis: f32 products and sums, output in
-    x.dtype."""
-    y = jnp.einsum("...k,kn->...n", x, kernel, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)
+def reference_dense(x, kernel, bias=None, *, axes=1):
+    """Pure-JAX x @ kernel (+ bias), x's last `axes` dims contracted with kernel's first:
+    f32 products and sums, output in x.dtype."""
+    y = jnp.tensordot(x, kernel, axes=axes, preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -67,53 +68,75 @@ def gemm(a, b, bias=None, *, trans_a=False, trans_b=False, barrier=True):
 
 
 # ---------------------------------------------------------------------------------------
-# custom_vjp over the [M, K] rows: the residuals are x and the kernel (live inputs anyway
-# in a layer; in a scan, slices of the stacks that the backward reads in place).
+# custom_vjp. x and the kernel keep their shapes as residuals (the views as [M, K] and
+# [K, N] are taken inside): in a scan, a residual that is the body's own input (a weight
+# sliced from the stack) or a value kept anyway (the attention output) is then the same
+# array and is stored once, or not at all (jaxsub.stack.scan).
 
 
-def _backward(x2, kernel, bias, dy):
-    dx = gemm(dy, kernel, trans_b=True, barrier=False)
-    dkernel = gemm(x2, dy, trans_a=True, barrier=False)
+def _rows(x, kernel, axes):
+    k = math.prod(kernel.shape[:axes])
+    return x.reshape(-1, k), kernel.reshape(k, -1)
+
+
+def _out_shape(x, kernel, axes):
+    return (*x.shape[:x.ndim - axes], *kernel.shape[axes:])
+
+
+def _forward(x, kernel, bias, axes):
+    x2, k2 = _rows(x, kernel, axes)
+    return gemm(x2, k2, None if bias is None else bias.reshape(-1)).reshape(_out_shape(x, kernel, axes))
+
+
+def _backward(axes, x, kernel, bias, dy):
+    x2, k2 = _rows(x, kernel, axes)
+    d2 = dy.reshape(x2.shape[0], k2.shape[1])
+    dx = gemm(d2, k2, trans_b=True, barrier=False).reshape(x.shape)
+    dkernel = gemm(x2, d2, trans_a=True, barrier=False).reshape(kernel.shape)
     return dx, dkernel, (None if bias is None else _bias.bias_grad(dy, bias))
 
 
-@jax.custom_vjp
-def _dense(x2, kernel):
-    return gemm(x2, kernel)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense(x, kernel, axes):
+    return _forward(x, kernel, None, axes)
 
 
-_dense.defvjp(lambda x2, kernel: (gemm(x2, kernel), (x2, kernel)),
-              lambda res, dy: _backward(*res, None, dy)[:2])
+_dense.defvjp(lambda x, kernel, axes: (_forward(x, kernel, None, axes), (x, kernel)),
+              lambda axes, res, dy: _backward(axes, *res, None, dy)[:2])
 
 
-@jax.custom_vjp
-def _dense_bias(x2, kernel, bias):
-    return gemm(x2, kernel, bias)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dense_bias(x, kernel, bias, axes):
+    return _forward(x, kernel, bias, axes)
 
 
-_dense_bias.defvjp(lambda x2, kernel, bias: (gemm(x2, kernel, bias), (x2, kernel, bias)),
-                   lambda res, dy: _backward(*res, dy))
+_dense_bias.defvjp(lambda x, kernel, bias, axes: (_forward(x, kernel, bias, axes), (x, kernel, bias)),
+                   lambda axes, res, dy: _backward(axes, *res, dy))
 
 
 # ---------------------------------------------------------------------------------------
 # Public function.
 
 
-def _check_inputs(x, kernel, bias):
+def _check_inputs(x, kernel, bias, axes):
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)
     kernel = kernel if isinstance(kernel, jax.Array) else jnp.asarray(kernel)
-    if x.ndim < 1:
-        raise ValueError(f"jaxsub.{_OP}: `x` must have rank >= 1, got shape {x.shape}")
+    if not isinstance(axes, int) or isinstance(axes, bool) or axes < 1:
+        raise ValueError(f"jaxsub.{_OP}: `axes` must be a positive int, got {axes!r}")
+    if x.ndim < axes:
+        raise ValueError(f"jaxsub.{_OP}: `x` must have rank >= axes ({axes}), got shape {x.shape}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"jaxsub.{_OP}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
-    if kernel.ndim != 2 or kernel.shape[0] != x.shape[-1]:
-        raise ValueError(f"jaxsub.{_OP}: `kernel` must have shape ({x.shape[-1]}, N), got {kernel.shape}")
+    lead = x.shape[x.ndim - axes:]
+    if kernel.ndim <= axes or kernel.shape[:axes] != lead:
+        raise ValueError(f"jaxsub.{_OP}: `kernel` must have shape ({', '.join(map(str, lead))}, N...) "
+                         f"(x's last {axes} dims, then at least one), got {kernel.shape}")
     if kernel.dtype != x.dtype:
         raise TypeError(f"jaxsub.{_OP}: `kernel` must have x's dtype ({x.dtype}), got {kernel.dtype}")
     if bias is not None:
         bias = bias if isinstance(bias, jax.Array) else jnp.asarray(bias)
-        if bias.shape != (kernel.shape[1],):
-            raise ValueError(f"jaxsub.{_OP}: `bias` must have shape ({kernel.shape[1]},), got {bias.shape}")
+        if bias.shape != kernel.shape[axes:]:
+            raise ValueError(f"jaxsub.{_OP}: `bias` must have shape {kernel.shape[axes:]}, got {bias.shape}")
         if bias.dtype != x.dtype:
             raise TypeError(f"jaxsub.{_OP}: `bias` must have x's dtype ({x.dtype}), got {bias.dtype}")
     return x, kernel, bias
@@ -138,29 +161,30 @@ def _unsupported(x, kernel) -> str | None:
     return None
 
 
-def dense(x, kernel, bias=None):
-    """x @ kernel (+ bias) over x's last axis, through jaxsub's GEMM target.
+def dense(x, kernel, bias=None, *, axes=1):
+    """x @ kernel (+ bias), contracting x's last `axes` dims with kernel's first, through
+    jaxsub's GEMM target.
 
     Args:
-      x: [..., K], float32, bfloat16 or float16.
-      kernel: [K, N], x's dtype.
-      bias: None or [N], x's dtype.
+      x: [..., *K] with K the kernel's first `axes` dims; float32, bfloat16 or float16.
+      kernel: [*K, *N], x's dtype (e.g. [E, 3, H, D] for a packed q/k/v projection, or
+        [H, D, E] with axes=2 for the attention output projection).
+      bias: None or [*N], x's dtype.
+      axes: how many of x's trailing dims are contracted (static int >= 1).
 
     Returns:
-      [..., N] in x's dtype: products and sums in f32, the bias added in f32, one
+      [..., *N] in x's dtype: products and sums in f32, the bias added in f32, one
       rounding (`reference_dense`'s values up to summation order).
 
     On GPU the product is a cuBLASLt call of jaxsub's own (target `jaxsub_gemm`), which
     XLA runs in place on dynamic slices: use it where x, kernel or the gradients are slices
     of stacked arrays (a `lax.scan` over layers); elsewhere `x @ kernel` lets XLA choose
-    and fuse its GEMM. The backward is two more such calls and `bias_grad`'s column sum.
-    Composes with jit, grad, vjp and vmap (sequentially over the mapped axis). A zero-size
-    operand, or a platform without the target, uses the reference (with a one-time log
-    line).
+    and fuse its GEMM. The backward is two more such calls and `bias_grad`'s column sum;
+    x and the kernel are its residuals as given. Composes with jit, grad, vjp and vmap
+    (sequentially over the mapped axis). A zero-size operand, or a platform without the
+    target, uses the reference (with a one-time log line).
     """
-    x, kernel, bias = _check_inputs(x, kernel, bias)
+    x, kernel, bias = _check_inputs(x, kernel, bias, axes)
     if not supported(x, kernel):
-        return reference_dense(x, kernel, bias)
-    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    y = _dense(x2, kernel) if bias is None else _dense_bias(x2, kernel, bias)
-    return y.reshape(*x.shape[:-1], kernel.shape[1])
+        return reference_dense(x, kernel, bias, axes=axes)
+    return _dense(x, kernel, axes) if bias is None else _dense_bias(x, kernel, bias, axes)
