@@ -16,7 +16,9 @@ for any JAX function, one row per jaxpr equation; a fused kernel (an `ffi_call` 
   feature); reductions (reduce_*, argmax/argmin, cumulative) the input's elements;
   element-wise ops the output's elements, a transcendental or comparison counting 1;
   data-layout ops (transpose, slice, concatenate, pad, gather, ...) 0, but their bytes
-  count, in the element-wise class. Fused memory-bound targets count ABI.md's unfused
+  count, in the element-wise class; a slice or dynamic_slice moves its window (read,
+  written) and a dynamic_update_slice its update (read, written in place), not the
+  whole array (a scan's stacked buffers). Fused memory-bound targets count ABI.md's unfused
   math per element (approximate; their bytes are exact); fused attention its dense
   matmuls, 4·B·H·Sq·Sk·D forward and 10· backward (scores recomputed).
 - Classes: dot_general, convolution and the jaxsub attention targets (the contraction
@@ -66,6 +68,9 @@ _VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "st
 _FREE = frozenset({"iota"})
 _LAYOUT = frozenset({"transpose", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate",
                      "pad", "gather", "rev", "bitcast_convert_type"})
+# Slicing ops that touch only their window: a slice reads it, a dynamic_update_slice
+# writes it into its operand in place (a scan's stacked buffers: not the whole stack).
+_WINDOWS = frozenset({"slice", "dynamic_slice", "dynamic_update_slice"})
 _CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 # jaxsub target -> (class, flops per element of its first operand), from ABI.md's math.
 _FUSED = {
@@ -225,8 +230,12 @@ def _row(g, node, norm, count, scope) -> OpStat:
                 flops = _contraction_flops(node)
             elif node.prim not in _LAYOUT:
                 flops = _size(node.ins[0]) if node.prim in _REDUCTIONS else sum(_size(r) for r in outs)
-            reads = {id(s): s for s in (_source(g, r) for r in node.ins) if s is not None}
-            moved = sum(_nbytes(s.aval) for s in reads.values()) + sum(_nbytes(r.aval) for r in outs)
+            if node.prim in _WINDOWS:  # reads (writes, in place) the window only
+                window = node.ins[1] if node.prim == "dynamic_update_slice" else outs[0]
+                moved = 2 * _nbytes(window.aval)
+            else:
+                reads = {id(s): s for s in (_source(g, r) for r in node.ins) if s is not None}
+                moved = sum(_nbytes(s.aval) for s in reads.values()) + sum(_nbytes(r.aval) for r in outs)
     shape = ", ".join(r.aval.str_short(short_dtypes=True) for r in outs)
     return OpStat(op, cls, shape, flops * count, moved * count, count, scope)
 

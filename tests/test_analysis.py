@@ -300,3 +300,16 @@ def test_time_on_gpu_reports_memory_efficiency():
     t = r.timing
     assert t["time_s"] > 0 and t["bandwidth_Bps"] > 1e11
     assert t["memory_efficiency"] == pytest.approx(r.bytes / t["bandwidth_Bps"] / t["time_s"])
+
+
+def test_slices_move_their_window_not_the_array():
+    # A dynamic_update_slice into a [64, 256] buffer writes one [1, 256] row in place; a
+    # dynamic_slice reads one row: 2 x 1 KB each, not 2 x 64 KB.
+    def f(buf, row, i):
+        buf = jax.lax.dynamic_update_slice(buf, row, (i, 0))
+        return jax.lax.dynamic_slice(buf, (i + 1, 0), (1, 256))
+
+    buf, row = jnp.zeros((64, 256), jnp.float32), jnp.ones((1, 256), jnp.float32)
+    rows = {r.op: r for r in jaxsub.analyze(f, buf, row, 3).ops}
+    assert rows["dynamic_update_slice"].bytes == 2 * 1024
+    assert rows["dynamic_slice"].bytes == 2 * 1024
