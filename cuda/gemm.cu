@@ -212,7 +212,7 @@ ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* 
   if (cudaGetDevice(&device) != cudaSuccess) return ffi::Error::Internal(std::string(kOp) + ": no CUDA device");
   const bool epilogue_bias = bias != nullptr && alignment(bias) >= 16;
   const Key key{device, static_cast<int>(t), m, n, k, ta, tb, epilogue_bias, alignment(a), alignment(b),
-                std::min<uint32_t>(alignment(d), 256)};
+                alignment(d)};
 
   Descriptors ds;
   const cudaDataType_t dt = cuda_type(t);
@@ -234,13 +234,15 @@ ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* 
     return lt_error("matrix layout", s);
 
   lt::Heuristic choice{};
+  lt::Handle handle = nullptr;
   {
     std::lock_guard<std::mutex> lock(cache().mu);
-    lt::Handle& handle = cache().handles[device];
-    if (handle == nullptr && (s = f.create(&handle))) {
-      handle = nullptr;
+    lt::Handle& cached = cache().handles[device];
+    if (cached == nullptr && (s = f.create(&cached))) {
+      cached = nullptr;
       return lt_error("cublasLtCreate", s);
     }
+    handle = cached;
     auto it = cache().algos.find(key);
     if (it == cache().algos.end()) {
       if ((s = f.pref_create(&ds.pref))) return lt_error("preference", s);
@@ -261,7 +263,7 @@ ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* 
     }
   }
   const float alpha = 1.f, beta = 0.f;
-  s = f.matmul(cache().handles[device], ds.desc, &alpha, b, ds.a, a, ds.b, &beta, d, ds.d, d, ds.d, &choice.algo,
+  s = f.matmul(handle, ds.desc, &alpha, b, ds.a, a, ds.b, &beta, d, ds.d, d, ds.d, &choice.algo,
                workspace, workspace_bytes, stream);
   if (s) return lt_error("cublasLtMatmul", s);
   return bias != nullptr && !epilogue_bias ? bias_kernel(stream, t, d, bias, m, n) : ffi::Error::Success();

@@ -221,8 +221,7 @@ def _scan_bwd(body, plan, residuals, cotangents):
     dcarry, dys = cotangents
     n = plan.length
     const_leaves = jax.tree.leaves(consts)
-    x_tree = jax.tree.structure(xs)
-    x_leaves = jax.tree.leaves(xs)
+    x_leaves, x_tree = jax.tree.flatten(xs)
     is_none = lambda a: a is None  # noqa: E731 - the integer leaves' place in a tree
     grads = [lax.empty(jnp.shape(a), _dtype(a)) if _is_float(a) else None for a in x_leaves]
     dconsts = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), _dtype(a)) if _is_float(a) else None, consts)

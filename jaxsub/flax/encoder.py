@@ -338,10 +338,12 @@ class Encoder(_LayerFields):
         parameters are params[f"layers_{i}"]["layer"]. The scan compiles fast but copies
         each layer's residuals into and out of its stacked buffers, so its layers keep
         the feed-forward input rather than the GELU output (EncoderLayer's
-        recompute_gelu) and run their projections through jaxsub's GEMM, which reads
-        the stacked weights and residuals in place (EncoderLayer's library_products). On the H200, 24 layers at batch 8 x 512 bf16 took 25.8 ms per
-        training step under nn.scan and 23.6 ms now (NOTES, eighteenth session), 21.6 ms
-        as 24 layers unrolled (compile 4 s against 71 s; NOTES, seventeenth session).
+        recompute_gelu) and, on GPU, run their projections through jaxsub's GEMM, which
+        reads the stacked weights and residuals in place (EncoderLayer's
+        library_products). On the H200, 24 layers at batch 8 x 512 bf16 took 25.8 ms per
+        training step under nn.scan, 23.6 ms with stack.scan (NOTES, eighteenth session)
+        and 21.8 ms now (nineteenth); 21.6 ms as 24 layers unrolled before either (compile
+        4 s against 71 s; NOTES, seventeenth session).
       remat: rematerialize each layer's activations in the backward pass (jax.checkpoint
         of each layer; nn.remat without scan).
       layouts: as EncoderLayer's; every layer has the same shapes, so one selection
