@@ -94,7 +94,7 @@ def call(target: str, out_types, *args, barrier: bool = True, **attrs):
     the call sequentially: that keeps every argument's meaning (per-example keys,
     batched parameters) exact. `barrier=False`: the results without the barrier below,
     for a call whose result XLA should write straight into a dynamic-update-slice that
-    is its only user (the gemm target's gradients, jaxsub/ops/dense.py)."""
+    is its only user (the gemm target's gradients, jaxsub/ops/gemm.py)."""
     register()
     out = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)
     if not barrier:

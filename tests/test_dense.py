@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 
 import jaxsub
 from jaxsub import _ffi
-from jaxsub.ops.dense import gemm, reference_dense
+from jaxsub.ops.gemm import gemm, reference_dense
 from jaxsub.testing import assert_close
 
 op = jaxsub.ops.dense

@@ -334,6 +334,43 @@ def test_nn_scan_stack():
     assert _gelu_writes_y(lambda p, x: layer.apply(p, x, None)[0], (p1, x)) == [False]
 
 
+class BF16ScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        dense = functools.partial(nn.Dense, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        h = dense(N)(nn.gelu(dense(2 * N)(x), approximate=True))
+        return nn.LayerNorm(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x + h), None
+
+
+def test_scan_products_through_the_gemm_target(monkeypatch):
+    """On GPU (forced here) the bf16 products of a scanned body that runs fused ops go
+    through ops.dense, including the GELU/product op's: same values and gradients, the gemm
+    target in the program (forward and both gradient products of each product). f32
+    products stay XLA's."""
+    from jaxsub.rewrite import scan_products
+
+    stack = nn.scan(BF16ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()
+    x = _normal(0, (8, N)).astype(jnp.bfloat16)
+    params = stack.init(jax.random.key(0), x, None)
+
+    def f(params, x):
+        return stack.apply(params, x, None)[0]
+
+    grad = lambda: jax.jit(jax.grad(lambda p, x: jnp.sum(jaxsub.optimize(f)(p, x) ** 2), (0, 1)))  # noqa: E731
+    assert "jaxsub_gemm" not in grad().lower(params, x).as_text()  # on CPU: XLA's dots
+    monkeypatch.setattr(scan_products, "LIBRARY", True)
+    _assert_same(f, (params, x), jnp.bfloat16, argnums=(0, 1))
+    report = jaxsub.explain(f, params, x)
+    assert report.totals.get("dense") == 1  # the first Dense; the second is in the GELU's op
+    assert "ops.dense" in str(report)
+    text = grad().lower(params, x).as_text()
+    assert text.count("stablehlo.custom_call @jaxsub_gemm") == 6
+    f32 = nn.scan(ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()
+    x32 = _normal(0, (8, N))
+    p32 = f32.init(jax.random.key(0), x32, None)
+    assert "dense" not in jaxsub.explain(lambda p, x: f32.apply(p, x, None)[0], p32, x32).totals
+
+
 def _gelu_writes_y(f, args):
     """For each GELU backward call in the gradient of optimize(f): whether it writes y."""
     text = jax.jit(jax.grad(lambda *a: jnp.sum(jaxsub.optimize(f)(*a)))).lower(*args).as_text()

@@ -46,6 +46,7 @@ from jaxsub import _ffi, ops
 from jaxsub.layout.problem import (
     Candidate, host_normal, Problem, Selection, Stage, Workload, config_str, parse_config, parse_label, relayout, transpose)
 from jaxsub.ops import attn as _attn
+from jaxsub.ops import gemm as _gemm
 from jaxsub.ops import norm as _norm
 
 QKV_LAYOUTS = ("BS3HD", "3BSHD", "3BHSD")
@@ -163,8 +164,10 @@ def _residual(x, y, bias, rate, key):
 
 def _dense(ext, a, kernel, bias=None):
     """`ops.dense` of a's axes after B, S with the kernel's leading axes, where apply's
-    library_products asks for it and the dtypes agree; else None (the stage's einsum)."""
-    if not ext["library"] or a.dtype != kernel.dtype or (bias is not None and bias.dtype != a.dtype):
+    library_products asks for it, the dtypes agree and are 16-bit; else None (the stage's
+    einsum)."""
+    if (not ext["library"] or not _gemm.in_place_pays(a.dtype) or a.dtype != kernel.dtype
+            or (bias is not None and bias.dtype != a.dtype)):
         return None
     return ops.dense(a, kernel, bias, axes=a.ndim - 2)
 

@@ -4,7 +4,7 @@ from jaxsub.ops.dropout import dropout_mask
 from jaxsub.ops.norm import bias_dropout_residual_layer_norm, layer_norm
 from jaxsub.ops.gelu import bias_gelu_dropout, bias_gelu_dropout_dense
 from jaxsub.ops.bias import bias_add
-from jaxsub.ops.dense import dense
+from jaxsub.ops.gemm import dense
 from jaxsub.ops.softmax import softmax_dropout
 from jaxsub.ops.attn import attention, attention_packed, attention_projected
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from jaxsub import _ffi
 from jaxsub.ops import config as _config
-from jaxsub.ops import dense as _dense_op
 from jaxsub.ops import dropout as _dropout
+from jaxsub.ops import gemm as _gemm
 
 _OP = "bias_gelu_dropout"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -108,7 +108,7 @@ def _dense(y, w, library=False):
     reason: in a scan it reads the stacked w in place)."""
     if not library:
         return jnp.einsum("...n,ne->...e", y, w)
-    return _dense_op.gemm(y.reshape(-1, y.shape[-1]), w).reshape(*y.shape[:-1], w.shape[-1])
+    return _gemm.gemm(y.reshape(-1, y.shape[-1]), w).reshape(*y.shape[:-1], w.shape[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -125,12 +125,12 @@ def _fused_dense_bwd(approximate, rate, kernel, library, res, dout):
     x, bias, w, seed = res
     d2 = dout.reshape(-1, dout.shape[-1])
     if library:  # the gradients without barriers: XLA may write dw straight into a scan's stack
-        dy = _dense_op.gemm(d2, w, trans_b=True, barrier=False).reshape(*x.shape)
+        dy = _gemm.gemm(d2, w, trans_b=True, barrier=False).reshape(*x.shape)
     else:
         dy = jnp.einsum("...e,ne->...n", dout, w)
     dx, dbias, y = _bwd_call(dy, x, bias, seed, approximate=approximate, rate=rate, kernel=kernel, with_y=True)
     y2 = y.reshape(-1, y.shape[-1])
-    dw = _dense_op.gemm(y2, d2, trans_a=True, barrier=False) if library else jnp.einsum("tn,te->ne", y2, d2)
+    dw = _gemm.gemm(y2, d2, trans_a=True, barrier=False) if library else jnp.einsum("tn,te->ne", y2, d2)
     return dx, dbias, dw, None
 
 
@@ -226,7 +226,7 @@ def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, de
       kernel: [N, E] with N = x.shape[-1], x's dtype.
       library_products: the product and its two gradient products through jaxsub's GEMM
         target (`jaxsub.ops.dense`: for a kernel sliced from stacked layers in a scan)
-        rather than XLA's.
+        rather than XLA's, for bf16/f16 x (`jaxsub.ops.gemm.in_place_pays`).
 
     Returns:
       [..., E] in x's dtype: the same values as `jnp.einsum("...n,ne->...e",
@@ -245,5 +245,6 @@ def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, de
     if reason is not None:
         return _dense(bias_gelu_dropout(x, bias, rate=rate, key=key, approximate=approximate,
                                         kernel_config=kernel_config), kernel)
-    library = _check_bool("library_products", library_products) and _dense_op.supported(x, kernel)
+    library = (_check_bool("library_products", library_products) and _gemm.in_place_pays(x.dtype)
+               and _gemm.supported(x, kernel))
     return _fused_dense(x, bias, kernel, seed, approximate, rate, config, library)

@@ -1,21 +1,64 @@
-"""In a scan's body: bias + GELU + dropout and the product that consumes it, as one op.
+"""Products in a scan's body (`patterns.plan` runs this on scan bodies only).
 
-Under `jax.grad` a scanned layer keeps the GELU output for the following product's weight
-gradient, and a kept value is copied into the scan's residual stack and back out (32 MB
-each way per BERT-large layer at 8 x 512). `ops.bias_gelu_dropout_dense` keeps the GELU's
-input instead and has the backward kernel write its output again. In a single layer
-nothing is copied, so this runs on scan bodies only (`patterns.plan`).
+- bias + GELU + dropout and the product that consumes it, as one op. Under `jax.grad` a
+  scanned layer keeps the GELU output for the following product's weight gradient, and a
+  kept value is copied into the scan's residual stack and back out (32 MB each way per
+  BERT-large layer at 8 x 512). `ops.bias_gelu_dropout_dense` keeps the GELU's input
+  instead and has the backward kernel write its output again.
+- On GPU, in a body that runs fused ops (and so goes through `jaxsub.stack.scan`), every
+  other plain bf16/f16 product x · w (x's last axes against w's first) as `ops.dense`: XLA reads a
+  custom call's operands in place when they are slices of the stacks (the layer's weights,
+  the residuals the backward's products read) and writes a weight gradient into its stack
+  in place, where it copies them for its own GEMMs (the scanned `jaxsub.flax.Encoder` does
+  the same: bench/NOTES.md, nineteenth session).
+
+In a single layer nothing is copied, so neither pays there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jaxsub import ops
+from jaxsub.ops import gemm as _gemm
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import patterns as P
+
+
+# Whether products go through ops.dense: None means on GPU (on CPU XLA's dot is faster
+# than the target's loops); tests set it.
+LIBRARY: bool | None = None
+
+
+def _library() -> bool:
+    return jax.default_backend() == "gpu" if LIBRARY is None else bool(LIBRARY)
+
+
+def _plain(node, y, w) -> bool:
+    """Default precision and one float dtype for y, w and the product."""
+    precision = node.params.get("precision")
+    if precision not in (None, (None, None)) or w.dtype != y.dtype or node.outs[0].dtype != y.dtype:
+        return False
+    preferred = node.params.get("preferred_element_type")
+    return (preferred is None or jnp.dtype(preferred) == jnp.dtype(y.dtype)) and y.dtype in P.ACTIVATION_DTYPES
+
+
+def dense_axes(node) -> int | None:
+    """k when `node` is x [..., K1..Kk] · w [K1..Kk, N...], x's last k axes contracted with
+    w's first k in order, no batch axes, at least one N axis (`ops.dense`'s form); else None."""
+    if node.prim != "dot_general" or len(node.ins) != 2:
+        return None
+    x, w = node.ins
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    k = len(lc)
+    if lb or rb or k < 1 or len(w.shape) <= k or not _plain(node, x, w):
+        return None
+    if tuple(lc) != tuple(range(len(x.shape) - k, len(x.shape))) or tuple(rc) != tuple(range(k)):
+        return None
+    return k
 
 
 def _product(g: G.Graph, y) -> G.Node | None:
@@ -24,17 +67,7 @@ def _product(g: G.Graph, y) -> G.Node | None:
     if P.consumers(g, y) != 1 or g.uses[y] != 1 or g.is_output(y):
         return None
     node = next(n for n in g.nodes if any(r is y for r in n.ins))
-    if node.prim != "dot_general" or node.ins[0] is not y or len(node.ins) != 2:
-        return None
-    w, out = node.ins[1], node.outs[0]
-    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-    precision = node.params.get("precision")
-    if (tuple(lc), tuple(rc), tuple(lb), tuple(rb)) != ((len(y.shape) - 1,), (0,), (), ()) or len(w.shape) != 2:
-        return None
-    if precision not in (None, (None, None)) or w.dtype != y.dtype or out.dtype != y.dtype:
-        return None
-    preferred = node.params.get("preferred_element_type")
-    if preferred is not None and jnp.dtype(preferred) != jnp.dtype(y.dtype):
+    if node.prim != "dot_general" or node.ins[0] is not y or dense_axes(node) != 1 or len(node.ins[1].shape) != 2:
         return None
     return node
 
@@ -52,10 +85,10 @@ def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
         x, bias, key = match.inputs["x"], match.inputs["bias"], match.inputs["key"]
         w, attrs = node.ins[1], match.attrs
 
-        def build(read, x=x, bias=bias, key=key, w=w, attrs=attrs):
+        def build(read, x=x, bias=bias, key=key, w=w, attrs=attrs, library=_library()):
             return [ops.bias_gelu_dropout_dense(read(x), read(bias), read(w), rate=attrs["rate"],
                                                 key=read(key) if key is not None else None,
-                                                approximate=attrs["approximate"])]
+                                                approximate=attrs["approximate"], library_products=library)]
 
         del at[anchor]
         fused.add(anchor)
@@ -63,7 +96,29 @@ def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
             match, anchor=node, nodes=[*match.nodes, node], inputs={**match.inputs, "w": w}, build=build,
             description=f"{match.description}; with the product after it, whose backward writes the GELU "
                         "output again rather than keeping it in the scan (ops.bias_gelu_dropout_dense)")
-    if not fused:
+    if fused:
+        # The GELU matches' old anchors are consumed nodes now; the products are anchors.
+        plan = dataclasses.replace(plan, at=at, skip=(plan.skip | fused) - set(at))
+    return _dense(g, plan)
+
+
+def _dense(g: G.Graph, plan: P.Plan) -> P.Plan:
+    """`plan` with each product of `ops.dense`'s form that no match has claimed as an
+    ops.dense match, on GPU and where the body runs fused ops already (a body that does
+    not keeps lax.scan, and with it forward-mode differentiation)."""
+    if not _library() or not plan.at:
         return plan
-    # The GELU matches' old anchors are consumed nodes now; the products are anchors.
-    return dataclasses.replace(plan, at=at, skip=(plan.skip | fused) - set(at))
+    at = dict(plan.at)
+    for node in g.nodes:
+        k = dense_axes(node)
+        if k is None or node in at or node in plan.skip or not _gemm.in_place_pays(node.outs[0].dtype):
+            continue
+        x, w = node.ins
+
+        def build(read, x=x, w=w, k=k):
+            return [ops.dense(read(x), read(w), axes=k)]
+
+        at[node] = P.Match("dense", node, [node], {"x": x, "w": w}, build,
+                           f"x·w ({P.shapes(x, w)}) through jaxsub's GEMM target, which XLA runs on the "
+                           "scan's slices in place (ops.dense)")
+    return dataclasses.replace(plan, at=at)
