@@ -182,7 +182,8 @@ def dense(x, kernel, bias=None, *, axes=1):
 
     Returns:
       [..., *N] in x's dtype: products and sums in f32, the bias added in f32, one
-      rounding (`reference_dense`'s values up to summation order).
+      rounding (`reference_dense`'s values up to summation order; on GPU a bias that is
+      not 16-byte aligned is added after the rounded product: ABI.md).
 
     On GPU the product is a cuBLASLt call of jaxsub's own (target `jaxsub_gemm`), which
     XLA runs in place on dynamic slices: use it where x, kernel or the gradients are slices
