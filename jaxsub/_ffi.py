@@ -107,6 +107,8 @@ def call(target: str, out_types, *args, barrier: bool = True, **attrs):
     # the body. Behind the barrier XLA copies the result instead: a copy of the output
     # rather than a second run of the kernel (24-layer encoder stack on the H200:
     # 28.8 -> 26.5 ms per training step; bench/NOTES.md, "Scanned stacks").
+    # `jaxsub.stack.scan` passes through the barrier where it writes the result into its
+    # stack right after the call and has the body's readers read it from there.
     return jax.lax.optimization_barrier(out)
 
 

@@ -22,6 +22,13 @@ computes, with a `custom_vjp` of its own:
 - small residuals (up to 1 MiB: row statistics, log-sum-exps, dropout seeds) of one
   dtype share one buffer, so a step writes them with one copy and reads them with one,
   not one each: a copy of a few KB costs about a microsecond of GPU time however small.
+- a residual, or a gradient of xs, that is the result of one of jaxsub's custom calls is
+  written into its buffer right after the call, bypassing the call's optimization
+  barrier, and the rest of the step reads it back from the buffer. XLA's dynamic-slice
+  fusion then has the call write it there itself instead of copying it: on the H200 the
+  24-layer stack's copies fell from 1.36 to 0.11 ms per training step (bench/NOTES.md,
+  twentieth session). Each step is traced to a jaxpr for this and evaluated equation by
+  equation.
 
 Without differentiation it is the plain `lax.scan`. Forward-mode differentiation
 (`jax.jvp`) is not supported, as for any `custom_vjp` function.
@@ -37,6 +44,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jcore
+
+from jaxsub._jaxpr import bind
 
 _OP = "jaxsub.stack.scan"
 _SMALL = 1 << 20  # bytes: residuals up to this size share one buffer per dtype
@@ -196,19 +206,91 @@ def _slice(tree, at):
 # other way, as `lax.scan(reverse=True)` beside a carried index would give, is not one.)
 
 
+# Value-preserving steps from a fused op's result to a value written as it is.
+_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier"})
+
+
+def _early(jaxpr, wanted):
+    """Which of a step's outputs to write into their stacks as soon as they are made:
+    {var: k} for each output `wanted` maps to a stack k whose value is a jaxsub custom
+    call's result, as it is or through reshapes and the call's optimization barrier (var:
+    that result); and the barriers to pass through, as eqn ids.
+
+    XLA's dynamic-slice fusion writes a custom call's result straight into a stack when
+    a dynamic-update-slice is its only user; the step's other readers then read the
+    layer's slice of the stack. Behind the barrier, or with other readers, XLA copies the
+    result into the stack instead (bench/NOTES.md, twentieth session)."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    early, through = {}, set()
+    for i, k in wanted.items():
+        cur, barriers = jaxpr.outvars[i], []
+        while not isinstance(cur, jcore.Literal) and cur in producer and producer[cur].primitive.name in _VIEWS:
+            eqn = producer[cur]
+            if eqn.primitive.name == "optimization_barrier":
+                barriers.append(eqn)
+                cur = eqn.invars[eqn.outvars.index(cur)]
+            else:
+                cur = eqn.invars[0]
+        call = None if isinstance(cur, jcore.Literal) else producer.get(cur)
+        if (call is None or call.primitive.name != "ffi_call" or cur in early
+                or not str(call.params.get("target_name", "")).startswith("jaxsub_")
+                # a barrier passed through must be the call's own (_ffi.call)
+                or any(list(b.invars) != list(call.outvars) for b in barriers)):
+            continue
+        early[cur] = k
+        through.update(id(b) for b in barriers)
+    return early, through
+
+
+def _writing(fn, args, wanted, stacks, at):
+    """fn(*args), and `stacks` with the outputs `_early` picks from `wanted(out)` ({index
+    into fn's flat outputs: index into stacks}; `out`: fn's outputs as shapes) written at
+    layer `at`, each right after the call that makes it; the rest of fn reads such a value
+    back from its stack. fn is traced to a jaxpr and evaluated equation by equation.
+    Returns (fn's outputs, the stacks, the indices of those written)."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    avals = [v.aval for v in jaxpr.outvars]
+    early, through = _early(jaxpr, {i: k for i, k in wanted(shape).items()
+                                    if (avals[i].shape, avals[i].dtype) == (stacks[k].shape[1:], stacks[k].dtype)})
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, jax.tree.leaves(args)))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+    stacks = list(stacks)
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = ins if id(eqn) in through else bind(eqn, ins)
+        for v, out in zip(eqn.outvars, outs):
+            k = early.get(v)
+            if k is not None:
+                stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], out.reshape(stacks[k].shape[1:]), at, 0)
+                out = lax.dynamic_index_in_dim(stacks[k], at, 0, keepdims=False).reshape(out.shape)
+            env[v] = out
+    outs = jax.tree.unflatten(jax.tree.structure(shape), [read(v) for v in jaxpr.outvars])
+    return outs, stacks, set(early.values())
+
+
 def _scan_fwd(body, plan, consts, init, xs):
     n = plan.length
     buffers = [_empty_stack(n, a) for a in plan.buffers()]
     ys = jax.tree.map(lambda a: _empty_stack(n, a), plan.ys)
+    found = {}
+
+    def fn(consts, h, x):
+        out, _, found["sources"], stored = _pullback(body, consts, h, x)
+        return out, stored
 
     def step(state, _):
         i, h, buffers, ys = state
         at = n - 1 - i if plan.reverse else i
-        (h, y), _, sources, stored = _pullback(body, consts, h, _slice(xs, at))
-        if sources != plan.sources or _avals(stored) != _avals(list(plan.stored)):
+        # fn's flat outputs: the carry's and y's leaves, then the stored residuals
+        wanted = lambda out: {len(jax.tree.leaves(out[0])) + j: k for k, j in enumerate(plan.alone)}  # noqa: E731
+        ((h, y), stored), buffers, written = _writing(fn, (consts, h, _slice(xs, at)), wanted, buffers, at)
+        if found["sources"] != plan.sources or _avals(stored) != _avals(list(plan.stored)):
             raise RuntimeError(f"{_OP}: `body` traced to other residuals inside the loop than outside it; "
                                "it must be a pure function of its arguments")
-        buffers = [lax.dynamic_update_index_in_dim(b, r, at, 0) for b, r in zip(buffers, plan.pack(stored))]
+        buffers = [b if k in written else lax.dynamic_update_index_in_dim(b, r, at, 0)
+                   for k, (b, r) in enumerate(zip(buffers, plan.pack(stored)))]
         ys = jax.tree.map(lambda b, r: lax.dynamic_update_index_in_dim(b, r, at, 0), ys, y)
         return (i + 1, h, buffers, ys), None
 
@@ -225,6 +307,10 @@ def _scan_bwd(body, plan, residuals, cotangents):
     is_none = lambda a: a is None  # noqa: E731 - the integer leaves' place in a tree
     grads = [lax.empty(jnp.shape(a), _dtype(a)) if _is_float(a) else None for a in x_leaves]
     dconsts = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), _dtype(a)) if _is_float(a) else None, consts)
+    floats = [k for k, g in enumerate(grads) if g is not None]
+
+    def fn(leaves, dh, dy):
+        return jax.tree.unflatten(plan.tree, leaves)((dh, dy))
 
     def step(state, _):
         i, dh, dconsts, grads = state
@@ -233,11 +319,16 @@ def _scan_bwd(body, plan, residuals, cotangents):
         x_at = jax.tree.leaves(x)
         leaves = [const_leaves[j] if kind == "const" else x_at[j] if kind == "x" else stored[j]
                   for kind, j in plan.sources]
-        d_consts, dh, d_x = jax.tree.unflatten(plan.tree, leaves)((dh, dy))
+        # fn's flat outputs: d_consts' leaves, dh's, then d_x's (x_leaves' order)
+        wanted = lambda out: {len(jax.tree.leaves(out[:2])) + k: j for j, k in enumerate(floats)}  # noqa: E731
+        (d_consts, dh, d_x), written_grads, written = _writing(
+            fn, (leaves, dh, dy), wanted, [grads[k] for k in floats], at)
         dconsts = jax.tree.map(lambda acc, d: None if acc is None else acc + d, dconsts, d_consts, is_leaf=is_none)
         # d_x has x's leaves (float0 arrays for the integer ones), in x_leaves' order.
-        grads = [None if g is None else lax.dynamic_update_index_in_dim(g, d, at, 0)
-                 for g, d in zip(grads, jax.tree.leaves(d_x), strict=True)]
+        d_leaves = jax.tree.leaves(d_x)
+        grads = list(grads)
+        for j, k in enumerate(floats):
+            grads[k] = written_grads[j] if j in written else lax.dynamic_update_index_in_dim(grads[k], d_leaves[k], at, 0)
         return (i + 1, dh, dconsts, grads), None
 
     state = (jnp.int32(0), dcarry, dconsts, grads)

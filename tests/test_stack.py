@@ -8,7 +8,8 @@ import pytest
 from jax import lax
 from jax.test_util import check_grads
 
-from jaxsub import stack
+import jaxsub
+from jaxsub import ops, stack
 from jaxsub.testing import assert_close
 
 L, N = 5, 7
@@ -116,6 +117,52 @@ def test_no_zero_filled_stacks_on_gpu():
     assert text.count("@AllocateBuffer") >= 3
 
 
+def _fused_body(c, h, x):
+    """A layer of jaxsub ops: the GEMM's result is the GELU op's stored input, the GELU's
+    result the next product's, the layer norm's statistics are its stored results."""
+    y = ops.dense(h, x["w1"])
+    g = ops.bias_gelu_dropout(y, x["b"], rate=0.0, key=None)
+    return ops.layer_norm(h + g @ x["w2"] * c, x["s"], x["lb"]), g.sum(-1)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_fused_results_written_into_their_stacks_as_they_are_made(monkeypatch, reverse):
+    """A residual or a parameter gradient that is a jaxsub custom call's result (as it
+    is, reshaped, or behind the call's optimization barrier) is written into its stack
+    right after the call, and the rest of the step reads it back from there (`_early`;
+    with every residual stored alone here): the same values and gradients as lax.scan."""
+    monkeypatch.setattr(stack, "_SMALL", 0)
+    found, early = [], stack._early
+    monkeypatch.setattr(stack, "_early", lambda jaxpr, wanted: found.append(early(jaxpr, wanted)) or found[-1])
+    r = np.random.default_rng(11)
+    xs = {"w1": jnp.asarray(r.standard_normal((L, N, 2 * N)) / 3, jnp.float32),
+          "b": jnp.asarray(r.standard_normal((L, 2 * N)), jnp.float32),
+          "w2": jnp.asarray(r.standard_normal((L, 2 * N, N)) / 4, jnp.float32),
+          "s": jnp.asarray(r.standard_normal((L, N)), jnp.float32), "lb": jnp.asarray(r.standard_normal((L, N)), jnp.float32)}
+    c, h = jnp.float32(0.7), jnp.asarray(r.standard_normal((3, 4, N)), jnp.float32)
+
+    def loss(scan_fn):
+        return lambda c, h, xs: jnp.sum(jnp.sin(scan_fn(c, h, xs)[0])) + jnp.sum(scan_fn(c, h, xs)[1] ** 2)
+
+    ours = lambda c, h, xs: stack.scan(_fused_body, h, xs, c, reverse=reverse)  # noqa: E731
+    ref = lambda c, h, xs: lax.scan(lambda h, x: _fused_body(c, h, x), h, xs, reverse=reverse)  # noqa: E731
+    got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(c, h, xs)
+    want = jax.jit(jax.value_and_grad(loss(ref), argnums=(0, 1, 2)))(c, h, xs)
+    assert_close(got[0], want[0], reduction=N * L, what="loss")
+    _assert_tree_close(got[1], want[1], "grad", grad=True)
+    (forward, fwd_through), (backward, bwd_through) = found[0], found[-1]
+    plan = stack._plan(_fused_body, c, h, xs, L, reverse)
+    shapes = sorted(plan.stored[plan.alone[k]].shape for k in forward.values())
+    # the layer norm's two row statistics, the GEMM's and the GELU's results
+    assert shapes == [(3, 4), (3, 4), (3, 4, 2 * N), (3, 4, 2 * N)], shapes
+    assert len(fwd_through) == 3  # the three calls' barriers
+    # the gradients of w1 (the GEMM's), b (the GELU's), s and lb (the layer norm's), not
+    # w2's (XLA's product)
+    names = sorted(xs)
+    assert sorted(names[k] for k in backward.values()) == ["b", "lb", "s", "w1"]
+    assert bwd_through
+
+
 def test_no_gradient_is_plain_lax_scan():
     c, h, xs = _inputs(seed=9)
     ours, ref = _pair(False)
@@ -173,3 +220,34 @@ def test_none_and_integer_leaves_anywhere_in_xs():
     ref = lambda c, h, xs: lax.scan(lambda h, x: body(c, h, x), h, xs)  # noqa: E731
     grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=2, allow_int=True))(c, h, xs2)  # noqa: E731
     _assert_tree_close(grad(ours), grad(ref), "grad", grad=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+def test_fused_results_written_in_place_on_gpu():
+    """On the GPU, XLA's dynamic-slice fusion writes the GEMM's and the GELU's results
+    (2 MiB per layer each, stored alone) straight into their residual stacks: each
+    target's call sits inside a fusion together with a dynamic-update-slice, and the
+    gradients match lax.scan's."""
+    bf = jnp.bfloat16
+    r = np.random.default_rng(12)
+    n, f, rows = 256, 1024, 1024
+    xs = {"w1": jnp.asarray(r.standard_normal((L, n, f)) / 16, bf), "b": jnp.asarray(r.standard_normal((L, f)), bf),
+          "w2": jnp.asarray(r.standard_normal((L, f, n)) / 32, bf),
+          "s": jnp.asarray(r.standard_normal((L, n)), bf), "lb": jnp.asarray(r.standard_normal((L, n)), bf)}
+    c, h = jnp.asarray(0.7, bf), jnp.asarray(r.standard_normal((rows, n)), bf)
+
+    def loss(scan_fn):
+        return lambda h, xs: jnp.sum(scan_fn(c, h, xs)[0].astype(jnp.float32) ** 2)
+
+    ours = lambda c, h, xs: stack.scan(_fused_body, h, xs, c)  # noqa: E731
+    ref = lambda c, h, xs: lax.scan(lambda h, x: _fused_body(c, h, x), h, xs)  # noqa: E731
+    step = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))
+    got, want = step(h, xs), jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(h, xs)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert_close(a, b, bf, reduction=f, grad=True, what=f"grad{jax.tree_util.keystr(path)}")
+    text = step.lower(h, xs).compile().as_text()
+    fused = [comp for comp in text.split("\n\n") if "dynamic-slice-fusion" in comp.split("\n")[0]
+             and " dynamic-update-slice(" in comp]
+    for target in ("jaxsub_gemm", "jaxsub_bias_gelu_dropout_fwd"):
+        assert any(f'custom_call_target="{target}"' in comp for comp in fused), target

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxsub._jaxpr import bind  # noqa: F401 - the pass binds through graph.bind
+
 _INLINE = frozenset({"pjit", "jit", "closed_call", "core_call"})
 # jit-wrapped library functions kept whole because matchers recognize the call itself.
 _OPAQUE_CALLS = frozenset({"_bernoulli"})
@@ -123,16 +125,6 @@ class Graph:
             if node is None:
                 return best if best is not None else jnp.dtype(jnp.float32)
             ref = node.ins[0]
-
-
-def bind(eqn, vals):
-    """Bind eqn's primitive on vals as `jax.core.eval_jaxpr` does; always a list."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    # Before jax 0.10 this returned (subfuns, params); the subfuns are leading operands.
-    subfuns, params = params if isinstance(params, tuple) else ((), params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *vals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _fold(eqn, ins):
