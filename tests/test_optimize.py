@@ -371,6 +371,42 @@ def test_scan_products_through_the_gemm_target(monkeypatch):
     assert "dense" not in jaxsub.explain(lambda p, x: f32.apply(p, x, None)[0], p32, x32).totals
 
 
+def _attention_stack(ws, x):
+    """Two bf16 attention layers under lax.scan, written as einsums: a packed q/k/v
+    product plus its bias, and an out-projection contracting two axes whose pairs
+    einsum lists in reverse order."""
+    def layer(h, w):
+        qkv = jnp.einsum("bse,ethd->bsthd", h, w["qkv"]) + w["qkv_bias"]
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32), -1).astype(h.dtype), v)
+        return h + jnp.einsum("bshd,hde->bse", a, w["out"]), None
+    return jax.lax.scan(layer, x, ws)[0]
+
+
+def test_scan_attention_products_through_the_gemm_target(monkeypatch):
+    """In a scanned attention layer (GPU forced): the q/k/v product and the bias the
+    attention match adds become one ops.dense (the bias in the GEMM's epilogue), the
+    out-projection another; same values and gradients."""
+    from jaxsub.rewrite import scan_products
+
+    monkeypatch.setattr(scan_products, "LIBRARY", True)
+    bf = jnp.bfloat16
+    # Scores of order one: the original rounds them to bf16 before its f32 softmax.
+    ws = {"qkv": (_normal(1, (2, 32, 3, 2, 16)) / 12).astype(bf), "qkv_bias": (_normal(2, (2, 3, 2, 16)) / 4).astype(bf),
+          "out": (_normal(3, (2, 2, 16, 32)) / 6).astype(bf)}
+    x = _normal(0, (2, 8, 32)).astype(bf)
+    _assert_same(_attention_stack, (ws, x), bf, argnums=(0, 1))
+    report = jaxsub.explain(_attention_stack, ws, x)
+    assert report.totals.get("attention") == 1 and report.totals.get("dense") == 1
+    assert "the q/k/v product and its bias as one ops.dense" in str(report)
+    grad = jax.jit(jax.grad(lambda ws, x: jnp.sum(jaxsub.optimize(_attention_stack)(ws, x).astype(jnp.float32)),
+                            (0, 1)))
+    text = grad.lower(ws, x).as_text()
+    assert text.count("stablehlo.custom_call @jaxsub_gemm") == 6  # two products, forward and both gradients
+    assert "@jaxsub_bias_add" not in text
+
+
 def _gelu_writes_y(f, args):
     """For each GELU backward call in the gradient of optimize(f): whether it writes y."""
     text = jax.jit(jax.grad(lambda *a: jnp.sum(jaxsub.optimize(f)(*a)))).lower(*args).as_text()

@@ -527,11 +527,14 @@ def match_attention(g, anchor, options):
     # slices are left in place, unread, and dropped as dead code.)
     biased = projections.bias_add_of(g, packed[0]) if packed is not None and g.uses[packed[0]] == 3 else None
 
-    def build(read):
+    def attend(read, qkv=None):
+        """The match's output; `qkv`, when given, is the packed array with its bias added
+        (rewrite.scan_products computes it another way)."""
         kw = dict(mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
                   key=read(drop.key) if drop is not None else None)
         if packed is not None:
-            qkv = ops.bias_add(read(biased[0]), read(biased[1])) if biased is not None else read(packed[0])
+            if qkv is None:
+                qkv = ops.bias_add(read(biased[0]), read(biased[1])) if biased is not None else read(packed[0])
             out = ops.attention_packed(qkv, axis=packed[1], **kw)
         elif projected is not None and projected.apart:
             out = ops.attention_projected(*projected.operands(read), **kw)
@@ -553,7 +556,9 @@ def match_attention(g, anchor, options):
         detail += f", {projected.describe()}"
     elif unpacked is not None:
         detail += f", q/k/v projections of one input not packed: {unpacked}"
-    return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), build, detail)
+    # For scan_products: the packed array's (product, bias) and the build taking it.
+    attrs = dict(biased=biased, attend=attend) if biased is not None else {}
+    return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), attend, detail, attrs=attrs)
 
 
 def _describe(att, causal, rate):

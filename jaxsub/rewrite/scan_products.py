@@ -10,7 +10,8 @@
   custom call's operands in place when they are slices of the stacks (the layer's weights,
   the residuals the backward's products read) and writes a weight gradient into its stack
   in place, where it copies them for its own GEMMs (the scanned `jaxsub.flax.Encoder` does
-  the same: bench/NOTES.md, nineteenth session).
+  the same: bench/NOTES.md, nineteenth session). A packed q/k/v product whose bias an
+  attention match adds takes the bias into the GEMM's epilogue (twentieth session).
 
 In a single layer nothing is copied, so neither pays there.
 """
@@ -56,7 +57,9 @@ def dense_axes(node) -> int | None:
     k = len(lc)
     if lb or rb or k < 1 or len(w.shape) <= k or not _plain(node, x, w):
         return None
-    if tuple(lc) != tuple(range(len(x.shape) - k, len(x.shape))) or tuple(rc) != tuple(range(k)):
+    # The pairs may come in any order (einsum "bshd,hde->bse" lists them (3, 1), (2, 0)).
+    pairs = sorted(zip(lc, rc))
+    if pairs != list(zip(range(len(x.shape) - k, len(x.shape)), range(k))):
         return None
     return k
 
@@ -105,13 +108,32 @@ def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
 def _dense(g: G.Graph, plan: P.Plan) -> P.Plan:
     """`plan` with each product of `ops.dense`'s form that no match has claimed as an
     ops.dense match, on GPU and where the body runs fused ops already (a body that does
-    not keeps lax.scan, and with it forward-mode differentiation)."""
+    not keeps lax.scan, and with it forward-mode differentiation). A packed q/k/v
+    product whose bias an attention match adds takes the bias into the GEMM's epilogue:
+    the sum is then the custom call's result, which the scan writes into its residual
+    stack in place (`jaxsub.stack`), where XLA's add wrote it and copied it there."""
     if not _library() or not plan.at:
         return plan
-    at = dict(plan.at)
+    at, claimed = dict(plan.at), set()
+    for anchor, match in plan.at.items():
+        biased = match.attrs.get("biased") if match.pattern == "attention" else None
+        node = g.op(biased[0], "dot_general") if biased is not None and g.uses[biased[0]] == 1 else None
+        k = dense_axes(node) if node is not None else None
+        if (k is None or node in at or node in plan.skip or biased[1].shape != node.ins[1].shape[k:]
+                or not _gemm.in_place_pays(node.outs[0].dtype)):
+            continue
+        x, w, bias = node.ins[0], node.ins[1], biased[1]
+
+        def build(read, x=x, w=w, bias=bias, k=k, attend=match.attrs["attend"]):
+            return attend(read, ops.dense(read(x), read(w), read(bias), axes=k))
+
+        claimed.add(node)
+        at[anchor] = dataclasses.replace(
+            match, build=build, inputs={**match.inputs, "x": x, "w": w, "bias": bias},
+            description=f"{match.description}; the q/k/v product and its bias as one ops.dense")
     for node in g.nodes:
         k = dense_axes(node)
-        if k is None or node in at or node in plan.skip or not _gemm.in_place_pays(node.outs[0].dtype):
+        if k is None or node in at or node in claimed or node in plan.skip or not _gemm.in_place_pays(node.outs[0].dtype):
             continue
         x, w = node.ins
 
