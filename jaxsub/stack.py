@@ -326,9 +326,12 @@ def _scan_bwd(body, plan, residuals, cotangents):
         dconsts = jax.tree.map(lambda acc, d: None if acc is None else acc + d, dconsts, d_consts, is_leaf=is_none)
         # d_x has x's leaves (float0 arrays for the integer ones), in x_leaves' order.
         d_leaves = jax.tree.leaves(d_x)
+        if len(d_leaves) != len(grads):
+            raise RuntimeError(f"{_OP}: the pullback gave {len(d_leaves)} gradients for {len(grads)} leaves of xs")
         grads = list(grads)
         for j, k in enumerate(floats):
-            grads[k] = written_grads[j] if j in written else lax.dynamic_update_index_in_dim(grads[k], d_leaves[k], at, 0)
+            grads[k] = (written_grads[j] if j in written
+                        else lax.dynamic_update_index_in_dim(grads[k], d_leaves[k], at, 0))
         return (i + 1, dh, dconsts, grads), None
 
     state = (jnp.int32(0), dcarry, dconsts, grads)

@@ -138,7 +138,8 @@ def test_fused_results_written_into_their_stacks_as_they_are_made(monkeypatch, r
     xs = {"w1": jnp.asarray(r.standard_normal((L, N, 2 * N)) / 3, jnp.float32),
           "b": jnp.asarray(r.standard_normal((L, 2 * N)), jnp.float32),
           "w2": jnp.asarray(r.standard_normal((L, 2 * N, N)) / 4, jnp.float32),
-          "s": jnp.asarray(r.standard_normal((L, N)), jnp.float32), "lb": jnp.asarray(r.standard_normal((L, N)), jnp.float32)}
+          "s": jnp.asarray(r.standard_normal((L, N)), jnp.float32),
+          "lb": jnp.asarray(r.standard_normal((L, N)), jnp.float32)}
     c, h = jnp.float32(0.7), jnp.asarray(r.standard_normal((3, 4, N)), jnp.float32)
 
     def loss(scan_fn):

@@ -133,7 +133,8 @@ def _dense(g: G.Graph, plan: P.Plan) -> P.Plan:
             description=f"{match.description}; the q/k/v product and its bias as one ops.dense")
     for node in g.nodes:
         k = dense_axes(node)
-        if k is None or node in at or node in claimed or node in plan.skip or not _gemm.in_place_pays(node.outs[0].dtype):
+        if (k is None or node in at or node in claimed or node in plan.skip
+                or not _gemm.in_place_pays(node.outs[0].dtype)):
             continue
         x, w = node.ins
 
