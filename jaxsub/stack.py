@@ -29,6 +29,8 @@ computes, with a `custom_vjp` of its own:
   24-layer stack's copies fell from 1.36 to 0.11 ms per training step (bench/NOTES.md,
   twentieth session). Each step is traced to a jaxpr for this and evaluated equation by
   equation.
+- two residuals holding the same elements in the same order (a value and, say, that
+  value transposed twice, as an einsum's output layout can make it) are stored once.
 
 Without differentiation it is the plain `lax.scan`. Forward-mode differentiation
 (`jax.jvp`) is not supported, as for any `custom_vjp` function.
@@ -57,7 +59,8 @@ class _Plan:
     """One step's pullback: its tree, where each leaf comes from (("const", j) and
     ("x", j): leaves of consts and of the step's slice of xs; ("res", j): the j-th stored
     residual), the stored residuals' and the step outputs' abstract values, the length
-    and the direction."""
+    and the direction. `same` pairs (j, i): residual j holds residual i's elements in
+    the same order (a view of it), so only i is kept."""
 
     tree: Any
     sources: tuple
@@ -66,11 +69,12 @@ class _Plan:
     length: int
     reverse: bool
     groups: tuple = ()  # indices into stored, one tuple per shared buffer
+    same: tuple = ()
 
     @property
     def alone(self) -> tuple:
-        shared = {j for group in self.groups for j in group}
-        return tuple(j for j in range(len(self.stored)) if j not in shared)
+        other = {j for group in self.groups for j in group} | {j for j, _ in self.same}
+        return tuple(j for j in range(len(self.stored)) if j not in other)
 
     def buffers(self):
         """Abstract values of one step's stored residuals as they are written: those
@@ -93,6 +97,8 @@ class _Plan:
                 shape = self.stored[j].shape
                 stored[j] = lax.slice_in_dim(b, start, start + math.prod(shape)).reshape(shape)
                 start += math.prod(shape)
+        for j, i in self.same:
+            stored[j] = stored[i].reshape(self.stored[j].shape)
         return stored
 
 
@@ -147,20 +153,66 @@ def _plan(body, consts, carry, xs, length, reverse) -> _Plan:
         found.update(tree=tree, sources=sources)
         return out, stored
 
-    (out_carry, ys), stored = jax.eval_shape(probe, consts, carry, x0)
+    closed, ((out_carry, ys), stored) = jax.make_jaxpr(probe, return_shape=True)(consts, carry, x0)
     if jax.tree.structure(out_carry) != jax.tree.structure(carry) or _avals(out_carry) != _avals(carry):
         raise TypeError(f"{_OP}: `body` must return a carry of the input carry's structure, shapes and dtypes; "
                         f"got {_avals(out_carry)} for {_avals(carry)}")
-    return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse, _groups(stored))
+    same = _same(closed.jaxpr, closed.jaxpr.outvars[len(closed.jaxpr.outvars) - len(stored):])
+    return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse,
+                 _groups(stored, {j for j, _ in same}), same)
 
 
-def _groups(stored) -> tuple:
-    """Small residuals of one dtype, two or more, to share a buffer."""
+def _groups(stored, skip) -> tuple:
+    """Small residuals of one dtype, two or more, to share a buffer (those in `skip` are
+    not stored)."""
     by_dtype = {}
     for j, a in enumerate(stored):
-        if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) and math.prod(a.shape) * a.dtype.itemsize <= _SMALL:
+        if (j not in skip and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+                and math.prod(a.shape) * a.dtype.itemsize <= _SMALL):
             by_dtype.setdefault(jnp.dtype(a.dtype), []).append(j)
     return tuple(tuple(g) for g in by_dtype.values() if len(g) > 1)
+
+
+def _origin(producer, v):
+    """The earliest value that `v` is a view of, holding the same elements in the same
+    order: walking back through optimization barriers, copies, converts to the same
+    dtype, reshapes, and runs of transposes that compose to no permutation."""
+    root, perm = v, None  # perm: the transposes passed since the last point where they cancel
+    while not isinstance(v, jcore.Literal) and v in producer:
+        eqn = producer[v]
+        name = eqn.primitive.name
+        src = eqn.invars[eqn.outvars.index(v)] if name == "optimization_barrier" else eqn.invars[0]
+        if name == "transpose":
+            p = eqn.params["permutation"]
+            perm = tuple(p[i] for i in perm) if perm is not None else tuple(p)
+            perm = None if perm == tuple(range(len(p))) else perm
+        elif name in ("reshape", "squeeze", "expand_dims"):
+            if perm is not None or eqn.params.get("dimensions") is not None and name == "reshape":
+                break
+        elif not (name in ("optimization_barrier", "copy")
+                  or (name == "convert_element_type" and eqn.params["new_dtype"] == src.aval.dtype)):
+            break
+        v = src
+        if perm is None:
+            root = v
+    return root
+
+
+def _same(jaxpr, stored_vars) -> tuple:
+    """Pairs (j, i), i < j, of stored residuals holding the same elements in the same
+    order (e.g. a value and the result of transposing it twice): `_Plan.same`."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    first, pairs = {}, []
+    for j, v in enumerate(stored_vars):
+        root = _origin(producer, v)
+        if isinstance(root, jcore.Literal):
+            continue
+        key = (root, v.aval.dtype)
+        if key in first:
+            pairs.append((j, first[key]))
+        else:
+            first[key] = j
+    return tuple(pairs)
 
 
 def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = None, reverse: bool = False):

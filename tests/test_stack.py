@@ -164,6 +164,41 @@ def test_fused_results_written_into_their_stacks_as_they_are_made(monkeypatch, r
     assert bwd_through
 
 
+def test_a_residual_stored_once_when_two_are_views_of_it():
+    """Two residuals holding the same elements (a value and that value transposed twice,
+    reshaped, behind a barrier) share one buffer: the plan keeps one (`_Plan.same`), and
+    values and gradients match lax.scan."""
+    def body(c, h, x):
+        y = jnp.tanh(h @ x["w"])
+        z = lax.optimization_barrier(y.T.T.reshape(2, -1, N))  # the same elements as y
+        return jnp.sin(y) * c, jnp.sum(z @ x["w"])
+
+    r = np.random.default_rng(13)
+    xs = {"w": jnp.asarray(r.standard_normal((L, N, N)) / 3, jnp.float32)}
+    c, h = jnp.float32(0.9), jnp.asarray(r.standard_normal((6, N)), jnp.float32)
+    plan = stack._plan(body, c, h, xs, L, False)
+    assert len(plan.same) == 1, plan.same
+    j, i = plan.same[0]
+    assert plan.stored[j].shape == (2, 3, N) and plan.stored[i].shape == (6, N)
+    assert len(plan.buffers()) == len(plan.stored) - 1 - sum(len(g) - 1 for g in plan.groups)
+
+    def loss(scan_fn):
+        return lambda c, h, xs: jnp.sum(scan_fn(c, h, xs)[0] ** 2) + jnp.sum(scan_fn(c, h, xs)[1])
+
+    ours = lambda c, h, xs: stack.scan(body, h, xs, c)  # noqa: E731
+    ref = lambda c, h, xs: lax.scan(lambda h, x: body(c, h, x), h, xs)  # noqa: E731
+    got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(c, h, xs)
+    want = jax.jit(jax.value_and_grad(loss(ref), argnums=(0, 1, 2)))(c, h, xs)
+    assert_close(got[0], want[0], reduction=N * L, what="loss")
+    _assert_tree_close(got[1], want[1], "grad", grad=True)
+
+    def transposed(c, h, x):  # y and y transposed once: not the same elements in order
+        y = jnp.tanh(h @ x["w"])
+        return jnp.sin(y) * c, jnp.sum(x["w"] @ y.T)
+
+    assert stack._plan(transposed, c, h, xs, L, False).same == ()
+
+
 def test_no_gradient_is_plain_lax_scan():
     c, h, xs = _inputs(seed=9)
     ours, ref = _pair(False)
