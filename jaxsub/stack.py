@@ -258,39 +258,30 @@ def _slice(tree, at):
 # other way, as `lax.scan(reverse=True)` beside a carried index would give, is not one.)
 
 
-# Value-preserving steps from a fused op's result to a value written as it is.
-_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier"})
-
-
 def _early(jaxpr, wanted):
     """Which of a step's outputs to write into their stacks as soon as they are made:
-    {var: k} for each output `wanted` maps to a stack k whose value is a jaxsub custom
-    call's result, as it is or through reshapes and the call's optimization barrier (var:
-    that result); and the barriers to pass through, as eqn ids.
+    {var: k} for each output `wanted` maps to a stack k that is a view (`_origin`) of a
+    jaxsub custom call's result (var: that result); and the ids of those calls' own
+    optimization barriers (`_ffi.call`'s), to pass through.
 
     XLA's dynamic-slice fusion writes a custom call's result straight into a stack when
     a dynamic-update-slice is its only user; the step's other readers then read the
     layer's slice of the stack. Behind the barrier, or with other readers, XLA copies the
     result into the stack instead (bench/NOTES.md, twentieth session)."""
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    barriers = {tuple(e.invars): e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
+                and not any(isinstance(v, jcore.Literal) for v in e.invars)}
     early, through = {}, set()
     for i, k in wanted.items():
-        cur, barriers = jaxpr.outvars[i], []
-        while not isinstance(cur, jcore.Literal) and cur in producer and producer[cur].primitive.name in _VIEWS:
-            eqn = producer[cur]
-            if eqn.primitive.name == "optimization_barrier":
-                barriers.append(eqn)
-                cur = eqn.invars[eqn.outvars.index(cur)]
-            else:
-                cur = eqn.invars[0]
-        call = None if isinstance(cur, jcore.Literal) else producer.get(cur)
-        if (call is None or call.primitive.name != "ffi_call" or cur in early
-                or not str(call.params.get("target_name", "")).startswith("jaxsub_")
-                # a barrier passed through must be the call's own (_ffi.call)
-                or any(list(b.invars) != list(call.outvars) for b in barriers)):
+        root = _origin(producer, jaxpr.outvars[i])
+        call = None if isinstance(root, jcore.Literal) else producer.get(root)
+        if (call is None or call.primitive.name != "ffi_call" or root in early
+                or not str(call.params.get("target_name", "")).startswith("jaxsub_")):
             continue
-        early[cur] = k
-        through.update(id(b) for b in barriers)
+        early[root] = k
+        own = barriers.get(tuple(call.outvars))
+        if own is not None:
+            through.add(id(own))
     return early, through
 
 

@@ -108,7 +108,7 @@ def _dense(y, w, library=False):
     reason: in a scan it reads the stacked w in place)."""
     if not library:
         return jnp.einsum("...n,ne->...e", y, w)
-    return _gemm.gemm(y.reshape(-1, y.shape[-1]), w).reshape(*y.shape[:-1], w.shape[-1])
+    return _gemm._forward(y, w, None, 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
