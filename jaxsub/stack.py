@@ -19,9 +19,12 @@ computes, with a `custom_vjp` of its own:
   not stored: the backward passes them again.
 - backward: a loop in the other direction calls each step's pullback on its stored
   residuals and writes the gradients of xs into buffers made the same way.
-- small residuals (up to 1 MiB: row statistics, log-sum-exps, dropout seeds) of one
-  dtype share one buffer, so a step writes them with one copy and reads them with one,
-  not one each: a copy of a few KB costs about a microsecond of GPU time however small.
+- small residuals (up to 1 MiB) of one dtype share one buffer, so a step writes them
+  with one copy and reads them with one, not one each: a copy of a few KB costs about a
+  microsecond of GPU time however small. Those one of jaxsub's custom calls makes (row
+  statistics, log-sum-exps) get buffers of their own instead, which the calls write
+  themselves (below); residuals that are constants (a placeholder mask, the seed of a
+  dropout that is off) are not stored at all.
 - a residual, or a gradient of xs, that is the result of one of jaxsub's custom calls is
   written into its buffer right after the call, bypassing the call's optimization
   barrier, and the rest of the step reads it back from the buffer. XLA's dynamic-slice
@@ -60,7 +63,9 @@ class _Plan:
     ("x", j): leaves of consts and of the step's slice of xs; ("res", j): the j-th stored
     residual), the stored residuals' and the step outputs' abstract values, the length
     and the direction. `same` pairs (j, i): residual j holds residual i's elements in
-    the same order (a view of it), so only i is kept."""
+    the same order (a view of it), so only i is kept. `fixed`: residuals that are
+    constants, the same at every step (a placeholder mask, the seed of a dropout that is
+    off), kept as values rather than stored per step."""
 
     tree: Any
     sources: tuple
@@ -70,10 +75,12 @@ class _Plan:
     reverse: bool
     groups: tuple = ()  # indices into stored, one tuple per shared buffer
     same: tuple = ()
+    fixed: tuple = ()  # (j, value): residual j is a constant (value), not stored
 
     @property
     def alone(self) -> tuple:
-        other = {j for group in self.groups for j in group} | {j for j, _ in self.same}
+        other = ({j for group in self.groups for j in group} | {j for j, _ in self.same}
+                 | {j for j, _ in self.fixed})
         return tuple(j for j in range(len(self.stored)) if j not in other)
 
     def buffers(self):
@@ -99,6 +106,8 @@ class _Plan:
                 start += math.prod(shape)
         for j, i in self.same:
             stored[j] = stored[i].reshape(self.stored[j].shape)
+        for j, value in self.fixed:
+            stored[j] = value
         return stored
 
 
@@ -157,20 +166,63 @@ def _plan(body, consts, carry, xs, length, reverse) -> _Plan:
     if jax.tree.structure(out_carry) != jax.tree.structure(carry) or _avals(out_carry) != _avals(carry):
         raise TypeError(f"{_OP}: `body` must return a carry of the input carry's structure, shapes and dtypes; "
                         f"got {_avals(out_carry)} for {_avals(carry)}")
-    same = _same(closed.jaxpr, closed.jaxpr.outvars[len(closed.jaxpr.outvars) - len(stored):])
-    return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse,
-                 _groups(stored, {j for j, _ in same}), same)
+    stored_vars = closed.jaxpr.outvars[len(closed.jaxpr.outvars) - len(stored):]
+    fixed = _fixed(closed, stored_vars)
+    constant = {j for j, _ in fixed}
+    same = tuple((j, i) for j, i in _same(closed.jaxpr, stored_vars) if j not in constant and i not in constant)
+    # A residual a jaxsub custom call makes is written into a buffer of its own by the call
+    # itself (`_early`), whatever its size: sharing a buffer would take a copy per step.
+    producer = _producers(closed.jaxpr)
+    made = {j for j, v in enumerate(stored_vars) if _jaxsub_result(producer, v) is not None}
+    skip = {j for j, _ in same} | constant | made
+    return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse, _groups(stored, skip), same,
+                 fixed)
 
 
 def _groups(stored, skip) -> tuple:
     """Small residuals of one dtype, two or more, to share a buffer (those in `skip` are
-    not stored)."""
+    not stored or have buffers of their own)."""
     by_dtype = {}
     for j, a in enumerate(stored):
         if (j not in skip and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
                 and math.prod(a.shape) * a.dtype.itemsize <= _SMALL):
             by_dtype.setdefault(jnp.dtype(a.dtype), []).append(j)
     return tuple(tuple(g) for g in by_dtype.values() if len(g) > 1)
+
+
+def _producers(jaxpr) -> dict:
+    return {v: e for e in jaxpr.eqns for v in e.outvars}
+
+
+def _fixed(closed, stored_vars) -> tuple:
+    """(j, value) for each stored residual that depends on none of the step's inputs,
+    its value computed now (from literals and concrete constants only)."""
+    producer = _producers(closed.jaxpr)
+    known = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts) if not isinstance(c, jax.core.Tracer)}
+
+    def value(v, depth=0):
+        if isinstance(v, jcore.Literal):
+            return v.val
+        if v in known:
+            return known[v]
+        eqn = producer.get(v)
+        if eqn is None or depth > 32 or eqn.primitive.name in ("ffi_call", "custom_vjp_call", "custom_jvp_call"):
+            return None
+        ins = [value(u, depth + 1) for u in eqn.invars]
+        if any(x is None for x in ins):
+            return None
+        with jax.ensure_compile_time_eval():
+            outs = bind(eqn, ins)
+        for u, out in zip(eqn.outvars, outs):
+            known[u] = out
+        return known[v]
+
+    fixed = []
+    for j, v in enumerate(stored_vars):
+        c = value(v)
+        if c is not None and not isinstance(c, jax.core.Tracer):
+            fixed.append((j, c))
+    return tuple(fixed)
 
 
 def _origin(producer, v):
@@ -201,7 +253,7 @@ def _origin(producer, v):
 def _same(jaxpr, stored_vars) -> tuple:
     """Pairs (j, i), i < j, of stored residuals holding the same elements in the same
     order (e.g. a value and the result of transposing it twice): `_Plan.same`."""
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    producer = _producers(jaxpr)
     first, pairs = {}, []
     for j, v in enumerate(stored_vars):
         root = _origin(producer, v)
@@ -258,6 +310,17 @@ def _slice(tree, at):
 # other way, as `lax.scan(reverse=True)` beside a carried index would give, is not one.)
 
 
+def _jaxsub_result(producer, v):
+    """(root, call) when `v` is a view (`_origin`) of the result `root` of a jaxsub
+    custom call `call`; else None."""
+    root = _origin(producer, v)
+    call = None if isinstance(root, jcore.Literal) else producer.get(root)
+    if (call is None or call.primitive.name != "ffi_call"
+            or not str(call.params.get("target_name", "")).startswith("jaxsub_")):
+        return None
+    return root, call
+
+
 def _early(jaxpr, wanted):
     """Which of a step's outputs to write into their stacks as soon as they are made:
     {var: k} for each output `wanted` maps to a stack k that is a view (`_origin`) of a
@@ -268,16 +331,15 @@ def _early(jaxpr, wanted):
     a dynamic-update-slice is its only user; the step's other readers then read the
     layer's slice of the stack. Behind the barrier, or with other readers, XLA copies the
     result into the stack instead (bench/NOTES.md, twentieth session)."""
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    producer = _producers(jaxpr)
     barriers = {tuple(e.invars): e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
                 and not any(isinstance(v, jcore.Literal) for v in e.invars)}
     early, through = {}, set()
     for i, k in wanted.items():
-        root = _origin(producer, jaxpr.outvars[i])
-        call = None if isinstance(root, jcore.Literal) else producer.get(root)
-        if (call is None or call.primitive.name != "ffi_call" or root in early
-                or not str(call.params.get("target_name", "")).startswith("jaxsub_")):
+        found = _jaxsub_result(producer, jaxpr.outvars[i])
+        if found is None or found[0] in early:
             continue
+        root, call = found
         early[root] = k
         own = barriers.get(tuple(call.outvars))
         if own is not None:

@@ -178,6 +178,37 @@ def test_encoder_dropout_uses_the_rng():
     assert np.isfinite(np.asarray(a)).all()
 
 
+def test_scanned_encoder_draws_each_layers_dropout_keys_as_the_layer_would():
+    """The scanned Encoder draws every layer's dropout keys before its loop
+    (EncoderLayer.dropout_keys on the layer's key split from the 'dropout' stream) and
+    passes them in: layer i drops what EncoderLayer drops when applied alone with that
+    key, forward and backward."""
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((B, S, E)), jnp.float32)
+    module = _encoder(dropout_rate=0.2, attention_dropout_rate=0.3)
+    params = module.init(jax.random.key(1), x)["params"]
+    key = jax.random.key(7)
+    layer = EncoderLayer(num_heads=H, mlp_dim=F, dropout_rate=0.2, attention_dropout_rate=0.3, layouts="none")
+    # the stream's first key, as the Encoder's first make_rng("dropout") draws it
+    first = module.apply({"params": params}, rngs={"dropout": key}, method=lambda m: m.make_rng("dropout"))
+    layer_keys = jax.random.split(first, LAYERS)
+
+    def stacked(p, x):
+        return jnp.sum(jnp.sin(module.apply({"params": p}, x, None, False, rngs={"dropout": key})))
+
+    def alone(p, x):
+        for i in range(LAYERS):
+            pi = jax.tree.map(lambda a: a[i], p["layers"]["layer"])
+            x = layer.apply({"params": pi}, x, None, False, rngs={"dropout": layer_keys[i]})
+        return jnp.sum(jnp.sin(x))
+
+    got = jax.jit(jax.value_and_grad(stacked, argnums=(0, 1)))(params, x)
+    want = jax.jit(jax.value_and_grad(alone, argnums=(0, 1)))(params, x)
+    assert_close(got[0], want[0], reduction=B * S * E * F, what="loss")
+    assert_close(got[1][1], want[1][1], reduction=B * S * E * F, grad=True, what="dx")
+    for a, b in zip(jax.tree.leaves(got[1][0]), jax.tree.leaves(want[1][0])):
+        assert_close(a, b, reduction=B * S * E * F, grad=True, what="dparams")
+
+
 def test_lazy_export_and_bad_hidden_size():
     assert jaxsub.flax.EncoderLayer is EncoderLayer
     with pytest.raises(ValueError, match="num_heads"):

@@ -243,6 +243,45 @@ def test_small_residuals_share_a_buffer(monkeypatch):
     _assert_tree_close(shared, grad(), "grads, shared against separate buffers", grad=True)
 
 
+def test_constant_residuals_and_jaxsub_results_are_not_packed():
+    """A residual that is a constant (attention's placeholder for no mask, the seed of a
+    dropout that is off) is kept as a value, not stored per step (`_Plan.fixed`); a small
+    residual a jaxsub custom call makes (attention's log-sum-exp, the layer norm's row
+    statistics) gets a buffer of its own, which the call writes itself (`_early`), rather
+    than a share of a packed one. Values and gradients match lax.scan."""
+    def body(c, h, x):
+        q = (h @ x["w"]).reshape(2, 3, 1, N)
+        a = ops.attention(q, q * c, q, implementation="fused").reshape(h.shape)
+        g = ops.bias_gelu_dropout(a, x["b"], rate=0.0, key=None)
+        return ops.layer_norm(h + g, x["s"], x["lb"]), None
+
+    r = np.random.default_rng(13)
+    xs = {"w": jnp.asarray(r.standard_normal((L, N, N)) / 3, jnp.float32),
+          "b": jnp.asarray(r.standard_normal((L, N)), jnp.float32),
+          "s": jnp.asarray(1 + r.standard_normal((L, N)) / 5, jnp.float32),
+          "lb": jnp.asarray(r.standard_normal((L, N)), jnp.float32)}
+    c, h = jnp.float32(0.8), jnp.asarray(r.standard_normal((6, N)), jnp.float32)
+    plan = stack._plan(body, c, h, xs, L, False)
+    fixed = {j: v for j, v in plan.fixed}
+    # the placeholder mask, and the seed words of the dropouts that are off
+    assert {(plan.stored[j].shape, str(plan.stored[j].dtype)) for j in fixed} == {((1, 1, 1, 1), "bool"),
+                                                                                ((2,), "uint32")}
+    assert all(not isinstance(v, jax.core.Tracer) for v in fixed.values())
+    made = [j for j, a in enumerate(plan.stored) if a.shape in ((2, 1, 3), (6,))]  # lse, the two statistics
+    assert len(made) == 3 and set(made) <= set(plan.alone)
+    assert all(j not in fixed for g in plan.groups for j in g)
+
+    def loss(scan_fn):
+        return lambda c, h, xs: jnp.sum(jnp.sin(scan_fn(c, h, xs)[0]))
+
+    ours = lambda c, h, xs: stack.scan(body, h, xs, c)  # noqa: E731
+    ref = lambda c, h, xs: lax.scan(lambda h, x: body(c, h, x), h, xs)  # noqa: E731
+    got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(c, h, xs)
+    want = jax.jit(jax.value_and_grad(loss(ref), argnums=(0, 1, 2)))(c, h, xs)
+    assert_close(got[0], want[0], reduction=N * L, what="loss")
+    _assert_tree_close(got[1], want[1], "grad", grad=True)
+
+
 def test_none_and_integer_leaves_anywhere_in_xs():
     """xs with None and integer leaves between the floating ones (as the Encoder's
     (params, None) without dropout): each gradient lands on its own leaf."""

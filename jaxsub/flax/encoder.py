@@ -12,6 +12,7 @@ optional rematerialization.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsub import layout, ops, stack
+from jaxsub.ops import dropout as _dropout
 
 Initializer = Callable[..., Any]
 
@@ -151,9 +153,11 @@ class EncoderLayer(_LayerFields):
       residuals and weight gradients are all such slices (on GPU). Same numbers up to
       the order of f32 sums.
 
-    `__call__(x, mask=None, deterministic=True)`: x [B, S, E]; mask as in
-    `ops.attention` (boolean key padding [B, S], or boolean / additive broadcastable to
-    [B, H, S, S]). With deterministic=False, dropout keys come from the 'dropout' rng.
+    `__call__(x, mask=None, deterministic=True, *, dropout_keys=None)`: x [B, S, E]; mask
+    as in `ops.attention` (boolean key padding [B, S], or boolean / additive broadcastable
+    to [B, H, S, S]). With deterministic=False, dropout keys come from the 'dropout' rng,
+    or from `dropout_keys`, a dict as `dropout_keys()` returns (keys or their uint32
+    words).
     A query that sees no key gets a zero attention output (plain Flax averages V).
     """
 
@@ -173,6 +177,15 @@ class EncoderLayer(_LayerFields):
     def _key(self, rate, deterministic):
         """A fresh dropout key, or None when this dropout is off (no rng is consumed)."""
         return None if deterministic or rate == 0.0 else self.make_rng("dropout")
+
+    def dropout_keys(self, deterministic=False):
+        """The layer's four dropout keys ("attn", "drop1", "gelu", "drop2"; None where that
+        dropout is off), drawn from the 'dropout' rng in the order the ops consume them,
+        whatever the layouts: what `__call__` draws. `Encoder` draws every layer's keys
+        with this before its scanned loop and passes them to `__call__` as `dropout_keys`."""
+        det = bool(deterministic)
+        return {"attn": self._key(self.attention_dropout_rate, det), "drop1": self._key(self.dropout_rate, det),
+                "gelu": self._key(self.dropout_rate, det), "drop2": self._key(self.dropout_rate, det)}
 
     def selection(self, x, mask=None):
         """The layout Selection this layer uses for input x [B, S, E] (and mask)."""
@@ -197,7 +210,7 @@ class EncoderLayer(_LayerFields):
             approximate_gelu=self.approximate_gelu, mask_shape=mask_shape, mask_dtype=mask_dtype)
 
     @nn.compact
-    def __call__(self, x, mask=None, deterministic=True):
+    def __call__(self, x, mask=None, deterministic=True, *, dropout_keys=None):
         x = jnp.asarray(x, self.dtype)
         if x.ndim != 3:
             raise ValueError(f"jaxsub.flax.EncoderLayer: `x` must be [B, S, E], got shape {x.shape}")
@@ -212,10 +225,7 @@ class EncoderLayer(_LayerFields):
         params["ffn_kernel"], params["ffn_bias"] = self._affine("mlp_out", self.mlp_dim, (self.mlp_dim, e), (e,))
         params["mlp_scale"], params["mlp_bias"] = self._norm("mlp_norm", e)
         det = bool(deterministic)
-        # Drawn in the order the ops consume them (attention, first residual, GELU, second
-        # residual), whatever the layouts.
-        keys = {"attn": self._key(self.attention_dropout_rate, det), "drop1": self._key(self.dropout_rate, det),
-                "gelu": self._key(self.dropout_rate, det), "drop2": self._key(self.dropout_rate, det)}
+        keys = self.dropout_keys(det) if dropout_keys is None else dropout_keys
         return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det,
                              recompute_gelu=self.recompute_gelu, library_products=self.library_products)
 
@@ -334,7 +344,9 @@ class Encoder(_LayerFields):
         a leading axis of size num_layers, under params["layers"]["layer"] (nn.scan's
         tree; `init` runs nn.scan). Applying runs `jaxsub.stack.scan`, whose gradient
         keeps each layer's residuals in buffers it does not zero-fill first; dropout
-        keys are one per layer, split from the 'dropout' stream. Without scan, layer i's
+        keys are one per layer, split from the 'dropout' stream, and each layer's four
+        keys are drawn from its key before the loop (what the layer would draw applied
+        alone with that key). Without scan, layer i's
         parameters are params[f"layers_{i}"]["layer"]. The scan compiles fast but copies
         each layer's residuals into and out of its stacked buffers, so its layers keep
         the feed-forward input rather than the GELU output (EncoderLayer's
@@ -394,15 +406,22 @@ class Encoder(_LayerFields):
         # jaxsub's GEMM where it reads the stacks in place: on GPU (on CPU XLA's dot is faster).
         module = EncoderLayer(**layer, recompute_gelu=True, library_products=jax.default_backend() == "gpu")
         rates = (self.dropout_rate, self.attention_dropout_rate)
-        keys = None
+        seeds = None
         if not deterministic and any(r > 0.0 for r in rates):
-            keys = jax.random.split(self.make_rng("dropout"), self.num_layers)
+            # Every layer's dropout keys, drawn before the loop as each layer would draw them
+            # from its own key, as the words the kernels take: the loop passes each op its
+            # layer's slice of these, which the ops keep for the backward as they are (a
+            # slice of xs, not stored again), and no step derives a key (on the H200 that
+            # took four small kernels per layer forward, two backward).
+            draw = functools.partial(module.apply, {}, False, method=EncoderLayer.dropout_keys)
+            words = functools.partial(_dropout.seed_from_key, "jaxsub.flax.Encoder")
+            seeds = jax.vmap(lambda k: jax.tree.map(words, draw(rngs={"dropout": k})))(
+                jax.random.split(self.make_rng("dropout"), self.num_layers))
 
         def body(mask, h, xs):
-            p, key = xs
-            rngs = None if key is None else {"dropout": key}
-            return module.apply({"params": p}, h, mask, deterministic, rngs=rngs)
+            p, seed = xs
+            return module.apply({"params": p}, h, mask, deterministic, dropout_keys=seed)
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)  # the loop already keeps XLA from merging layers
-        return stack.scan(lambda mask, h, xs: (body(mask, h, xs), None), x, (params, keys), mask)[0]
+        return stack.scan(lambda mask, h, xs: (body(mask, h, xs), None), x, (params, seeds), mask)[0]

@@ -56,6 +56,8 @@ def seed_from_key(op: str, key) -> jax.Array:
         raise TypeError(f"jaxsub.{op}: `key` must be a JAX PRNG key, got dtype {key.dtype}")
     if (typed and key.shape != ()) or (not typed and key.ndim != 1):
         raise ValueError(f"jaxsub.{op}: `key` must be a single PRNG key, got shape {key.shape}")
+    if not typed and key.shape == (2,):
+        return key  # the words themselves: an op that keeps its seed keeps this very array
     words = jax.random.key_data(key) if typed else key
     words = words.reshape(-1)
     if words.shape[0] == 2:
