@@ -16,7 +16,10 @@ computes, with a `custom_vjp` of its own:
   residuals, and the step's outputs, into loop-carried buffers made by `lax.empty`
   (uninitialized on GPU: XLA's `AllocateBuffer`; zeros on CPU). Residuals that are the
   body's own inputs (a slice of xs such as the layer's parameters, or one of consts) are
-  not stored: the backward passes them again.
+  not stored: the backward passes them again. A carry leaf the pullback keeps (a layer's
+  input) is not carried by value at all: it lives in a stack of length + 1 that the
+  steps read their input from and write their output into, slot after slot, so that no
+  step copies its input carry into a residual buffer.
 - backward: a loop in the other direction calls each step's pullback on its stored
   residuals and writes the gradients of xs into buffers made the same way.
 - small residuals (up to 1 MiB) of one dtype share one buffer, so a step writes them
@@ -59,9 +62,9 @@ _SMALL = 1 << 20  # bytes: residuals up to this size share one buffer per dtype
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """One step's pullback: its tree, where each leaf comes from (("const", j) and
-    ("x", j): leaves of consts and of the step's slice of xs; ("res", j): the j-th stored
-    residual), the stored residuals' and the step outputs' abstract values, the length
+    """One step's pullback: its tree, where each leaf comes from (("const", j), ("x", j)
+    and ("carry", j): leaves of consts, of the step's slice of xs and of its input carry;
+    ("res", j): the j-th stored residual), the stored residuals' and the step outputs' abstract values, the length
     and the direction. `same` pairs (j, i): residual j holds residual i's elements in
     the same order (a view of it), so only i is kept. `fixed`: residuals that are
     constants, the same at every step (a placeholder mask, the seed of a dropout that is
@@ -76,6 +79,13 @@ class _Plan:
     groups: tuple = ()  # indices into stored, one tuple per shared buffer
     same: tuple = ()
     fixed: tuple = ()  # (j, value): residual j is a constant (value), not stored
+
+    @property
+    def held(self) -> tuple:
+        """The carry leaves the pullback keeps (("carry", j) sources): the loop holds them
+        in stacks of length + 1, each step reading its input from one slot and writing its
+        output into the next, rather than carrying them and storing each step's input."""
+        return tuple(sorted({j for kind, j in self.sources if kind == "carry"}))
 
     @property
     def alone(self) -> tuple:
@@ -116,7 +126,7 @@ def _pullback(body, consts, carry, x):
     source and the leaves to store."""
     out, pullback = jax.vjp(body, consts, carry, x)
     leaves, tree = jax.tree.flatten(pullback)
-    inputs = (("const", jax.tree.leaves(consts)), ("x", jax.tree.leaves(x)))
+    inputs = (("const", jax.tree.leaves(consts)), ("x", jax.tree.leaves(x)), ("carry", jax.tree.leaves(carry)))
     sources, stored = [], []
     for leaf in leaves:
         source = next(((kind, j) for kind, group in inputs for j, a in enumerate(group) if a is leaf), None)
@@ -350,7 +360,7 @@ def _early(jaxpr, wanted):
 def _writing(fn, args, wanted, stacks, at):
     """fn(*args), and `stacks` with the outputs `_early` picks from `wanted(out)` ({index
     into fn's flat outputs: index into stacks}; `out`: fn's outputs as shapes) written at
-    layer `at`, each right after the call that makes it; the rest of fn reads such a value
+    index `at` (or at[k] for stack k), each right after the call that makes it; the rest of fn reads such a value
     back from its stack. fn is traced to a jaxpr and evaluated equation by equation.
     Returns (fn's outputs, the stacks, the indices of those written)."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -368,8 +378,9 @@ def _writing(fn, args, wanted, stacks, at):
         for v, out in zip(eqn.outvars, outs):
             k = early.get(v)
             if k is not None:
-                stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], out.reshape(stacks[k].shape[1:]), at, 0)
-                out = lax.dynamic_index_in_dim(stacks[k], at, 0, keepdims=False).reshape(out.shape)
+                slot = at[k] if isinstance(at, list) else at
+                stacks[k] = lax.dynamic_update_index_in_dim(stacks[k], out.reshape(stacks[k].shape[1:]), slot, 0)
+                out = lax.dynamic_index_in_dim(stacks[k], slot, 0, keepdims=False).reshape(out.shape)
             env[v] = out
     outs = jax.tree.unflatten(jax.tree.structure(shape), [read(v) for v in jaxpr.outvars])
     return outs, stacks, set(early.values())
@@ -380,32 +391,57 @@ def _scan_fwd(body, plan, consts, init, xs):
     buffers = [_empty_stack(n, a) for a in plan.buffers()]
     ys = jax.tree.map(lambda a: _empty_stack(n, a), plan.ys)
     found = {}
+    # The held carry leaves (plan.held): layer `at`'s input in slot at + off of a stack of
+    # n + 1, its output in the slot of the layer after it; the last output in the extra slot.
+    off = 1 if plan.reverse else 0
+    carry_leaves, carry_tree = jax.tree.flatten(init)
+    held = plan.held
+    first = n - 1 if plan.reverse else 0
+    inputs = [lax.dynamic_update_index_in_dim(_empty_stack(n + 1, carry_leaves[j]), carry_leaves[j], first + off, 0)
+              for j in held]
+    free = [None if j in held else a for j, a in enumerate(carry_leaves)]
 
     def fn(consts, h, x):
         out, _, found["sources"], stored = _pullback(body, consts, h, x)
         return out, stored
 
     def step(state, _):
-        i, h, buffers, ys = state
+        i, free, inputs, buffers, ys = state
         at = n - 1 - i if plan.reverse else i
-        # fn's flat outputs: the carry's and y's leaves, then the stored residuals
-        wanted = lambda out: {len(jax.tree.leaves(out[0])) + j: k for k, j in enumerate(plan.alone)}  # noqa: E731
-        ((h, y), stored), buffers, written = _writing(fn, (consts, h, _slice(xs, at)), wanted, buffers, at)
+        nxt = (at - 1 if plan.reverse else at + 1) + off
+        h = jax.tree.unflatten(carry_tree, [
+            lax.dynamic_index_in_dim(inputs[held.index(j)], at + off, 0, keepdims=False) if j in held else a
+            for j, a in enumerate(free)])
+        # fn's flat outputs: the carry's and y's leaves, then the stored residuals; stacks:
+        # the residual buffers, then the held carry leaves' (written at the next slot)
+        wanted = lambda out: {**{len(jax.tree.leaves(out[0])) + j: k for k, j in enumerate(plan.alone)},  # noqa: E731
+                              **{j: len(buffers) + m for m, j in enumerate(held)}}
+        ((h, y), stored), stacks, written = _writing(fn, (consts, h, _slice(xs, at)), wanted, buffers + inputs,
+                                                    [at] * len(buffers) + [nxt] * len(inputs))
         if found["sources"] != plan.sources or _avals(stored) != _avals(list(plan.stored)):
             raise RuntimeError(f"{_OP}: `body` traced to other residuals inside the loop than outside it; "
                                "it must be a pure function of its arguments")
         buffers = [b if k in written else lax.dynamic_update_index_in_dim(b, r, at, 0)
-                   for k, (b, r) in enumerate(zip(buffers, plan.pack(stored)))]
+                   for k, (b, r) in enumerate(zip(stacks[:len(buffers)], plan.pack(stored)))]
+        h_leaves = jax.tree.leaves(h)
+        inputs = [b if len(buffers) + m in written else lax.dynamic_update_index_in_dim(b, h_leaves[j], nxt, 0)
+                  for m, (j, b) in enumerate(zip(held, stacks[len(buffers):]))]
+        free = [None if j in held else a for j, a in enumerate(h_leaves)]
         ys = jax.tree.map(lambda b, r: lax.dynamic_update_index_in_dim(b, r, at, 0), ys, y)
-        return (i + 1, h, buffers, ys), None
+        return (i + 1, free, inputs, buffers, ys), None
 
-    (_, carry, buffers, ys), _ = lax.scan(step, (jnp.int32(0), init, buffers, ys), None, length=n)
-    return (carry, ys), (consts, xs, buffers)
+    (_, free, inputs, buffers, ys), _ = lax.scan(step, (jnp.int32(0), free, inputs, buffers, ys), None, length=n)
+    last = 0 if plan.reverse else n  # the slot of the last layer's output
+    carry = jax.tree.unflatten(carry_tree, [
+        lax.dynamic_index_in_dim(inputs[held.index(j)], last, 0, keepdims=False) if j in held else a
+        for j, a in enumerate(free)])
+    return (carry, ys), (consts, xs, buffers, inputs)
 
 
 def _scan_bwd(body, plan, residuals, cotangents):
-    consts, xs, buffers = residuals
+    consts, xs, buffers, inputs = residuals
     dcarry, dys = cotangents
+    off = 1 if plan.reverse else 0  # the held carry leaves: layer at's input in slot at + off
     n = plan.length
     const_leaves = jax.tree.leaves(consts)
     x_leaves, x_tree = jax.tree.flatten(xs)
@@ -422,7 +458,9 @@ def _scan_bwd(body, plan, residuals, cotangents):
         at = i if plan.reverse else n - 1 - i  # the forward's layers, last first
         x, stored, dy = _slice(xs, at), plan.unpack(_slice(buffers, at)), _slice(dys, at)
         x_at = jax.tree.leaves(x)
-        leaves = [const_leaves[j] if kind == "const" else x_at[j] if kind == "x" else stored[j]
+        carry_at = [lax.dynamic_index_in_dim(b, at + off, 0, keepdims=False) for b in inputs]
+        leaves = [const_leaves[j] if kind == "const" else x_at[j] if kind == "x"
+                  else carry_at[plan.held.index(j)] if kind == "carry" else stored[j]
                   for kind, j in plan.sources]
         # fn's flat outputs: d_consts' leaves, dh's, then d_x's (x_leaves' order)
         wanted = lambda out: {len(jax.tree.leaves(out[:2])) + k: j for j, k in enumerate(floats)}  # noqa: E731

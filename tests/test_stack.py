@@ -81,14 +81,16 @@ def test_check_grads():
 
 
 def test_inputs_are_not_stored_as_residuals():
-    """The parameter slice and the constant the pullback needs come back as inputs; the
-    stored residuals are the values the step computed."""
+    """The parameter slice and the constant the pullback needs come back as inputs, and
+    the input carry it needs ("a", not "n") is held in a stack the steps read and write
+    (`_Plan.held`); the stored residuals are the values the step computed."""
     c, h, xs = _inputs(seed=7)
     plan = stack._plan(_body, c, h, xs, L, False)
     x_leaves = jax.tree.leaves(jax.tree.map(lambda a: a[0], xs))
     w = next(j for j, a in enumerate(x_leaves) if a.shape == (N, N))
     assert ("x", w) in plan.sources
     assert all(s.shape != (N, N) for s in plan.stored)
+    assert plan.held == (0,) and ("carry", 0) in plan.sources
 
 
 def test_no_zero_filled_stacks_on_gpu():
@@ -153,9 +155,11 @@ def test_fused_results_written_into_their_stacks_as_they_are_made(monkeypatch, r
     _assert_tree_close(got[1], want[1], "grad", grad=True)
     (forward, fwd_through), (backward, bwd_through) = found[0], found[-1]
     plan = stack._plan(_fused_body, c, h, xs, L, reverse)
-    shapes = sorted(plan.stored[plan.alone[k]].shape for k in forward.values())
+    shapes = sorted(plan.stored[plan.alone[k]].shape for k in forward.values() if k < len(plan.alone))
     # the layer norm's two row statistics, the GEMM's and the GELU's results
     assert shapes == [(3, 4), (3, 4), (3, 4, 2 * N), (3, 4, 2 * N)], shapes
+    # and the layer norm's output, the next step's input carry, which the GEMM keeps
+    assert plan.held == (0,) and len(plan.alone) in forward.values()
     assert len(fwd_through) == 3  # the three calls' barriers
     # the gradients of w1 (the GEMM's), b (the GELU's), s and lb (the layer norm's), not
     # w2's (XLA's product)
