@@ -64,8 +64,8 @@ _SMALL = 1 << 20  # bytes: residuals up to this size share one buffer per dtype
 class _Plan:
     """One step's pullback: its tree, where each leaf comes from (("const", j), ("x", j)
     and ("carry", j): leaves of consts, of the step's slice of xs and of its input carry;
-    ("res", j): the j-th stored residual), the stored residuals' and the step outputs' abstract values, the length
-    and the direction. `same` pairs (j, i): residual j holds residual i's elements in
+    ("res", j): the j-th stored residual), the stored residuals' and the step outputs'
+    abstract values, the length and the direction. `same` pairs (j, i): residual j holds residual i's elements in
     the same order (a view of it), so only i is kept. `fixed`: residuals that are
     constants, the same at every step (a placeholder mask, the seed of a dropout that is
     off), kept as values rather than stored per step."""
@@ -360,9 +360,10 @@ def _early(jaxpr, wanted):
 def _writing(fn, args, wanted, stacks, at):
     """fn(*args), and `stacks` with the outputs `_early` picks from `wanted(out)` ({index
     into fn's flat outputs: index into stacks}; `out`: fn's outputs as shapes) written at
-    index `at` (or at[k] for stack k), each right after the call that makes it; the rest of fn reads such a value
-    back from its stack. fn is traced to a jaxpr and evaluated equation by equation.
-    Returns (fn's outputs, the stacks, the indices of those written)."""
+    index `at` (or at[k] for stack k), each right after the call that makes it; the rest
+    of fn reads such a value back from its stack. fn is traced to a jaxpr and evaluated
+    equation by equation. Returns (fn's outputs, the stacks, the indices of those
+    written)."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     jaxpr = closed.jaxpr
     avals = [v.aval for v in jaxpr.outvars]
