@@ -55,6 +55,20 @@ def _assert_tree_close(got, want, what, grad=False):
             assert a.dtype == b.dtype, what
 
 
+def _assert_matches_lax_scan(body, c, h, xs, loss_of):
+    """stack.scan(body, h, xs, c): the loss loss_of((carry, ys)) and its gradients with
+    respect to c, h and xs equal lax.scan's."""
+    def loss(scan_fn):
+        return lambda c, h, xs: loss_of(scan_fn(c, h, xs))
+
+    ours = lambda c, h, xs: stack.scan(body, h, xs, c)  # noqa: E731
+    ref = lambda c, h, xs: lax.scan(lambda h, x: body(c, h, x), h, xs)  # noqa: E731
+    got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(c, h, xs)
+    want = jax.jit(jax.value_and_grad(loss(ref), argnums=(0, 1, 2)))(c, h, xs)
+    assert_close(got[0], want[0], reduction=N * L, what="loss")
+    _assert_tree_close(got[1], want[1], "grad", grad=True)
+
+
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 def test_values_and_gradients_match_lax_scan(reverse):
     c, h, xs = _inputs(seed=3 + reverse)
@@ -186,15 +200,7 @@ def test_a_residual_stored_once_when_two_are_views_of_it():
     assert plan.stored[j].shape == (2, 3, N) and plan.stored[i].shape == (6, N)
     assert len(plan.buffers()) == len(plan.stored) - 1 - sum(len(g) - 1 for g in plan.groups)
 
-    def loss(scan_fn):
-        return lambda c, h, xs: jnp.sum(scan_fn(c, h, xs)[0] ** 2) + jnp.sum(scan_fn(c, h, xs)[1])
-
-    ours = lambda c, h, xs: stack.scan(body, h, xs, c)  # noqa: E731
-    ref = lambda c, h, xs: lax.scan(lambda h, x: body(c, h, x), h, xs)  # noqa: E731
-    got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(c, h, xs)
-    want = jax.jit(jax.value_and_grad(loss(ref), argnums=(0, 1, 2)))(c, h, xs)
-    assert_close(got[0], want[0], reduction=N * L, what="loss")
-    _assert_tree_close(got[1], want[1], "grad", grad=True)
+    _assert_matches_lax_scan(body, c, h, xs, lambda out: jnp.sum(out[0] ** 2) + jnp.sum(out[1]))
 
     def transposed(c, h, x):  # y and y transposed once: not the same elements in order
         y = jnp.tanh(h @ x["w"])
@@ -275,15 +281,7 @@ def test_constant_residuals_and_jaxsub_results_are_not_packed():
     assert len(made) == 3 and set(made) <= set(plan.alone)
     assert all(j not in fixed for g in plan.groups for j in g)
 
-    def loss(scan_fn):
-        return lambda c, h, xs: jnp.sum(jnp.sin(scan_fn(c, h, xs)[0]))
-
-    ours = lambda c, h, xs: stack.scan(body, h, xs, c)  # noqa: E731
-    ref = lambda c, h, xs: lax.scan(lambda h, x: body(c, h, x), h, xs)  # noqa: E731
-    got = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(c, h, xs)
-    want = jax.jit(jax.value_and_grad(loss(ref), argnums=(0, 1, 2)))(c, h, xs)
-    assert_close(got[0], want[0], reduction=N * L, what="loss")
-    _assert_tree_close(got[1], want[1], "grad", grad=True)
+    _assert_matches_lax_scan(body, c, h, xs, lambda out: jnp.sum(jnp.sin(out[0])))
 
 
 def test_none_and_integer_leaves_anywhere_in_xs():
