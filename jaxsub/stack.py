@@ -177,12 +177,12 @@ def _plan(body, consts, carry, xs, length, reverse) -> _Plan:
         raise TypeError(f"{_OP}: `body` must return a carry of the input carry's structure, shapes and dtypes; "
                         f"got {_avals(out_carry)} for {_avals(carry)}")
     stored_vars = closed.jaxpr.outvars[len(closed.jaxpr.outvars) - len(stored):]
-    fixed = _fixed(closed, stored_vars)
+    producer = _producers(closed.jaxpr)
+    fixed = _fixed(closed, producer, stored_vars)
     constant = {j for j, _ in fixed}
-    same = tuple((j, i) for j, i in _same(closed.jaxpr, stored_vars) if j not in constant and i not in constant)
+    same = tuple((j, i) for j, i in _same(producer, stored_vars) if j not in constant and i not in constant)
     # A residual a jaxsub custom call makes is written into a buffer of its own by the call
     # itself (`_early`), whatever its size: sharing a buffer would take a copy per step.
-    producer = _producers(closed.jaxpr)
     made = {j for j, v in enumerate(stored_vars) if _jaxsub_result(producer, v) is not None}
     skip = {j for j, _ in same} | constant | made
     return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse, _groups(stored, skip), same,
@@ -204,10 +204,9 @@ def _producers(jaxpr) -> dict:
     return {v: e for e in jaxpr.eqns for v in e.outvars}
 
 
-def _fixed(closed, stored_vars) -> tuple:
+def _fixed(closed, producer, stored_vars) -> tuple:
     """(j, value) for each stored residual that depends on none of the step's inputs,
     its value computed now (from literals and concrete constants only)."""
-    producer = _producers(closed.jaxpr)
     known = {v: c for v, c in zip(closed.jaxpr.constvars, closed.consts) if not isinstance(c, jax.core.Tracer)}
 
     def value(v, depth=0):
@@ -260,10 +259,9 @@ def _origin(producer, v):
     return root
 
 
-def _same(jaxpr, stored_vars) -> tuple:
+def _same(producer, stored_vars) -> tuple:
     """Pairs (j, i), i < j, of stored residuals holding the same elements in the same
     order (e.g. a value and the result of transposing it twice): `_Plan.same`."""
-    producer = _producers(jaxpr)
     first, pairs = {}, []
     for j, v in enumerate(stored_vars):
         root = _origin(producer, v)
