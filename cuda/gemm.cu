@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "common.h"
 #include "gemm.h"
@@ -155,10 +156,16 @@ uint32_t alignment(const void* p) {
 // tens of microseconds of host time).
 using Key = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, bool, uint32_t, uint32_t, uint32_t>;
 
+struct Chosen {
+  lt::Heuristic h;
+  int index;                // in the heuristic's order
+  std::vector<float> times;  // each candidate's µs, -1 where untimed
+};
+
 struct Cache {
   std::mutex mu;
   std::map<int, lt::Handle> handles;  // per device
-  std::map<Key, lt::Heuristic> algos;
+  std::map<Key, Chosen> algos;
 };
 
 Cache& cache() {
@@ -201,9 +208,201 @@ cudaDataType_t cuda_type(ffi::DataType t) {
   return t == ffi::DataType::F32 ? CUDA_R_32F : t == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
-// Row-major d[m, n] = op(a) · op(b) (+ bias[n]), op(a) [m, k], op(b) [k, n]. cuBLASLt is
-// column-major: the same bytes are dᵀ[n, m] = op(b)ᵀ · op(a)ᵀ, so b is cuBLASLt's A and
-// a its B, each in its stored shape read column-major, and the bias runs along dᵀ's rows.
+// The cuBLASLt descriptors of d[m, n] = op(a) · op(b) (+ bias in the epilogue when `bias`).
+// Row-major d is column-major dᵀ[n, m] = op(b)ᵀ · op(a)ᵀ, so b is cuBLASLt's A and a its
+// B, each in its stored shape read column-major, and the bias runs along dᵀ's rows.
+lt::Status describe(Descriptors& ds, ffi::DataType t, int64_t m, int64_t n, int64_t k, bool ta, bool tb,
+                    const void* bias) {
+  const lt::Api& f = lt::api();
+  const cudaDataType_t dt = cuda_type(t);
+  lt::Status s;
+  if ((s = f.desc_create(&ds.desc, lt::kCompute32F, CUDA_R_32F))) return s;
+  const int32_t op_a = tb ? lt::kOpT : lt::kOpN, op_b = ta ? lt::kOpT : lt::kOpN;
+  const uint32_t epi = bias != nullptr ? lt::kEpilogueBias : lt::kEpilogueDefault;
+  if ((s = f.desc_set(ds.desc, lt::kDescTransA, &op_a, sizeof(op_a))) ||
+      (s = f.desc_set(ds.desc, lt::kDescTransB, &op_b, sizeof(op_b))) ||
+      (s = f.desc_set(ds.desc, lt::kDescEpilogue, &epi, sizeof(epi))))
+    return s;
+  if (bias != nullptr && (s = f.desc_set(ds.desc, lt::kDescBiasPointer, &bias, sizeof(bias)))) return s;
+  // cuBLASLt's A = b: [k, n] row-major is n x k column-major (ld n); transposed, k x n (ld k).
+  // Its B = a: [m, k] row-major is k x m (ld k); transposed ([k, m] stored), m x k (ld m).
+  if ((s = f.layout_create(&ds.a, dt, tb ? k : n, tb ? n : k, tb ? k : n)) ||
+      (s = f.layout_create(&ds.b, dt, ta ? m : k, ta ? k : m, ta ? m : k)) ||
+      (s = f.layout_create(&ds.d, dt, n, m, n)))
+    return s;
+  return 0;
+}
+
+// Up to kCandidates algorithms for the key's shape and alignments, the heuristic's order.
+constexpr int kCandidates = 8;
+
+lt::Status candidates(lt::Handle handle, Descriptors& ds, const Key& key, size_t workspace_bytes,
+                      lt::Heuristic* out, int* found) {
+  const lt::Api& f = lt::api();
+  lt::Status s;
+  if ((s = f.pref_create(&ds.pref))) return s;
+  const uint64_t max_ws = workspace_bytes;
+  const uint32_t al[4] = {std::get<9>(key), std::get<8>(key), std::get<10>(key), std::get<10>(key)};
+  if ((s = f.pref_set(ds.pref, lt::kPrefMaxWorkspace, &max_ws, sizeof(max_ws))) ||
+      (s = f.pref_set(ds.pref, lt::kPrefAlignA, &al[0], sizeof(uint32_t))) ||
+      (s = f.pref_set(ds.pref, lt::kPrefAlignB, &al[1], sizeof(uint32_t))) ||
+      (s = f.pref_set(ds.pref, lt::kPrefAlignC, &al[2], sizeof(uint32_t))) ||
+      (s = f.pref_set(ds.pref, lt::kPrefAlignD, &al[3], sizeof(uint32_t))))
+    return s;
+  *found = 0;
+  return f.heuristic(handle, ds.desc, ds.a, ds.b, ds.d, ds.d, ds.pref, kCandidates, out, found);
+}
+
+// Values in [-1, 1) for the timing buffers (a GEMM's power draw, and so its clock, depends
+// on the data: zeros would time faster than real operands).
+template <typename T>
+__global__ void fill_kernel(T* p, int64_t count, uint32_t salt) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B1u ^ salt;
+    h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x846CA68Bu; h ^= h >> 16;
+    p[i] = from_float_dev<T>(static_cast<float>(h >> 8) * (2.0f / 16777216.0f) - 1.0f);
+  }
+}
+
+// Scratch for timing one shape off the caller's stream: operands, result, bias and
+// workspace of its own, released on scope exit.
+struct Scratch {
+  void* p[5] = {};
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ev[2] = {};
+  ~Scratch() {
+    for (cudaEvent_t e : ev)
+      if (e) cudaEventDestroy(e);
+    if (stream) cudaStreamDestroy(stream);
+    for (void* q : p)
+      if (q) cudaFree(q);
+  }
+};
+
+bool tuning_enabled() {
+  const char* e = std::getenv("JAXSUB_GEMM_TUNE");
+  return e == nullptr || std::string(e) != "0";
+}
+
+// Times each candidate on scratch buffers and returns the index of the fastest: the
+// minimum over rounds of three back-to-back runs, candidates interleaved, so that other
+// work on the GPU (another stream's kernels) only ever lengthens a sample. The heuristic's
+// first stays unless another is at least 2% faster, which keeps the choice stable from
+// one process to the next. Any failure leaves the heuristic's first.
+int fastest(lt::Handle handle, ffi::DataType t, int64_t m, int64_t n, int64_t k, bool ta, bool tb, bool with_bias,
+            size_t workspace_bytes, const lt::Heuristic* cand, int count, float* times) {
+  for (int i = 0; i < count; ++i) times[i] = -1.f;
+  if (count < 2) return 0;
+  const size_t item = t == ffi::DataType::F32 ? 4 : 2;
+  const size_t bytes[5] = {item * m * k, item * k * n, item * m * n, item * n, workspace_bytes};
+  Scratch sc;
+  for (int i = 0; i < 5; ++i)
+    if (bytes[i] && cudaMalloc(&sc.p[i], bytes[i]) != cudaSuccess) {
+      cudaGetLastError();  // clear the allocation failure; the call goes on with the heuristic's first
+      return 0;
+    }
+  if (cudaStreamCreateWithFlags(&sc.stream, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaEventCreate(&sc.ev[0]) != cudaSuccess || cudaEventCreate(&sc.ev[1]) != cudaSuccess)
+    return 0;
+  ffi::Error filled = dispatch_float<DeviceTypes>(t, kOp, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    for (int i = 0; i < 4; ++i)
+      fill_kernel<T><<<1024, 256, 0, sc.stream>>>(static_cast<T*>(sc.p[i]), static_cast<int64_t>(bytes[i] / item),
+                                                  0x1234567u * (i + 1));
+    return cudaGetLastError() == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal("fill");
+  });
+  if (filled.failure()) return 0;
+  Descriptors ds;
+  if (describe(ds, t, m, n, k, ta, tb, with_bias ? sc.p[3] : nullptr)) return 0;
+  const lt::Api& f = lt::api();
+  const float alpha = 1.f, beta = 0.f;
+  float best[kCandidates];
+  bool usable[kCandidates];
+  for (int i = 0; i < count; ++i) {  // one untimed run each: a candidate that fails is dropped
+    usable[i] = f.matmul(handle, ds.desc, &alpha, sc.p[1], ds.a, sc.p[0], ds.b, &beta, sc.p[2], ds.d, sc.p[2], ds.d,
+                         &cand[i].algo, sc.p[4], workspace_bytes, sc.stream) == 0;
+    best[i] = 1e30f;
+  }
+  if (!usable[0] || cudaStreamSynchronize(sc.stream) != cudaSuccess) return 0;
+  for (int round = 0; round < 5; ++round) {
+    for (int i = 0; i < count; ++i) {
+      if (!usable[i]) continue;
+      cudaEventRecord(sc.ev[0], sc.stream);
+      for (int r = 0; r < 3; ++r)
+        f.matmul(handle, ds.desc, &alpha, sc.p[1], ds.a, sc.p[0], ds.b, &beta, sc.p[2], ds.d, sc.p[2], ds.d,
+                 &cand[i].algo, sc.p[4], workspace_bytes, sc.stream);
+      cudaEventRecord(sc.ev[1], sc.stream);
+      float ms = 0.f;
+      if (cudaEventSynchronize(sc.ev[1]) != cudaSuccess || cudaEventElapsedTime(&ms, sc.ev[0], sc.ev[1]) != cudaSuccess)
+        return 0;
+      best[i] = std::min(best[i], ms / 3.f);
+    }
+  }
+  int pick = 0;
+  for (int i = 0; i < count; ++i) {
+    if (usable[i]) times[i] = best[i] * 1e3f;
+    if (usable[i] && best[i] < best[pick]) pick = i;
+  }
+  return best[pick] <= 0.98f * best[0] ? pick : 0;
+}
+
+// The algorithm for a key: cached, else the heuristic's candidates, timed unless `stream`
+// is capturing a CUDA graph (XLA's command buffers) or JAXSUB_GEMM_TUNE is "0". Timing
+// first waits for `stream` (once per key), so that its own work does not overlap the
+// samples (a null stream: the caller is not running any). Under capture the heuristic's
+// first is used and not cached, so that a later call may still time.
+ffi::Error choose(lt::Handle handle, const Key& key, ffi::DataType t, size_t workspace_bytes, cudaStream_t stream,
+                  lt::Heuristic* choice, GemmTuning* report = nullptr) {
+  {
+    std::lock_guard<std::mutex> lock(cache().mu);
+    auto it = cache().algos.find(key);
+    if (it != cache().algos.end()) {
+      *choice = it->second.h;
+      if (report) *report = GemmTuning{it->second.index, it->second.times};
+      return ffi::Error::Success();
+    }
+  }
+  const int64_t m = std::get<2>(key), n = std::get<3>(key), k = std::get<4>(key);
+  const bool ta = std::get<5>(key), tb = std::get<6>(key), with_bias = std::get<7>(key);
+  Descriptors ds;
+  // The heuristic sees the epilogue, not the data: any aligned address stands for the bias.
+  lt::Status s = describe(ds, t, m, n, k, ta, tb, with_bias ? reinterpret_cast<const void*>(256) : nullptr);
+  if (s) return lt_error("matmul descriptors", s);
+  lt::Heuristic cand[kCandidates] = {};
+  int found = 0;
+  if ((s = candidates(handle, ds, key, workspace_bytes, cand, &found)) || found < 1)
+    return lt_error("cublasLtMatmulAlgoGetHeuristic (no algorithm for this shape)", s);
+  float times[kCandidates];
+  for (float& x : times) x = -1.f;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool enabled = tuning_enabled();
+  const bool tune = enabled && (stream == nullptr || (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+                                                      capture == cudaStreamCaptureStatusNone &&
+                                                      cudaStreamSynchronize(stream) == cudaSuccess));
+  const int pick = tune ? fastest(handle, t, m, n, k, ta, tb, with_bias, workspace_bytes, cand, found, times) : 0;
+  *choice = cand[pick];
+  Chosen chosen{cand[pick], pick, std::vector<float>(times, times + found)};
+  if (report) *report = GemmTuning{pick, chosen.times};
+  if (tune || !enabled) {  // final either way: the heuristic's query costs tens of µs of host time
+    std::lock_guard<std::mutex> lock(cache().mu);
+    cache().algos.emplace(key, std::move(chosen));
+  }
+  return ffi::Error::Success();
+}
+
+lt::Handle handle_for(int device, lt::Status* s) {
+  std::lock_guard<std::mutex> lock(cache().mu);
+  lt::Handle& cached = cache().handles[device];
+  if (cached == nullptr && (*s = lt::api().create(&cached))) cached = nullptr;
+  return cached;
+}
+
+Key make_key(int device, ffi::DataType t, int64_t m, int64_t n, int64_t k, bool ta, bool tb, bool epilogue_bias,
+             uint32_t al_a, uint32_t al_b, uint32_t al_d) {
+  return Key{device, static_cast<int>(t), m, n, k, ta, tb, epilogue_bias, al_a, al_b, al_d};
+}
+
 ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* b, const void* bias, void* d,
                void* workspace, size_t workspace_bytes, int64_t m, int64_t n, int64_t k, bool ta, bool tb) {
   const lt::Api& f = lt::api();
@@ -211,60 +410,17 @@ ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* 
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return ffi::Error::Internal(std::string(kOp) + ": no CUDA device");
   const bool epilogue_bias = bias != nullptr && alignment(bias) >= 16;
-  const Key key{device, static_cast<int>(t), m, n, k, ta, tb, epilogue_bias, alignment(a), alignment(b),
-                alignment(d)};
-
-  Descriptors ds;
-  const cudaDataType_t dt = cuda_type(t);
-  lt::Status s;
-  if ((s = f.desc_create(&ds.desc, lt::kCompute32F, CUDA_R_32F))) return lt_error("matmul descriptor", s);
-  const int32_t op_a = tb ? lt::kOpT : lt::kOpN, op_b = ta ? lt::kOpT : lt::kOpN;
-  const uint32_t epi = epilogue_bias ? lt::kEpilogueBias : lt::kEpilogueDefault;
-  if ((s = f.desc_set(ds.desc, lt::kDescTransA, &op_a, sizeof(op_a))) ||
-      (s = f.desc_set(ds.desc, lt::kDescTransB, &op_b, sizeof(op_b))) ||
-      (s = f.desc_set(ds.desc, lt::kDescEpilogue, &epi, sizeof(epi))))
-    return lt_error("matmul attributes", s);
-  if (epilogue_bias && (s = f.desc_set(ds.desc, lt::kDescBiasPointer, &bias, sizeof(bias))))
-    return lt_error("bias pointer", s);
-  // cuBLASLt's A = b: [k, n] row-major is n x k column-major (ld n); transposed, k x n (ld k).
-  // Its B = a: [m, k] row-major is k x m (ld k); transposed ([k, m] stored), m x k (ld m).
-  if ((s = f.layout_create(&ds.a, dt, tb ? k : n, tb ? n : k, tb ? k : n)) ||
-      (s = f.layout_create(&ds.b, dt, ta ? m : k, ta ? k : m, ta ? m : k)) ||
-      (s = f.layout_create(&ds.d, dt, n, m, n)))
-    return lt_error("matrix layout", s);
-
+  const Key key = make_key(device, t, m, n, k, ta, tb, epilogue_bias, alignment(a), alignment(b), alignment(d));
+  lt::Status s = 0;
+  lt::Handle handle = handle_for(device, &s);
+  if (handle == nullptr) return lt_error("cublasLtCreate", s);
   lt::Heuristic choice{};
-  lt::Handle handle = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(cache().mu);
-    lt::Handle& cached = cache().handles[device];
-    if (cached == nullptr && (s = f.create(&cached))) {
-      cached = nullptr;
-      return lt_error("cublasLtCreate", s);
-    }
-    handle = cached;
-    auto it = cache().algos.find(key);
-    if (it == cache().algos.end()) {
-      if ((s = f.pref_create(&ds.pref))) return lt_error("preference", s);
-      const uint64_t max_ws = workspace_bytes;
-      const uint32_t al[4] = {std::get<9>(key), std::get<8>(key), std::get<10>(key), std::get<10>(key)};
-      if ((s = f.pref_set(ds.pref, lt::kPrefMaxWorkspace, &max_ws, sizeof(max_ws))) ||
-          (s = f.pref_set(ds.pref, lt::kPrefAlignA, &al[0], sizeof(uint32_t))) ||
-          (s = f.pref_set(ds.pref, lt::kPrefAlignB, &al[1], sizeof(uint32_t))) ||
-          (s = f.pref_set(ds.pref, lt::kPrefAlignC, &al[2], sizeof(uint32_t))) ||
-          (s = f.pref_set(ds.pref, lt::kPrefAlignD, &al[3], sizeof(uint32_t))))
-        return lt_error("preference attributes", s);
-      int found = 0;
-      s = f.heuristic(handle, ds.desc, ds.a, ds.b, ds.d, ds.d, ds.pref, 1, &choice, &found);
-      if (s || found < 1) return lt_error("cublasLtMatmulAlgoGetHeuristic (no algorithm for this shape)", s);
-      cache().algos.emplace(key, choice);
-    } else {
-      choice = it->second;
-    }
-  }
+  if (ffi::Error e = choose(handle, key, t, workspace_bytes, stream, &choice); e.failure()) return e;
+  Descriptors ds;
+  if ((s = describe(ds, t, m, n, k, ta, tb, epilogue_bias ? bias : nullptr))) return lt_error("matmul descriptors", s);
   const float alpha = 1.f, beta = 0.f;
-  s = f.matmul(handle, ds.desc, &alpha, b, ds.a, a, ds.b, &beta, d, ds.d, d, ds.d, &choice.algo,
-               workspace, workspace_bytes, stream);
+  s = f.matmul(handle, ds.desc, &alpha, b, ds.a, a, ds.b, &beta, d, ds.d, d, ds.d, &choice.algo, workspace,
+               workspace_bytes, stream);
   if (s) return lt_error("cublasLtMatmul", s);
   return bias != nullptr && !epilogue_bias ? bias_kernel(stream, t, d, bias, m, n) : ffi::Error::Success();
 }
@@ -286,6 +442,30 @@ ffi::Error Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::An
 }
 
 }  // namespace
+
+GemmTuning gemm_tune(const std::string& dtype, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, bool bias,
+                     int64_t workspace_bytes) {
+  GemmTuning r;
+  const ffi::DataType t = dtype == "float32" ? ffi::DataType::F32
+                          : dtype == "bfloat16" ? ffi::DataType::BF16
+                          : dtype == "float16"  ? ffi::DataType::F16
+                                                : ffi::DataType::INVALID;
+  int device = 0, devices = 0;
+  if (t == ffi::DataType::INVALID || m <= 0 || n <= 0 || k <= 0 || !lt::api().ok ||
+      cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return r;
+  }
+  lt::Status s = 0;
+  lt::Handle handle = handle_for(device, &s);
+  if (handle == nullptr) return r;
+  // XLA's buffers, and the slices of them that reach the target, are 256-byte aligned.
+  const Key key = make_key(device, t, m, n, k, trans_a, trans_b, bias, 256, 256, 256);
+  lt::Heuristic choice{};
+  if (choose(handle, key, t, static_cast<size_t>(workspace_bytes), nullptr, &choice, &r).failure()) return GemmTuning{};
+  return r;
+}
+
 }  // namespace jaxsub
 
 namespace ffi = xla::ffi;

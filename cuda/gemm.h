@@ -1,6 +1,9 @@
 // The gemm target's shape contract (ABI.md: gemm), shared by its CPU and CUDA handlers.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "common.h"
 
 namespace jaxsub {
@@ -32,5 +35,19 @@ inline ffi::Error check_gemm(const char* op, const ffi::AnyBuffer& a, const ffi:
   g.bias = cd[0] != 0;
   return ffi::Error::Success();
 }
+
+// The algorithm the CUDA handler will use for a shape (gemm.cu; XLA's 256-byte aligned
+// buffers): cuBLASLt's heuristic offers up to eight, each is timed once per process on
+// scratch buffers and the fastest kept (JAXSUB_GEMM_TUNE=0: the heuristic's first).
+// index: the choice in the heuristic's order, -1 when there is no device or library;
+// times_us: each candidate's time, -1 where it was not timed. Declared here for the
+// Python module (module.cc), which calls it when a product is traced, before XLA may
+// capture the call into a CUDA graph, where it cannot be timed.
+struct GemmTuning {
+  int index = -1;
+  std::vector<float> times_us;
+};
+GemmTuning gemm_tune(const std::string& dtype, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, bool bias,
+                     int64_t workspace_bytes);
 
 }  // namespace jaxsub

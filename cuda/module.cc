@@ -1,5 +1,6 @@
 // The Python extension: a table {target name: PyCapsule(XLA_FFI_Handler*)} per platform.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "targets.h"
 #include "xla/ffi/api/api.h"
@@ -50,6 +51,7 @@ py::dict cuda_staged_targets() {
 }  // namespace
 
 #ifdef JAXSUB_WITH_CUDA
+#include "gemm.h"
 namespace jaxsub {
 bool attention_sm90();  // attention.cu
 }
@@ -66,6 +68,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_sm90", &jaxsub::attention_sm90,
         "whether attention at head dim 64 or 128 runs the wgmma (sm_90a) kernels, forward and backward, on the "
         "current device now (JAXSUB_ATTENTION_SM90=0 turns them off)");
+  m.def(
+      "gemm_tune",
+      [](const std::string& dtype, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, bool bias,
+         int64_t workspace_bytes) {
+        jaxsub::GemmTuning r;
+        {
+          py::gil_scoped_release release;
+          r = jaxsub::gemm_tune(dtype, m, n, k, trans_a, trans_b, bias, workspace_bytes);
+        }
+        return py::make_tuple(r.index, r.times_us);
+      },
+      py::arg("dtype"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("trans_a"), py::arg("trans_b"),
+      py::arg("bias"), py::arg("workspace_bytes"),
+      "the gemm target's cuBLASLt algorithm for a shape on the current device, timed once per process "
+      "(gemm.h): (index in the heuristic's order or -1, each candidate's us or -1)");
 #else
   m.attr("built_with_cuda") = false;
 #endif

@@ -74,6 +74,20 @@ def attention_sm90() -> bool:
 
 
 @functools.cache
+def gemm_tune(dtype: str, m: int, n: int, k: int, trans_a: bool, trans_b: bool, bias: bool,
+              workspace_bytes: int) -> tuple[int, tuple[float, ...]]:
+    """The gemm target's cuBLASLt algorithm for a shape on the current GPU, timed among the
+    heuristic's candidates once per process (cuda/gemm.h): (index in the heuristic's order,
+    each candidate's µs or -1). (-1, ()) without a CUDA build or a GPU. Called while a
+    product is traced: XLA may later capture the call into a CUDA graph, where the handler
+    cannot time."""
+    if not cuda_available():
+        return -1, ()
+    index, times = _C.gemm_tune(dtype, m, n, k, trans_a, trans_b, bias, workspace_bytes)
+    return int(index), tuple(float(t) for t in times)
+
+
+@functools.cache
 def _warn_once(key: str, message: str) -> None:
     log.warning(message)
 

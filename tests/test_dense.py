@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 
 import jaxsub
 from jaxsub import _ffi
-from jaxsub.ops.gemm import gemm, reference_dense
+from jaxsub.ops.gemm import WORKSPACE_BYTES, gemm, reference_dense
 from jaxsub.testing import assert_close
 
 op = jaxsub.ops.dense
@@ -215,6 +215,17 @@ class TestCuda:
         got = f(*jax.device_put((a, b, bias), jax.devices()[0]))
         want = f(*jax.device_put((a, b, bias), jax.devices("cpu")[0]))
         assert_close(got, want, BF16, reduction=k, what="d")
+
+    def test_tuned_algorithm_is_timed_and_used(self):
+        """Tracing a product times cuBLASLt's candidates for its shape once (cuda/gemm.h):
+        a choice in the heuristic's order, timed, no slower than the heuristic's first;
+        the call then runs it, with the reference's values."""
+        x, w, b, dy = inputs(401, (8, 512), 1024, 4096, BF16)
+        check(*jax.device_put((x, w, b, dy), jax.devices()[0]))
+        index, times = _ffi.gemm_tune("bfloat16", 8 * 512, 4096, 1024, False, False, True, WORKSPACE_BYTES)
+        assert index >= 0 and len(times) >= 1 and index < len(times)
+        if len(times) > 1:
+            assert 0 < times[index] <= times[0]
 
     @pytest.mark.parametrize("n", [130, 256])
     def test_scan_reads_slices_in_place(self, n):

@@ -10,7 +10,10 @@ BERT-large layers at b8 x s512 bf16 on an H200: bench/NOTES.md, nineteenth sessi
 single layer the operands are whole arrays and XLA's autotuned GEMM is the better choice.
 
 The arithmetic is cuBLASLt's (target `jaxsub_gemm`, ABI.md): f32 accumulation, the bias
-added in f32 in the GEMM's epilogue, one rounding; on CPU plain loops in f32. The backward
+added in f32 in the GEMM's epilogue, one rounding; on CPU plain loops in f32. Its
+algorithm is tuned as XLA tunes its own GEMMs: when a product is traced on a GPU,
+cuBLASLt's first eight candidates for the shape are timed once per process and the
+fastest kept (`_ffi.gemm_tune`; `JAXSUB_GEMM_TUNE=0` keeps the heuristic's first). The backward
 is two more calls, dx = dy · kernelᵀ and dkernel = xᵀ · dy over x's rows flattened, and
 the bias gradient by `bias_grad`'s column sum.
 """
@@ -60,6 +63,9 @@ def gemm(a, b, bias=None, *, trans_a=False, trans_b=False, barrier=True):
     written into a scan's gradient stack)."""
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
+    k = a.shape[0] if trans_a else a.shape[1]
+    _ffi.gemm_tune(jnp.dtype(a.dtype).name, m, n, k, bool(trans_a), bool(trans_b), bias is not None,
+                   WORKSPACE_BYTES)
     bias = jnp.zeros((0,), a.dtype) if bias is None else bias
     d, _ = _ffi.call(_TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
