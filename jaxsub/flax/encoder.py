@@ -77,6 +77,11 @@ def _key_padding_to_4d(mask):
     return mask[:, None, None, :] if mask.ndim == 2 else mask
 
 
+def _library(library_products: bool | None) -> bool:
+    """EncoderLayer.library_products, None resolved: on where JAX's default backend is a GPU."""
+    return jax.default_backend() == "gpu" if library_products is None else bool(library_products)
+
+
 class _LayerFields(nn.Module):
     """The fields EncoderLayer and its plain-Flax twin share, declared once."""
 
@@ -147,11 +152,14 @@ class EncoderLayer(_LayerFields):
       scanned stack, where a kept value is copied into the stack and back out.
 
     library_products: run the four projections (where their layouts are row-major) and
-      their gradients through `ops.dense`, jaxsub's cuBLASLt call, rather than XLA's
-      GEMMs: XLA runs a custom call on slices of stacked arrays in place, where it copies
-      a slice for its own GEMMs. `Encoder` sets it for its scanned stack, whose weights,
-      residuals and weight gradients are all such slices (on GPU). Same numbers up to
-      the order of f32 sums.
+      their gradients through `ops.dense`, jaxsub's cuBLASLt call with its algorithm
+      timed per shape, rather than XLA's GEMMs. XLA runs a custom call on slices of
+      stacked arrays in place, where it copies a slice for its own GEMMs (`Encoder`'s
+      scanned stack, whose weights, residuals and weight gradients are all such slices).
+      None (default): on when JAX's default backend is a GPU (a single BERT-large layer
+      at b8 x s512 bf16 on the H200: 0.773 against 0.790 ms per training step with XLA's
+      GEMMs, bench/NOTES.md, twenty-second session), off on CPU, where XLA's dot is
+      faster. Same numbers up to the order of f32 sums.
 
     `__call__(x, mask=None, deterministic=True, *, dropout_keys=None)`: x [B, S, E]; mask
     as in `ops.attention` (boolean key padding [B, S], or boolean / additive broadcastable
@@ -163,7 +171,7 @@ class EncoderLayer(_LayerFields):
 
     layouts: Any = "auto"
     recompute_gelu: bool = False
-    library_products: bool = False
+    library_products: bool | None = None
 
     def _affine(self, name, fan_in, kernel_shape, bias_shape):
         kernel, bias = _Affine(fan_in, kernel_shape, bias_shape, self.kernel_init, self.bias_init,
@@ -227,7 +235,7 @@ class EncoderLayer(_LayerFields):
         det = bool(deterministic)
         keys = self.dropout_keys(det) if dropout_keys is None else dropout_keys
         return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det,
-                             recompute_gelu=self.recompute_gelu, library_products=self.library_products)
+                             recompute_gelu=self.recompute_gelu, library_products=_library(self.library_products))
 
 
 class ReferenceEncoderLayer(_LayerFields):
@@ -404,7 +412,7 @@ class Encoder(_LayerFields):
             raise ValueError("jaxsub.flax.Encoder: with scan_layers=True the parameters need the stacked "
                              "layers under params['layers']['layer'] (as Encoder.init makes them)")
         # jaxsub's GEMM where it reads the stacks in place: on GPU (on CPU XLA's dot is faster).
-        module = EncoderLayer(**layer, recompute_gelu=True, library_products=jax.default_backend() == "gpu")
+        module = EncoderLayer(**layer, recompute_gelu=True, library_products=None)
         rates = (self.dropout_rate, self.attention_dropout_rate)
         seeds = None
         if not deterministic and any(r > 0.0 for r in rates):
