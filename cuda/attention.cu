@@ -405,6 +405,14 @@ bool use_cluster_dq(const AttnArgs& a) {
          (a.sk + kTile - 1) / kTile <= 8;
 }
 
+// Whether the wgmma backward adds its dQ partials with bulk reductions rather than
+// atomics (attention_sm90.cuh, kBulkDq): JAXSUB_ATTENTION_BULK_DQ=1. Off by default until
+// it is measured (bench/NOTES.md, twenty-second session).
+bool use_bulk_dq() {
+  const char* on = std::getenv("JAXSUB_ATTENTION_BULK_DQ");
+  return on != nullptr && std::string(on) == "1";
+}
+
 // The backward (a.b * a.h and a.sq * a.sk nonzero): delta and the zeroed dq accumulator,
 // the tile kernel (dk, dv, dq_acc), then dq from dq_acc into q's view; or, where the
 // clusters reduce dq (use_cluster_dq), delta and the tile kernel (dk, dv, dq).
@@ -440,6 +448,9 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
+        if (use_sm90(a, D) && use_bulk_dq())
+          return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false, true>>(
+              op, grid, sm90_bwd_smem<D>() + 1024, stream, a);
         if (use_sm90(a, D))
           return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false>>(
               op, grid, sm90_bwd_smem<D>() + 1024, stream, a);

@@ -188,6 +188,40 @@ __device__ __forceinline__ void bwd_stash_dq(const float (&c)[D / 2], float* x, 
   }
 }
 
+// kBulkDq: this warp's dQ partial of one query tile (its 16 rows of the [64][D] f32 tile)
+// into the stage's Q and dO tiles, then one lane per row adds the row into the f32
+// accumulator with a bulk reduction (one reduction of D * 4 bytes, or two pieces, where
+// the atomics take D / 2 8-byte atomics per row). Row r sits rotated by 8 (r % 8) floats, so
+// that the float2 writes of a half warp meet no bank twice; a row is then the pieces
+// [8 (r % 8), D) (columns 0 ..) and [0, 8 (r % 8)) (the rest) of its D floats. The lanes'
+// groups must have read the stage (bulk_wait_read) before the stage is loaded again.
+template <int D>
+__device__ __forceinline__ void bwd_bulk_dq(const float (&c)[D / 2], float* x, float* dqg, int64_t qb, int64_t sq,
+                                            int64_t out_row, int warp, int quad, int tq, int lane) {
+  __syncthreads();  // every warp's products have read this stage's Q and dO
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + quad + r * 8, rot = 8 * (row & 7);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<float2*>(x + row * D + ((dn * 8 + tq * 2 + rot) & (D - 1))) =
+          make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]);
+  }
+  fence_proxy_async();  // the writes above, to the bulk copies' (async) proxy
+  __syncwarp();
+  if (lane < 16) {
+    const int row = warp * 16 + lane, rot = 8 * (row & 7);
+    const int64_t i = qb + row;
+    if (i < sq) {
+      const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(x + row * D));
+      float* dst = dqg + i * out_row;
+      bulk_reduce_add_f32(dst, src + 4 * rot, 4 * (D - rot));
+      if (rot) bulk_reduce_add_f32(dst + (D - rot), src, 4 * rot);
+    }
+    bulk_commit();
+  }
+}
+
 // After the loop: block r of the cluster sums rows r * 64 / C .. of every block's partials
 // of query tile t (buffer x(t)) through distributed shared memory, in rank order, and
 // stores dq = scale * sum in the output dtype. Tile t holds queries 64 t .. (no causal
@@ -250,7 +284,13 @@ constexpr int sm90_bwd_min_blocks() { return D <= 64 ? 3 : 2; }
 // the loop the cluster reduces them (bwd_cluster_dq): no f32 accumulator to zero and
 // convert, no atomics, a deterministic dQ, and no barrier across blocks inside the loop
 // (one per query tile measured slower: bench/NOTES.md).
-template <typename T, int D, int kMode, bool kClusterDq>
+//
+// kBulkDq (JAXSUB_ATTENTION_BULK_DQ=1; not measured yet, bench/NOTES.md twenty-second
+// session): the same f32 accumulator as the atomics, each row of a tile's partial added
+// by one bulk reduction from shared memory (bwd_bulk_dq). The stage written there is
+// loaded again two tiles later: the next tile's copies are issued after the tile's first
+// barrier, before which the lanes' reductions of the tile before have read their rows.
+template <typename T, int D, int kMode, bool kClusterDq, bool kBulkDq = false>
 __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_bwd_sm90_kernel(AttnArgs a) {
 #ifdef JAXSUB_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -307,15 +347,25 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   for (int t = 0; t < tiles; ++t) {
     const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
     const int buf = t & 1;
-    // The other stage was last read by the previous tile's products, all waited for.
-    if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
+    // The other stage was last read by the previous tile's products, all waited for (and,
+    // kBulkDq, by its dQ reductions: the next tile's copies come after the barrier below).
+    if constexpr (!kBulkDq) {
+      if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     float* nlse2 = lse_s + buf * kTile;
     const float* delta = delta_s + buf * kTile;
     bwd_tile_rows(a, seed, bh, qb, k0, nlse2, keep_s + warp * kTile, lane);
+    if constexpr (kBulkDq) bulk_wait_read<0>();
     fence_proxy_async();
     __syncthreads();
+    if constexpr (kBulkDq) {
+      if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
+      cp_async_commit();
+    }
     const uint32_t qa = addr(q_s(buf)), da = addr(do_s(buf));
 
     // Sᵀ and dPdᵀ issued together, then P, dSᵀ, and dV and dK issued together: no more
@@ -362,6 +412,8 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     for (int x = 0; x < D / 2; ++x) reg_fence(c[x]), reg_fence(dk[x]), reg_fence(dv[x]);
     if constexpr (kClusterDq) {
       bwd_stash_dq<D>(c, reinterpret_cast<float*>(q_s(buf)), warp, quad, tq);
+    } else if constexpr (kBulkDq) {
+      bwd_bulk_dq<D>(c, reinterpret_cast<float*>(q_s(buf)), dqg, qb, a.sq, out_row, warp, quad, tq, lane);
     } else {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -377,6 +429,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     // every warp reaches after its own wait above.
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
+  if constexpr (kBulkDq) bulk_wait<0>();  // nor a reduction of dQ
   if constexpr (kClusterDq) bwd_cluster_dq<T, D>(a, [&](int t) { return reinterpret_cast<float*>(q_s(t)); }, tiles, bb, hh);
 
   bwd_store<T, D>(a, [&](int dn, int e) { return dk[4 * dn + e]; }, [&](int dn, int e) { return dv[4 * dn + e]; }, bb, hh,

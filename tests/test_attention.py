@@ -508,6 +508,37 @@ class TestCuda:
             np.testing.assert_array_equal(x, y, err_msg=name)
         assert_close(cluster[1], acc[1], BF16, reduction=sk, grad=True, what="dq")
 
+    @pytest.mark.parametrize("d,sq,sk,mask_kind,causal", [(64, 512, 512, None, False), (64, 333, 517, "padding", False),
+                                                          (128, 300, 300, None, True), (64, 260, 200, "additive", False),
+                                                          (128, 129, 70, "headkeys", False)])
+    def test_bulk_dq_matches_the_atomics(self, monkeypatch, d, sq, sk, mask_kind, causal):
+        """JAXSUB_ATTENTION_BULK_DQ=1: the wgmma backward adds its dq partials into the f32
+        accumulator with bulk reductions from shared memory instead of atomics (with the
+        next query tile's copies issued later). Against the atomics: out, dk and dv bitwise,
+        dq within tolerance; odd sizes leave partial query tiles, whose rows past Sq must not
+        be added."""
+        if jax.devices()[0].compute_capability != "9.0":
+            pytest.skip("the wgmma kernels need compute capability 9.0")
+        monkeypatch.delenv("JAXSUB_ATTENTION_SM90", raising=False)
+        monkeypatch.delenv("JAXSUB_ATTENTION_CLUSTER_DQ", raising=False)
+        monkeypatch.delenv("JAXSUB_ATTENTION_BULK_DQ", raising=False)
+        q, k, v, dout = qkv(161, 2, sq, sk, 3, d, BF16)
+        mask = make_mask(mask_kind, 162, 2, 3, sq, sk)
+        key = jax.random.key(163)
+        # A new executable per setting: a compiled call may be replayed from a CUDA graph.
+        def run():
+            return jax.jit(lambda *args: run_vjp(*args, causal=causal, rate=0.1, implementation="fused"))(
+                q, k, v, dout, mask, key)
+        atomics = run()
+        monkeypatch.setenv("JAXSUB_ATTENTION_BULK_DQ", "1")
+        bulk = run()
+        for name, x, y in zip(("out", "dk", "dv"), (bulk[0], *bulk[2:]), (atomics[0], *atomics[2:])):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+        assert_close(bulk[1], atomics[1], BF16, reduction=sk, grad=True, what="dq")
+        reference = jax.jit(lambda *args: run_vjp(*args, causal=causal, rate=0.1, implementation="unfused"))(
+            q, k, v, dout, mask, key)
+        assert_close(bulk[1], reference[1], BF16, reduction=sk, grad=True, what="dq against unfused")
+
     @pytest.mark.parametrize("d", [64, 128])
     def test_fused_matches_unfused_on_gpu(self, d):
         b, s, h = 4, 512, 8
