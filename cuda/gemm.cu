@@ -152,8 +152,8 @@ uint32_t alignment(const void* p) {
   return a;
 }
 
-// The shape of one call; the heuristic's choice is kept per shape (querying it costs
-// tens of microseconds of host time).
+// The shape of one call (device, dtype, m, n, k, transposes, bias in the epilogue, the
+// alignments of a, b and d); the algorithm chosen for it is kept per process (`choose`).
 using Key = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, bool, uint32_t, uint32_t, uint32_t>;
 
 struct Chosen {
