@@ -44,7 +44,7 @@ ffi::Error qkv_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffe
   }
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
     return invalid(op, "q, k and v must have one dtype");
-  return check_buffer(op, "seed", seed, ffi::DataType::U32, 2);
+  return check_buffer(op, "seed", seed, ffi::DataType::U32, seed_words(seed.element_count()));
 }
 
 ffi::Error attention_mask(const char* op, const ffi::AnyBuffer& m, int32_t kind, const Dims& d, MaskView& out) {
@@ -313,7 +313,7 @@ ffi::Error packed_dims(const char* op, const ffi::AnyBuffer& qkv, int32_t axis, 
   const int64_t b = axis == 2 ? s[0] : s[1], seq = axis == 2 ? s[1] : s[2], row = axis == 2 ? 3 * hd : hd;
   out = Dims{b, seq, seq, s[3], s[4], row, seq * row, seq * row};
   koff = axis == 2 ? hd : b * seq * hd;
-  return check_buffer(op, "seed", seed, ffi::DataType::U32, 2);
+  return check_buffer(op, "seed", seed, ffi::DataType::U32, seed_words(seed.element_count()));
 }
 
 // qkv; mask; seed -> out: T[B, S, H, D]; lse: f32[B, H, S].

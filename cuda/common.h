@@ -100,6 +100,12 @@ inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyB
   return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
 }
 
+// The words a dropout seed may have: 2, or 4 of which the kernels read the first two
+// (the scanned jaxsub.flax.Encoder passes each op a 16-byte quarter of its layer's row
+// of seeds; ABI.md). Anything else is checked against 2, so the error names the usual
+// size.
+inline size_t seed_words(size_t count) { return count == 4 ? 4 : 2; }
+
 // A row op's kernel configuration: the attributes `block_threads` and `max_elems`
 // (ABI.md), 0 meaning the kernel's built-in default.
 struct KernelConfig {

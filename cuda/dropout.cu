@@ -21,7 +21,7 @@ __global__ void dropout_mask_kernel(const uint32_t* __restrict__ seed, uint32_t 
 // seed: u32[2]; mask: pred[...].
 ffi::Error DropoutMaskCuda(cudaStream_t stream, uint32_t threshold, ffi::Buffer<ffi::U32> seed,
                            ffi::Result<ffi::AnyBuffer> mask) {
-  if (seed.element_count() != 2) return invalid("dropout_mask", "seed must have 2 words");
+  if (seed.element_count() != seed_words(seed.element_count())) return invalid("dropout_mask", "seed must have 2 words");
   if (mask->element_type() != ffi::DataType::PRED) return invalid("dropout_mask", "mask must be bool");
   const uint64_t n = mask->element_count();
   if (n == 0) return ffi::Error::Success();

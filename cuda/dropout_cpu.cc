@@ -7,7 +7,7 @@ namespace {
 
 // seed: u32[2]; mask: pred[...] (any shape; element i of the row-major flattening).
 ffi::Error DropoutMaskCpu(uint32_t threshold, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> mask) {
-  if (seed.element_count() != 2) return invalid("dropout_mask", "seed must have 2 words");
+  if (seed.element_count() != seed_words(seed.element_count())) return invalid("dropout_mask", "seed must have 2 words");
   if (mask->element_type() != ffi::DataType::PRED) return invalid("dropout_mask", "mask must be bool");
   bool* out = data<bool>(mask);
   const uint32_t* s = seed.typed_data();

@@ -66,7 +66,7 @@ ffi::Error check_common(const char* op, const ffi::AnyBuffer& x, const ffi::AnyB
   if (x.dimensions().size() < 1) return invalid(op, "x must have rank >= 1");
   if (bias.dimensions().size() != 1 || bias.dimensions()[0] != x.dimensions().back())
     return invalid(op, "bias must have shape [N] with N = x.shape[-1]");
-  if (seed.element_count() != 2) return invalid(op, "seed must have 2 words");
+  if (seed.element_count() != seed_words(seed.element_count())) return invalid(op, "seed must have 2 words");
   return ffi::Error::Success();
 }
 

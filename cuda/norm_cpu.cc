@@ -230,7 +230,7 @@ ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, int32_t 
   const ffi::DataType f32 = ffi::DataType::F32;
   if (auto e = check(op, {{"bias", bias, s.p, s.cols}, {"residual", residual, s.t, s.count},
                           {"scale", scale, s.p, s.cols}, {"ln_bias", ln_bias, s.p, s.cols},
-                          {"seed", seed, ffi::DataType::U32, 2}, {"y", *y, s.t, s.count},
+                          {"seed", seed, ffi::DataType::U32, seed_words(seed.element_count())}, {"y", *y, s.t, s.count},
                           {"mean", *mean, f32, s.rows}, {"rstd", *rstd, f32, s.rows}});
       e.failure()) {
     return e;
@@ -263,7 +263,7 @@ ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threa
   const ffi::DataType f32 = ffi::DataType::F32;
   if (auto e = check(op, {{"dy", dy, s.t, s.count}, {"bias", bias, s.p, s.cols}, {"residual", residual, s.t, s.count},
                           {"scale", scale, s.p, s.cols}, {"mean", mean, f32, s.rows}, {"rstd", rstd, f32, s.rows},
-                          {"seed", seed, ffi::DataType::U32, 2}, {"dx", *dx, s.t, s.count},
+                          {"seed", seed, ffi::DataType::U32, seed_words(seed.element_count())}, {"dx", *dx, s.t, s.count},
                           {"dbias", *dbias, s.p, s.cols}, {"dresidual", *dresidual, s.t, s.count},
                           {"dscale", *dscale, s.p, s.cols}, {"dln_bias", *dln_bias, s.p, s.cols}});
       e.failure()) {

@@ -88,7 +88,7 @@ ffi::Error SoftmaxDropoutFwdCpu(ffi::AnyBuffer scores, ffi::AnyBuffer mask, ffi:
   if (auto e = scores_dims(kFwd, scores, d); e.failure()) return e;
   const int64_t full[4] = {d.b, d.h, d.sq, d.sk};
   if (auto e = mask_view(kFwd, mask, mask_kind, full, m); e.failure()) return e;
-  if (auto e = check_buffer(kFwd, "seed", seed, ffi::DataType::U32, 2); e.failure()) return e;
+  if (auto e = check_buffer(kFwd, "seed", seed, ffi::DataType::U32, seed_words(seed.element_count())); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "y", *y, scores.element_type(), d.count()); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "lse", *lse, ffi::DataType::F32, d.rows()); e.failure()) return e;
   return dispatch_float<HostTypes>(scores.element_type(), kFwd, [&](auto tt) {
@@ -139,7 +139,7 @@ ffi::Error SoftmaxDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer scores, ffi::A
   if (auto e = mask_view(kBwd, mask, mask_kind, full, m); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dy", dy, scores.element_type(), d.count()); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "lse", lse, ffi::DataType::F32, d.rows()); e.failure()) return e;
-  if (auto e = check_buffer(kBwd, "seed", seed, ffi::DataType::U32, 2); e.failure()) return e;
+  if (auto e = check_buffer(kBwd, "seed", seed, ffi::DataType::U32, seed_words(seed.element_count())); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dscores", *dscores, scores.element_type(), d.count()); e.failure()) return e;
   return dispatch_float<HostTypes>(scores.element_type(), kBwd, [&](auto tt) {
     using T = typename decltype(tt)::type;

@@ -129,6 +129,52 @@ def test_missing_key_raises():
         jaxsub.ops.dropout_mask(None, (4,), 0.1)
 
 
+def _ops_with_dropout(key):
+    """Every public op with dropout, applied with `key` to fixed random inputs (a dict of
+    outputs; gradients through the fused BDRLN and bias-GELU, whose backwards draw the
+    mask again)."""
+    r = np.random.default_rng(3)
+    f32 = jnp.float32
+    x, res = (jnp.asarray(r.standard_normal((3, 5, 40)), f32) for _ in range(2))
+    b, s, lb = (jnp.asarray(r.standard_normal(40), f32) for _ in range(3))
+    qkv = jnp.asarray(r.standard_normal((2, 24, 3, 2, 16)), f32)
+    scores = jnp.asarray(r.standard_normal((2, 2, 24, 24)), f32)
+    bdrln = lambda x, b: ops.bias_dropout_residual_layer_norm(x, b, res, s, lb, rate=0.3, key=key)  # noqa: E731
+    gelu = lambda x, b: ops.bias_gelu_dropout(x, b, rate=0.3, key=key)  # noqa: E731
+    loss = lambda f: lambda x, b: jnp.sum(f(x, b) * res)  # noqa: E731
+    return {"mask": ops.dropout_mask(key, (7, 9), 0.4), "bdrln": bdrln(x, b), "gelu": gelu(x, b),
+            "bdrln_grad": jax.grad(loss(bdrln), argnums=(0, 1))(x, b),
+            "gelu_grad": jax.grad(loss(gelu), argnums=(0, 1))(x, b),
+            "softmax": ops.softmax_dropout(scores, rate=0.2, key=key),
+            "attention": ops.attention_packed(qkv, dropout_rate=0.2, key=key),
+            "attention_grad": jax.grad(lambda q: jnp.sum(ops.attention_packed(q, dropout_rate=0.2, key=key) ** 2))(qkv)}
+
+
+ops = jaxsub.ops
+
+
+def test_seed_words_padded_to_four_act_as_their_key():
+    """A seed as the kernels' words (dropout.Words), two of them or padded to four as the
+    scanned Encoder passes them, gives every op exactly what its key gives."""
+    from jaxsub.ops.dropout import Words
+
+    key = jax.random.key(11)
+    words = seed_from_key("test", key)
+    want = _ops_with_dropout(key)
+    for seed in (words, jnp.pad(words, (0, 2)), jnp.concatenate([words, jnp.asarray([7, 9], jnp.uint32)])):
+        got = _ops_with_dropout(Words(seed))
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{seed.shape}{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("words", [np.zeros(3, np.uint32), np.zeros(2, np.int32), np.zeros((2, 2), np.uint32)])
+def test_bad_seed_words_raise(words):
+    from jaxsub.ops.dropout import Words
+
+    with pytest.raises(ValueError, match="bias_gelu_dropout.*seed words"):
+        ops.bias_gelu_dropout(jnp.ones((2, 8)), jnp.ones(8), rate=0.1, key=Words(jnp.asarray(words)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 def test_gpu_mask_bit_identical_to_cpu():
@@ -139,3 +185,9 @@ def test_gpu_mask_bit_identical_to_cpu():
     gpu = f(jax.device_put(key, jax.devices()[0]))
     assert gpu.devices() == {jax.devices()[0]} and jax.devices()[0].platform == "gpu"
     np.testing.assert_array_equal(np.asarray(gpu), np.asarray(cpu))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+def test_seed_words_padded_to_four_act_as_their_key_on_gpu():
+    test_seed_words_padded_to_four_act_as_their_key()

@@ -178,16 +178,20 @@ def test_encoder_dropout_uses_the_rng():
     assert np.isfinite(np.asarray(a)).all()
 
 
-def test_scanned_encoder_draws_each_layers_dropout_keys_as_the_layer_would():
+@pytest.mark.parametrize("rates", [(0.2, 0.3), (0.2, 0.0), (0.0, 0.3)])
+def test_scanned_encoder_draws_each_layers_dropout_keys_as_the_layer_would(rates):
     """The scanned Encoder draws every layer's dropout keys before its loop
     (EncoderLayer.dropout_keys on the layer's key split from the 'dropout' stream) and
-    passes them in: layer i drops what EncoderLayer drops when applied alone with that
-    key, forward and backward."""
+    passes them in, as one row of seed words per layer: layer i drops what EncoderLayer
+    drops when applied alone with that key, forward and backward, whichever dropouts are
+    on."""
     x = jnp.asarray(np.random.default_rng(5).standard_normal((B, S, E)), jnp.float32)
-    module = _encoder(dropout_rate=0.2, attention_dropout_rate=0.3)
+    rate, attention_rate = rates
+    module = _encoder(dropout_rate=rate, attention_dropout_rate=attention_rate)
     params = module.init(jax.random.key(1), x)["params"]
     key = jax.random.key(7)
-    layer = EncoderLayer(num_heads=H, mlp_dim=F, dropout_rate=0.2, attention_dropout_rate=0.3, layouts="none")
+    layer = EncoderLayer(num_heads=H, mlp_dim=F, dropout_rate=rate, attention_dropout_rate=attention_rate,
+                         layouts="none")
     # the stream's first key, as the Encoder's first make_rng("dropout") draws it
     first = module.apply({"params": params}, rngs={"dropout": key}, method=lambda m: m.make_rng("dropout"))
     layer_keys = jax.random.split(first, LAYERS)
@@ -279,6 +283,22 @@ def test_every_custom_call_result_passes_an_optimization_barrier(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs CUDA kernels and a GPU")
+def test_scanned_encoder_copies_seeds_once_per_layer_and_direction():
+    """The compiled scanned stack copies small uint32 slices (the dropout seeds) three
+    times per layer: the row's slices forward and backward, and the row kept for the
+    backward; with one 8-byte table per key XLA copied each op's seed out of it, eight
+    copies per layer (bench/NOTES.md, twenty-third session)."""
+    import re
+
+    step, args = _scanned_train_step(jnp.bfloat16, 128, 2, 128, "heuristic")
+    text = step.lower(*args).compile().as_text()
+    copies = [line for line in text.split("\n") if re.search(r"\b(fusion|fusion-start)\(", line)
+              and "kind=kLoop" in line and re.search(r"u32\[\d+,\d+\]", line)]
+    assert 1 <= len(copies) <= 3, "\n".join(c.strip()[:160] for c in copies)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs CUDA kernels and a GPU")
 def test_scanned_encoder_runs_each_forward_kernel_once():
     """In the compiled scanned stack, each forward custom call appears as often as in the
     traced program: XLA did not clone a forward kernel into a dynamic-slice fusion that
@@ -291,6 +311,23 @@ def test_scanned_encoder_runs_each_forward_kernel_once():
         compiled = _forward_targets(lowered.compile().as_text(), r'custom_call_target="(jaxsub_\w+)"')
         assert {"jaxsub_bdrln_fwd", "jaxsub_bias_gelu_dropout_fwd"} <= set(traced), traced
         assert compiled == traced, layouts
+
+
+def test_scanned_encoder_passes_each_op_sixteen_bytes_of_seed():
+    """Each op with dropout in the scanned stack takes four seed words (a 16-byte slice of
+    its layer's row), never two, so XLA reads one row per layer rather than one
+    8-byte slice per op (cuda/ABI.md, dropout)."""
+    import re
+
+    step, args = _scanned_train_step(jnp.float32, 32, 2, 16, "heuristic")
+    text = step.lower(*args).as_text()
+    targets = ("attention", "bdrln", "bias_gelu_dropout")
+    calls = [line for line in text.split("\n") if re.search(r"stablehlo.custom_call @jaxsub_(%s)" % "|".join(targets), line)]
+    assert {t for t in targets for line in calls if f"@jaxsub_{t}" in line} == set(targets)
+    for line in calls:
+        operand_types = line.rsplit(" : (", 1)[1].split(") ->")[0]
+        assert "tensor<4xui32>" in operand_types and "tensor<2xui32>" not in operand_types, line[-300:]
+    assert "tensor<3x16xui32>" in text  # the seed table: a row per layer
 
 
 def test_scanned_encoder_names_missing_stacked_parameters():

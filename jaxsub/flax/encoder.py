@@ -344,6 +344,9 @@ class _Block(nn.Module):
         return EncoderLayer(**self.layer, name="layer")(x, mask, self.deterministic), None
 
 
+_KEY_NAMES = ("attn", "drop1", "gelu", "drop2")  # EncoderLayer.dropout_keys's
+
+
 class Encoder(_LayerFields):
     """A stack of `num_layers` EncoderLayers (fields as EncoderLayer's; `num_layers` by keyword).
 
@@ -421,14 +424,28 @@ class Encoder(_LayerFields):
             # layer's slice of these, which the ops keep for the backward as they are (a
             # slice of xs, not stored again), and no step derives a key (on the H200 that
             # took four small kernels per layer forward, two backward).
+            # One row of 16 words per layer, key j's words at 4j and 4j + 1, each op
+            # passed its quarter: XLA copies the row out of the table once per layer and
+            # direction and keeps it for the backward (three small copies per layer on
+            # the H200); a table of 8-byte seeds per key took one copy per op and
+            # direction (eight; bench/NOTES.md, twenty-third session).
             draw = functools.partial(module.apply, {}, False, method=EncoderLayer.dropout_keys)
-            words = functools.partial(_dropout.seed_from_key, "jaxsub.flax.Encoder")
-            seeds = jax.vmap(lambda k: jax.tree.map(words, draw(rngs={"dropout": k})))(
+            present = []
+
+            def row(keys):
+                present[:] = [keys[n] is not None for n in _KEY_NAMES]
+                pad = lambda k: jnp.pad(_dropout.seed_from_key("jaxsub.flax.Encoder", k), (0, 2))  # noqa: E731
+                return jnp.concatenate([jnp.zeros(4, jnp.uint32) if keys[n] is None else pad(keys[n])
+                                        for n in _KEY_NAMES])
+
+            seeds = jax.vmap(lambda k: row(draw(rngs={"dropout": k})))(
                 jax.random.split(self.make_rng("dropout"), self.num_layers))
 
         def body(mask, h, xs):
             p, seed = xs
-            return module.apply({"params": p}, h, mask, deterministic, dropout_keys=seed)
+            keys = None if seed is None else {n: _dropout.Words(seed[4 * j:4 * j + 4]) if present[j] else None
+                                              for j, n in enumerate(_KEY_NAMES)}
+            return module.apply({"params": p}, h, mask, deterministic, dropout_keys=keys)
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)  # the loop already keeps XLA from merging layers

@@ -43,13 +43,31 @@ def attrs(rate: float) -> dict:
     return dict(threshold=threshold(rate), keep_scale=keep_scale(rate))
 
 
+class Words:
+    """A dropout seed already in the kernels' form, passed where a key goes and used as is:
+    uint32 words [2], or [4] whose first two are the seed (cuda/ABI.md). The scanned
+    `jaxsub.flax.Encoder` passes its layers' seeds this way: each op gets a 16-byte
+    quarter of its layer's row of seeds, so that XLA copies a row per layer out of the
+    table, not an 8-byte seed per op."""
+
+    __slots__ = ("words",)
+
+    def __init__(self, words):
+        self.words = words
+
+
 def seed_from_key(op: str, key) -> jax.Array:
     """Two uint32 words from any JAX PRNG key, passed to kernels as a device buffer.
 
     A threefry key's data is exactly two words and is used as is (no extra kernel); keys
-    with more words (rbg) are folded by xor."""
+    with more words (rbg) are folded by xor. `Words` are used as they are."""
     if key is None:
         raise ValueError(f"jaxsub.{op}: `key` is required when dropout is active (rate > 0, not deterministic)")
+    if isinstance(key, Words):
+        words = key.words
+        if words.dtype != jnp.uint32 or words.shape not in ((2,), (4,)):
+            raise ValueError(f"jaxsub.{op}: seed words must be uint32 [2] or [4], got {words.dtype} {words.shape}")
+        return words
     key = key if isinstance(key, jax.Array) else jnp.asarray(key)
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if not typed and key.dtype != jnp.uint32:
