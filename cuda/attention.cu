@@ -406,8 +406,8 @@ bool use_cluster_dq(const AttnArgs& a) {
 }
 
 // Whether the wgmma backward adds its dQ partials with bulk reductions rather than
-// atomics (attention_sm90.cuh, kBulkDq): JAXSUB_ATTENTION_BULK_DQ=1. Off by default until
-// it is measured (bench/NOTES.md, twenty-second session).
+// atomics (attention_sm90.cuh, kBulkDq): JAXSUB_ATTENTION_BULK_DQ=1. Off by default: 2%
+// slower than the atomics at B 8, S 512 (bench/NOTES.md, twenty-third session).
 bool use_bulk_dq() {
   const char* on = std::getenv("JAXSUB_ATTENTION_BULK_DQ");
   return on != nullptr && std::string(on) == "1";
