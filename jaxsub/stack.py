@@ -27,7 +27,9 @@ computes, with a `custom_vjp` of its own:
   microsecond of GPU time however small. Those one of jaxsub's custom calls makes (row
   statistics, log-sum-exps) get buffers of their own instead, which the calls write
   themselves (below); residuals that are constants (a placeholder mask, the seed of a
-  dropout that is off) are not stored at all.
+  dropout that is off) are not stored at all, nor are those that are slices or reshapes
+  of the step's slice of xs (one op's quarter of its layer's row of dropout seeds): the
+  backward makes them again from xs.
 - a residual, or a gradient of xs, that is the result of one of jaxsub's custom calls is
   written into its buffer right after the call, bypassing the call's optimization
   barrier, and the rest of the step reads it back from the buffer. XLA's dynamic-slice
@@ -68,7 +70,9 @@ class _Plan:
     abstract values, the length and the direction. `same` pairs (j, i): residual j holds residual i's elements in
     the same order (a view of it), so only i is kept. `fixed`: residuals that are
     constants, the same at every step (a placeholder mask, the seed of a dropout that is
-    off), kept as values rather than stored per step."""
+    off), kept as values rather than stored per step. `views`: residuals that are slices
+    or reshapes of a leaf of the step's x (a quarter of a layer's row of dropout seeds),
+    made again from xs in the backward rather than stored."""
 
     tree: Any
     sources: tuple
@@ -79,6 +83,7 @@ class _Plan:
     groups: tuple = ()  # indices into stored, one tuple per shared buffer
     same: tuple = ()
     fixed: tuple = ()  # (j, value): residual j is a constant (value), not stored
+    views: tuple = ()  # (j, k, make): residual j is make(leaf k of x), not stored
 
     @property
     def held(self) -> tuple:
@@ -90,7 +95,7 @@ class _Plan:
     @property
     def alone(self) -> tuple:
         other = ({j for group in self.groups for j in group} | {j for j, _ in self.same}
-                 | {j for j, _ in self.fixed})
+                 | {j for j, _ in self.fixed} | {j for j, _, _ in self.views})
         return tuple(j for j in range(len(self.stored)) if j not in other)
 
     def buffers(self):
@@ -104,7 +109,7 @@ class _Plan:
         return [stored[j] for j in self.alone] + [
             jnp.concatenate([jnp.ravel(stored[j]) for j in g]) for g in self.groups]
 
-    def unpack(self, buffers) -> list:
+    def unpack(self, buffers, x_leaves) -> list:
         stored = [None] * len(self.stored)
         for j, b in zip(self.alone, buffers):
             stored[j] = b
@@ -118,6 +123,8 @@ class _Plan:
             stored[j] = stored[i].reshape(self.stored[j].shape)
         for j, value in self.fixed:
             stored[j] = value
+        for j, k, make in self.views:
+            stored[j] = make(x_leaves[k])
         return stored
 
 
@@ -179,14 +186,18 @@ def _plan(body, consts, carry, xs, length, reverse) -> _Plan:
     stored_vars = closed.jaxpr.outvars[len(closed.jaxpr.outvars) - len(stored):]
     producer = _producers(closed.jaxpr)
     fixed = _fixed(closed, producer, stored_vars)
-    constant = {j for j, _ in fixed}
+    x_vars = closed.jaxpr.invars[len(jax.tree.leaves(consts)) + len(jax.tree.leaves(carry)):]
+    fixed_at = {j for j, _ in fixed}
+    views = tuple((j, *view) for j, v in enumerate(stored_vars)
+                  if j not in fixed_at and (view := _view_of_x(producer, v, x_vars)) is not None)
+    constant = fixed_at | {j for j, _, _ in views}
     same = tuple((j, i) for j, i in _same(producer, stored_vars) if j not in constant and i not in constant)
     # A residual a jaxsub custom call makes is written into a buffer of its own by the call
     # itself (`_early`), whatever its size: sharing a buffer would take a copy per step.
     made = {j for j, v in enumerate(stored_vars) if _jaxsub_result(producer, v) is not None}
     skip = {j for j, _ in same} | constant | made
     return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse, _groups(stored, skip), same,
-                 fixed)
+                 fixed, views)
 
 
 def _groups(stored, skip) -> tuple:
@@ -232,6 +243,30 @@ def _fixed(closed, producer, stored_vars) -> tuple:
         if c is not None and not isinstance(c, jax.core.Tracer):
             fixed.append((j, c))
     return tuple(fixed)
+
+
+_VIEWS = ("slice", "reshape", "squeeze", "expand_dims")
+
+
+def _view_of_x(producer, v, x_vars):
+    """(k, make) when `v` is made from leaf k of the step's x by slices and reshapes
+    alone (`make` makes it again from that leaf); else None."""
+    chain = []
+    while v not in x_vars:
+        eqn = producer.get(v) if not isinstance(v, jcore.Literal) else None
+        if eqn is None or eqn.primitive.name not in _VIEWS or len(eqn.invars) != 1:
+            return None
+        chain.append(eqn)
+        v = eqn.invars[0]
+    if not chain:
+        return None  # the leaf itself: a ("x", k) source, never stored
+
+    def make(leaf):
+        for eqn in reversed(chain):
+            leaf = bind(eqn, [leaf])[0]
+        return leaf
+
+    return x_vars.index(v), make
 
 
 def _origin(producer, v):
@@ -455,8 +490,9 @@ def _scan_bwd(body, plan, residuals, cotangents):
     def step(state, _):
         i, dh, dconsts, grads = state
         at = i if plan.reverse else n - 1 - i  # the forward's layers, last first
-        x, stored, dy = _slice(xs, at), plan.unpack(_slice(buffers, at)), _slice(dys, at)
+        x, dy = _slice(xs, at), _slice(dys, at)
         x_at = jax.tree.leaves(x)
+        stored = plan.unpack(_slice(buffers, at), x_at)
         carry_at = [lax.dynamic_index_in_dim(b, at + off, 0, keepdims=False) for b in inputs]
         leaves = [const_leaves[j] if kind == "const" else x_at[j] if kind == "x"
                   else carry_at[plan.held.index(j)] if kind == "carry" else stored[j]

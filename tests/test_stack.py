@@ -285,6 +285,38 @@ def test_constant_residuals_and_jaxsub_results_are_not_packed():
     _assert_matches_lax_scan(body, c, h, xs, lambda out: jnp.sum(jnp.sin(out[0])))
 
 
+def test_views_of_xs_are_made_again_not_stored():
+    """A residual that is a slice or reshape of the step's x (an op's quarter of its
+    layer's row of seed words; the lower rows of a weight) is made again from xs in the
+    backward (`_Plan.views`), not stored; values and gradients match lax.scan."""
+    from jaxsub.ops.dropout import Words
+
+    def body(c, h, x):
+        w = x["w"][: N - 2].reshape(N - 2, N)  # h * w keeps w: a slice of x["w"]
+        g = ops.bias_gelu_dropout(h[:, : N - 2] @ w, x["b"], rate=0.3, key=Words(x["seeds"][4:8]))
+        return h + g * c, None
+
+    r = np.random.default_rng(14)
+    xs = {"w": jnp.asarray(r.standard_normal((L, N, N)) / 3, jnp.float32),
+          "b": jnp.asarray(r.standard_normal((L, N)), jnp.float32),
+          "seeds": jnp.asarray(r.integers(0, 2**32, (L, 16)), jnp.uint32)}
+    c, h = jnp.float32(0.8), jnp.asarray(r.standard_normal((6, N)), jnp.float32)
+    plan = stack._plan(body, c, h, xs, L, False)
+    viewed = {(plan.stored[j].shape, str(plan.stored[j].dtype)) for j, _, _ in plan.views}
+    assert viewed == {((N - 2, N), "float32"), ((4,), "uint32")}, viewed
+    assert all(a.dtype != jnp.uint32 and a.shape != (N - 2, N) for a in plan.buffers())
+
+    def loss(scan_fn):
+        return lambda c, h, xs: jnp.sum(jnp.sin(scan_fn(c, h, xs)[0]))
+
+    ours = lambda c, h, xs: stack.scan(body, h, xs, c)  # noqa: E731
+    ref = lambda c, h, xs: lax.scan(lambda h, x: body(c, h, x), h, xs)  # noqa: E731
+    grad = lambda f: jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1, 2), allow_int=True))(c, h, xs)  # noqa: E731
+    got, want = grad(ours), grad(ref)
+    assert_close(got[0], want[0], reduction=N * L, what="loss")
+    _assert_tree_close(got[1], want[1], "grad", grad=True)
+
+
 def test_none_and_integer_leaves_anywhere_in_xs():
     """xs with None and integer leaves between the floating ones (as the Encoder's
     (params, None) without dropout): each gradient lands on its own leaf."""

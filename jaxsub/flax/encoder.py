@@ -425,10 +425,10 @@ class Encoder(_LayerFields):
             # slice of xs, not stored again), and no step derives a key (on the H200 that
             # took four small kernels per layer forward, two backward).
             # One row of 16 words per layer, key j's words at 4j and 4j + 1, each op
-            # passed its quarter: XLA copies the row out of the table once per layer and
-            # direction and keeps it for the backward (three small copies per layer on
-            # the H200); a table of 8-byte seeds per key took one copy per op and
-            # direction (eight; bench/NOTES.md, twenty-third session).
+            # passed its quarter: XLA copies the row's quarters out of the table once per
+            # layer and direction (stack.scan makes the backward's again from xs rather
+            # than storing them); a table of 8-byte seeds per key took one copy per op and
+            # direction (eight per layer on the H200; bench/NOTES.md, twenty-third session).
             draw = functools.partial(module.apply, {}, False, method=EncoderLayer.dropout_keys)
             present = []
 
