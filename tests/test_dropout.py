@@ -130,9 +130,10 @@ def test_missing_key_raises():
 
 
 def _ops_with_dropout(key):
-    """Every public op with dropout, applied with `key` to fixed random inputs (a dict of
-    outputs; gradients through the fused BDRLN and bias-GELU, whose backwards draw the
-    mask again)."""
+    """One public op of each family with dropout, applied with `key` to fixed random
+    inputs (a dict of outputs, and the gradients of those whose backwards draw the mask
+    again)."""
+    ops = jaxsub.ops
     r = np.random.default_rng(3)
     f32 = jnp.float32
     x, res = (jnp.asarray(r.standard_normal((3, 5, 40)), f32) for _ in range(2))
@@ -148,9 +149,6 @@ def _ops_with_dropout(key):
             "softmax": ops.softmax_dropout(scores, rate=0.2, key=key),
             "attention": ops.attention_packed(qkv, dropout_rate=0.2, key=key),
             "attention_grad": jax.grad(lambda q: jnp.sum(ops.attention_packed(q, dropout_rate=0.2, key=key) ** 2))(qkv)}
-
-
-ops = jaxsub.ops
 
 
 def test_seed_words_padded_to_four_act_as_their_key():
@@ -172,7 +170,7 @@ def test_bad_seed_words_raise(words):
     from jaxsub.ops.dropout import Words
 
     with pytest.raises(ValueError, match="bias_gelu_dropout.*seed words"):
-        ops.bias_gelu_dropout(jnp.ones((2, 8)), jnp.ones(8), rate=0.1, key=Words(jnp.asarray(words)))
+        jaxsub.ops.bias_gelu_dropout(jnp.ones((2, 8)), jnp.ones(8), rate=0.1, key=Words(jnp.asarray(words)))
 
 
 @pytest.mark.gpu

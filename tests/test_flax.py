@@ -284,10 +284,11 @@ def test_every_custom_call_result_passes_an_optimization_barrier(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs CUDA kernels and a GPU")
 def test_scanned_encoder_copies_seeds_once_per_layer_and_direction():
-    """The compiled scanned stack copies small uint32 slices (the dropout seeds) three
-    times per layer: the row's slices forward and backward, and the row kept for the
-    backward; with one 8-byte table per key XLA copied each op's seed out of it, eight
-    copies per layer (bench/NOTES.md, twenty-third session)."""
+    """The compiled scanned stack copies small uint32 slices (the dropout seeds) at most
+    three times per layer: the row's quarters forward and backward (and, before
+    stack.scan made them again from xs, the quarters kept for the backward: three on the
+    H200); with one 8-byte table per key XLA copied each op's seed out of it, eight copies
+    per layer (bench/NOTES.md, twenty-third session)."""
     import re
 
     step, args = _scanned_train_step(jnp.bfloat16, 128, 2, 128, "heuristic")
