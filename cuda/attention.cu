@@ -405,11 +405,11 @@ bool use_cluster_dq(const AttnArgs& a) {
          (a.sk + kTile - 1) / kTile <= 8;
 }
 
-// Whether the wgmma backward adds its dQ partials with bulk reductions rather than
-// atomics (attention_sm90.cuh, kBulkDq): JAXSUB_ATTENTION_BULK_DQ=1. Off by default: 2%
-// slower than the atomics at B 8, S 512 (bench/NOTES.md, twenty-third session).
-bool use_bulk_dq() {
-  const char* on = std::getenv("JAXSUB_ATTENTION_BULK_DQ");
+// Whether the wgmma backward draws the next query tile's keep words while this tile's
+// products run (attention_sm90.cuh, kKeepAhead): JAXSUB_ATTENTION_KEEP_AHEAD=1. Off by
+// default until it is measured (bench/NOTES.md, twenty-third session).
+bool use_keep_ahead() {
+  const char* on = std::getenv("JAXSUB_ATTENTION_KEEP_AHEAD");
   return on != nullptr && std::string(on) == "1";
 }
 
@@ -448,9 +448,9 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
-        if (use_sm90(a, D) && use_bulk_dq())
+        if (use_sm90(a, D) && a.threshold != 0 && use_keep_ahead())
           return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false, true>>(
-              op, grid, sm90_bwd_smem<D>() + 1024, stream, a);
+              op, grid, sm90_bwd_smem<D, true>() + 1024, stream, a);
         if (use_sm90(a, D))
           return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false>>(
               op, grid, sm90_bwd_smem<D>() + 1024, stream, a);

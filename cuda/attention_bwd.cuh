@@ -132,18 +132,26 @@ __device__ __forceinline__ void load_lse_delta(const AttnArgs& a, float* lse, fl
   }
 }
 // Once a tile's copies have landed: its lse becomes -lse in log2 units (-inf for queries
-// past Sq and empty rows: p = 0), and each warp's keep words (bit t: key k0 + t of the
-// warp) for the tile's 64 queries.
-__device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
-                                              int64_t k0, float* nlse2, uint16_t* keep, int lane) {
+// past Sq and empty rows: p = 0).
+__device__ __forceinline__ void bwd_tile_lse(const AttnArgs& a, int64_t qb, float* nlse2) {
   if (threadIdx.x < kTile) {  // this thread's own copy has landed
     const float lse = nlse2[threadIdx.x];
     nlse2[threadIdx.x] = qb + threadIdx.x < a.sq && lse != -INFINITY ? -lse * kLog2e : -INFINITY;
   }
+}
+// The warp's keep words (bit t: key k0 + t of the warp) for the 64 queries from qb.
+__device__ __forceinline__ void bwd_keep_words(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
+                                               int64_t k0, uint16_t* keep, int lane) {
   if (a.threshold != 0) {
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) keep[lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
   }
+}
+// Both, as the tile's rows need them.
+__device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
+                                              int64_t k0, float* nlse2, uint16_t* keep, int lane) {
+  bwd_tile_lse(a, qb, nlse2);
+  bwd_keep_words(a, seed, bh, qb, k0, keep, lane);
 }
 // dK (times the score scale) and dV (times the dropout scale) of a thread's keys
 // k0 + quad (+8): DK(dn, e), DV(dn, e) with e / 2 the key and 8 dn + 2 tq + e % 2 the column.

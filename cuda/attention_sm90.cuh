@@ -188,40 +188,6 @@ __device__ __forceinline__ void bwd_stash_dq(const float (&c)[D / 2], float* x, 
   }
 }
 
-// kBulkDq: this warp's dQ partial of one query tile (its 16 rows of the [64][D] f32 tile)
-// into the stage's Q and dO tiles, then one lane per row adds the row into the f32
-// accumulator with a bulk reduction (one reduction of D * 4 bytes, or two pieces, where
-// the atomics take D / 2 8-byte atomics per row). Row r sits rotated by 8 (r % 8) floats, so
-// that the float2 writes of a half warp meet no bank twice; a row is then the pieces
-// [8 (r % 8), D) (columns 0 ..) and [0, 8 (r % 8)) (the rest) of its D floats. The lanes'
-// groups must have read the stage (bulk_wait_read) before the stage is loaded again.
-template <int D>
-__device__ __forceinline__ void bwd_bulk_dq(const float (&c)[D / 2], float* x, float* dqg, int64_t qb, int64_t sq,
-                                            int64_t out_row, int warp, int quad, int tq, int lane) {
-  __syncthreads();  // every warp's products have read this stage's Q and dO
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = warp * 16 + quad + r * 8, rot = 8 * (row & 7);
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn)
-      *reinterpret_cast<float2*>(x + row * D + ((dn * 8 + tq * 2 + rot) & (D - 1))) =
-          make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]);
-  }
-  fence_proxy_async();  // the writes above, to the bulk copies' (async) proxy
-  __syncwarp();
-  if (lane < 16) {
-    const int row = warp * 16 + lane, rot = 8 * (row & 7);
-    const int64_t i = qb + row;
-    if (i < sq) {
-      const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(x + row * D));
-      float* dst = dqg + i * out_row;
-      bulk_reduce_add_f32(dst, src + 4 * rot, 4 * (D - rot));
-      if (rot) bulk_reduce_add_f32(dst + (D - rot), src, 4 * rot);
-    }
-    bulk_commit();
-  }
-}
-
 // After the loop: block r of the cluster sums rows r * 64 / C .. of every block's partials
 // of query tile t (buffer x(t)) through distributed shared memory, in rank order, and
 // stores dq = scale * sum in the output dtype. Tile t holds queries 64 t .. (no causal
@@ -264,11 +230,14 @@ __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles
 //   MN-major, that is dS, B = K MN-major; warp w: queries 16 w ..) added to the f32
 //   workspace.
 // Shared memory: K, V, stage 0's Q and dO, dSᵀ, stage 1's Q and dO (swizzled tiles), then
-// per stage the tile's lse and delta, then the warps' keep words.
+// per stage the tile's lse and delta, then the warps' keep words (two sets with
+// kKeepAhead, below).
 template <int D>
 __host__ __device__ constexpr size_t sm90_bwd_tiles() { return 6 * static_cast<size_t>(kTile) * D * 2 + kTile * kTile * 2; }
-template <int D>
-constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + kWarps * kTile * 2; }
+template <int D, bool kKeepAhead = false>
+constexpr size_t sm90_bwd_smem() {
+  return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + (kKeepAhead ? 2 : 1) * kWarps * kTile * 2;
+}
 // Blocks per multiprocessor: three at D = 64 (58 KB each, 168 registers), two at D = 128
 // (106 KB). (Before the products were regrouped, ptxas serialized them at D = 64 for lack of
 // registers; two blocks of 198 registers without that measured slower: bench/NOTES.md,
@@ -285,12 +254,12 @@ constexpr int sm90_bwd_min_blocks() { return D <= 64 ? 3 : 2; }
 // convert, no atomics, a deterministic dQ, and no barrier across blocks inside the loop
 // (one per query tile measured slower: bench/NOTES.md).
 //
-// kBulkDq (JAXSUB_ATTENTION_BULK_DQ=1; not measured yet, bench/NOTES.md twenty-second
-// session): the same f32 accumulator as the atomics, each row of a tile's partial added
-// by one bulk reduction from shared memory (bwd_bulk_dq). The stage written there is
-// loaded again two tiles later: the next tile's copies are issued after the tile's first
-// barrier, before which the lanes' reductions of the tile before have read their rows.
-template <typename T, int D, int kMode, bool kClusterDq, bool kBulkDq = false>
+// kKeepAhead (JAXSUB_ATTENTION_KEEP_AHEAD=1; not measured yet, bench/NOTES.md
+// twenty-third session): each warp draws the keep words of the next query tile while the
+// tensor cores compute this tile's Sᵀ and dPdᵀ, into the other of two sets, rather than
+// before the tile's first barrier, where the block's products wait for them. Same words,
+// same results bit for bit.
+template <typename T, int D, int kMode, bool kClusterDq, bool kKeepAhead = false>
 __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_bwd_sm90_kernel(AttnArgs a) {
 #ifdef JAXSUB_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -304,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   unsigned char* ds_s = smem + 4 * kTileBytes;
   float* lse_s = reinterpret_cast<float*>(smem + sm90_bwd_tiles<D>());  // [2][64]
   float* delta_s = lse_s + 2 * kTile;                                     // [2][64]
-  uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [4 warps][64]
+  uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [1 or 2][4 warps][64]
   auto addr = [](const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
@@ -344,28 +313,23 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   auto kmajor = [](uint32_t tile, int kc) { return wgmma_desc(tile + (kc / 4) * kPanelBytes + (kc % 4) * 32); };
   auto mnmajor = [](uint32_t tile, int kc) { return wgmma_desc(tile + kc * 2048); };
 
+  // The warp's keep words of query tile t (kKeepAhead: set t % 2).
+  auto keep_of = [&](int t) { return keep_s + ((kKeepAhead ? (t & 1) * kWarps : 0) + warp) * kTile; };
+  if (kKeepAhead && tiles > 0) bwd_keep_words(a, seed, bh, q_begin, k0, keep_of(0), lane);
+
   for (int t = 0; t < tiles; ++t) {
     const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
     const int buf = t & 1;
-    // The other stage was last read by the previous tile's products, all waited for (and,
-    // kBulkDq, by its dQ reductions: the next tile's copies come after the barrier below).
-    if constexpr (!kBulkDq) {
-      if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    // The other stage was last read by the previous tile's products, all waited for.
+    if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
     float* nlse2 = lse_s + buf * kTile;
     const float* delta = delta_s + buf * kTile;
-    bwd_tile_rows(a, seed, bh, qb, k0, nlse2, keep_s + warp * kTile, lane);
-    if constexpr (kBulkDq) bulk_wait_read<0>();
+    bwd_tile_lse(a, qb, nlse2);
+    if constexpr (!kKeepAhead) bwd_keep_words(a, seed, bh, qb, k0, keep_of(t), lane);
     fence_proxy_async();
     __syncthreads();
-    if constexpr (kBulkDq) {
-      if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
-      cp_async_commit();
-    }
     const uint32_t qa = addr(q_s(buf)), da = addr(do_s(buf));
 
     // Sᵀ and dPdᵀ issued together, then P, dSᵀ, and dV and dK issued together: no more
@@ -379,7 +343,11 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) wgmma_ss<T, 64, false, false>(dpt, kmajor(addr(v_s), kc), kmajor(da, kc), kc > 0);
     wgmma_commit();
-    const uint32_t kbits = bwd_keep_bits(a, keep_s + warp * kTile, quad, tq);
+    const uint32_t kbits = bwd_keep_bits(a, keep_of(t), quad, tq);
+    // kKeepAhead: the next tile's words into the other set, while the products run (the
+    // warp's lanes read that set last in tile t - 1, before this tile's barrier; they
+    // read it next after tile t + 1's).
+    if (kKeepAhead && t + 1 < tiles) bwd_keep_words(a, seed, bh, qb + kTile, k0, keep_of(t + 1), lane);
     wgmma_wait<0>();
 #pragma unroll
     for (int x = 0; x < 32; ++x) reg_fence(p[x]), reg_fence(dpt[x]);
@@ -412,8 +380,6 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     for (int x = 0; x < D / 2; ++x) reg_fence(c[x]), reg_fence(dk[x]), reg_fence(dv[x]);
     if constexpr (kClusterDq) {
       bwd_stash_dq<D>(c, reinterpret_cast<float*>(q_s(buf)), warp, quad, tq);
-    } else if constexpr (kBulkDq) {
-      bwd_bulk_dq<D>(c, reinterpret_cast<float*>(q_s(buf)), dqg, qb, a.sq, out_row, warp, quad, tq, lane);
     } else {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -429,7 +395,6 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     // every warp reaches after its own wait above.
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
-  if constexpr (kBulkDq) bulk_wait<0>();  // nor a reduction of dQ
   if constexpr (kClusterDq) bwd_cluster_dq<T, D>(a, [&](int t) { return reinterpret_cast<float*>(q_s(t)); }, tiles, bb, hh);
 
   bwd_store<T, D>(a, [&](int dn, int e) { return dk[4 * dn + e]; }, [&](int dn, int e) { return dv[4 * dn + e]; }, bb, hh,

@@ -65,35 +65,6 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
-// Bulk reductions (sm_90, the TMA unit): adds `bytes` (a multiple of 16; both addresses
-// 16-byte aligned) of f32 from this block's shared memory into global memory,
-// asynchronously, in this thread's current bulk group; the commit closes the group;
-// wait_read<N>: all but the newest N of this thread's groups have read their shared
-// memory (it may be written again); wait<N>: they are complete.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-#ifdef JAXSUB_WGMMA
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-               "r"(bytes)
-               : "memory");
-#endif
-}
-__device__ __forceinline__ void bulk_commit() {
-#ifdef JAXSUB_WGMMA
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-#ifdef JAXSUB_WGMMA
-  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-#ifdef JAXSUB_WGMMA
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
 // Keeps the compiler from moving accesses of an accumulator register across the
 // asynchronous product that writes it.
 __device__ __forceinline__ void reg_fence(float& x) { asm volatile("" : "+f"(x)::"memory"); }
