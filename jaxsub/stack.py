@@ -245,7 +245,7 @@ def _fixed(closed, producer, stored_vars) -> tuple:
     return tuple(fixed)
 
 
-_VIEWS = ("slice", "reshape", "squeeze", "expand_dims")
+_VIEWS = ("slice", "reshape", "squeeze")
 
 
 def _view_of_x(producer, v, x_vars):

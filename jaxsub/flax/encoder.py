@@ -344,9 +344,6 @@ class _Block(nn.Module):
         return EncoderLayer(**self.layer, name="layer")(x, mask, self.deterministic), None
 
 
-_KEY_NAMES = ("attn", "drop1", "gelu", "drop2")  # EncoderLayer.dropout_keys's
-
-
 class Encoder(_LayerFields):
     """A stack of `num_layers` EncoderLayers (fields as EncoderLayer's; `num_layers` by keyword).
 
@@ -420,31 +417,28 @@ class Encoder(_LayerFields):
         seeds = None
         if not deterministic and any(r > 0.0 for r in rates):
             # Every layer's dropout keys, drawn before the loop as each layer would draw them
-            # from its own key, as the words the kernels take: the loop passes each op its
-            # layer's slice of these, which the ops keep for the backward as they are (a
-            # slice of xs, not stored again), and no step derives a key (on the H200 that
-            # took four small kernels per layer forward, two backward).
-            # One row of 16 words per layer, key j's words at 4j and 4j + 1, each op
-            # passed its quarter: XLA copies the row's quarters out of the table once per
-            # layer and direction (stack.scan makes the backward's again from xs rather
-            # than storing them); a table of 8-byte seeds per key took one copy per op and
+            # from its own key, as the words the kernels take, so that no step derives a key
+            # (on the H200 that took four small kernels per layer forward, two backward).
+            # One row of 16 words per layer, key j's words at 4j and 4j + 1, each op passed
+            # its quarter: XLA copies the row's quarters out of the table once per layer and
+            # direction, and stack.scan makes the backward's again from xs rather than
+            # storing them; a table of 8-byte seeds per key took one copy per op and
             # direction (eight per layer on the H200; bench/NOTES.md, twenty-third session).
             draw = functools.partial(module.apply, {}, False, method=EncoderLayer.dropout_keys)
-            present = []
+            present = []  # (name, whether that dropout is on), in dropout_keys' order
 
             def row(keys):
-                present[:] = [keys[n] is not None for n in _KEY_NAMES]
+                present[:] = [(n, k is not None) for n, k in keys.items()]
                 pad = lambda k: jnp.pad(_dropout.seed_from_key("jaxsub.flax.Encoder", k), (0, 2))  # noqa: E731
-                return jnp.concatenate([jnp.zeros(4, jnp.uint32) if keys[n] is None else pad(keys[n])
-                                        for n in _KEY_NAMES])
+                return jnp.concatenate([pad(k) if k is not None else jnp.zeros(4, jnp.uint32) for k in keys.values()])
 
             seeds = jax.vmap(lambda k: row(draw(rngs={"dropout": k})))(
                 jax.random.split(self.make_rng("dropout"), self.num_layers))
 
         def body(mask, h, xs):
             p, seed = xs
-            keys = None if seed is None else {n: _dropout.Words(seed[4 * j:4 * j + 4]) if present[j] else None
-                                              for j, n in enumerate(_KEY_NAMES)}
+            keys = None if seed is None else {n: _dropout.Words(seed[4 * j:4 * j + 4]) if on else None
+                                              for j, (n, on) in enumerate(present)}
             return module.apply({"params": p}, h, mask, deterministic, dropout_keys=keys)
 
         if self.remat:
