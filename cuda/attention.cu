@@ -405,14 +405,6 @@ bool use_cluster_dq(const AttnArgs& a) {
          (a.sk + kTile - 1) / kTile <= 8;
 }
 
-// Whether the wgmma backward draws the next query tile's keep words while this tile's
-// products run (attention_sm90.cuh, kKeepAhead): JAXSUB_ATTENTION_KEEP_AHEAD=1. Off by
-// default until it is measured (bench/NOTES.md, twenty-third session).
-bool use_keep_ahead() {
-  const char* on = std::getenv("JAXSUB_ATTENTION_KEEP_AHEAD");
-  return on != nullptr && std::string(on) == "1";
-}
-
 // The backward (a.b * a.h and a.sq * a.sk nonzero): delta and the zeroed dq accumulator,
 // the tile kernel (dk, dv, dq_acc), then dq from dq_acc into q's view; or, where the
 // clusters reduce dq (use_cluster_dq), delta and the tile kernel (dk, dv, dq).
@@ -448,9 +440,6 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
-        if (use_sm90(a, D) && a.threshold != 0 && use_keep_ahead())
-          return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false, true>>(
-              op, grid, sm90_bwd_smem<D, true>() + 1024, stream, a);
         if (use_sm90(a, D))
           return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false>>(
               op, grid, sm90_bwd_smem<D>() + 1024, stream, a);

@@ -230,14 +230,11 @@ __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles
 //   MN-major, that is dS, B = K MN-major; warp w: queries 16 w ..) added to the f32
 //   workspace.
 // Shared memory: K, V, stage 0's Q and dO, dSᵀ, stage 1's Q and dO (swizzled tiles), then
-// per stage the tile's lse and delta, then the warps' keep words (two sets with
-// kKeepAhead, below).
+// per stage the tile's lse and delta, then the warps' keep words.
 template <int D>
 __host__ __device__ constexpr size_t sm90_bwd_tiles() { return 6 * static_cast<size_t>(kTile) * D * 2 + kTile * kTile * 2; }
-template <int D, bool kKeepAhead = false>
-constexpr size_t sm90_bwd_smem() {
-  return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + (kKeepAhead ? 2 : 1) * kWarps * kTile * 2;
-}
+template <int D>
+constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + kWarps * kTile * 2; }
 // Blocks per multiprocessor: three at D = 64 (58 KB each, 168 registers), two at D = 128
 // (106 KB). (Before the products were regrouped, ptxas serialized them at D = 64 for lack of
 // registers; two blocks of 198 registers without that measured slower: bench/NOTES.md,
@@ -253,13 +250,7 @@ constexpr int sm90_bwd_min_blocks() { return D <= 64 ? 3 : 2; }
 // the loop the cluster reduces them (bwd_cluster_dq): no f32 accumulator to zero and
 // convert, no atomics, a deterministic dQ, and no barrier across blocks inside the loop
 // (one per query tile measured slower: bench/NOTES.md).
-//
-// kKeepAhead (JAXSUB_ATTENTION_KEEP_AHEAD=1; not measured yet, bench/NOTES.md
-// twenty-third session): each warp draws the keep words of the next query tile while the
-// tensor cores compute this tile's Sᵀ and dPdᵀ, into the other of two sets, rather than
-// before the tile's first barrier, where the block's products wait for them. Same words,
-// same results bit for bit.
-template <typename T, int D, int kMode, bool kClusterDq, bool kKeepAhead = false>
+template <typename T, int D, int kMode, bool kClusterDq>
 __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_bwd_sm90_kernel(AttnArgs a) {
 #ifdef JAXSUB_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -273,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   unsigned char* ds_s = smem + 4 * kTileBytes;
   float* lse_s = reinterpret_cast<float*>(smem + sm90_bwd_tiles<D>());  // [2][64]
   float* delta_s = lse_s + 2 * kTile;                                     // [2][64]
-  uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [1 or 2][4 warps][64]
+  uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [4 warps][64]
   auto addr = [](const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
@@ -313,9 +304,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   auto kmajor = [](uint32_t tile, int kc) { return wgmma_desc(tile + (kc / 4) * kPanelBytes + (kc % 4) * 32); };
   auto mnmajor = [](uint32_t tile, int kc) { return wgmma_desc(tile + kc * 2048); };
 
-  // The warp's keep words of query tile t (kKeepAhead: set t % 2).
-  auto keep_of = [&](int t) { return keep_s + ((kKeepAhead ? (t & 1) * kWarps : 0) + warp) * kTile; };
-  if (kKeepAhead && tiles > 0) bwd_keep_words(a, seed, bh, q_begin, k0, keep_of(0), lane);
+  uint16_t* keep_w = keep_s + warp * kTile;  // the warp's keep words of the current tile
 
   for (int t = 0; t < tiles; ++t) {
     const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
@@ -327,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     float* nlse2 = lse_s + buf * kTile;
     const float* delta = delta_s + buf * kTile;
     bwd_tile_lse(a, qb, nlse2);
-    if constexpr (!kKeepAhead) bwd_keep_words(a, seed, bh, qb, k0, keep_of(t), lane);
+    bwd_keep_words(a, seed, bh, qb, k0, keep_w, lane);
     fence_proxy_async();
     __syncthreads();
     const uint32_t qa = addr(q_s(buf)), da = addr(do_s(buf));
@@ -343,11 +332,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) wgmma_ss<T, 64, false, false>(dpt, kmajor(addr(v_s), kc), kmajor(da, kc), kc > 0);
     wgmma_commit();
-    const uint32_t kbits = bwd_keep_bits(a, keep_of(t), quad, tq);
-    // kKeepAhead: the next tile's words into the other set, while the products run (the
-    // warp's lanes read that set last in tile t - 1, before this tile's barrier; they
-    // read it next after tile t + 1's).
-    if (kKeepAhead && t + 1 < tiles) bwd_keep_words(a, seed, bh, qb + kTile, k0, keep_of(t + 1), lane);
+    const uint32_t kbits = bwd_keep_bits(a, keep_w, quad, tq);
     wgmma_wait<0>();
 #pragma unroll
     for (int x = 0; x < 32; ++x) reg_fence(p[x]), reg_fence(dpt[x]);
