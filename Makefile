@@ -9,7 +9,7 @@ export JAXSUB_CUDA
 # Build dependencies first, then the package without build isolation, so the FFI headers
 # come from the jaxlib that will load the extension.
 setup:
-	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=2.12" "jax>=0.10" "jaxlib>=0.10" "flax>=0.10" numpy pytest
+	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=2.12" "jax>=0.10" "jaxlib>=0.10" "flax>=0.10" numpy pytest "nvidia-cutlass>=3.5"
 	$(PIP) install -q --no-build-isolation ".[test]"
 
 # In-place development build (extension copied into jaxsub/; use PYTHONPATH=.).

@@ -145,6 +145,48 @@ ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBu
   });
 }
 
+// x: T[m, k]; w: T[k, n]; bias: T[n]; seed: u32[2]; y, h: T[m, n] (ABI.md:
+// dense_gelu_fwd). h = x · w with f32 sums over k in order, rounded once (the gemm
+// target's CPU arithmetic); y = bias_gelu_dropout of that h.
+ffi::Error DenseGeluFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
+                           bool approximate, uint32_t threshold, float keep_scale, ffi::Result<ffi::AnyBuffer> y,
+                           ffi::Result<ffi::AnyBuffer> h) {
+  constexpr const char* op = "dense_gelu_fwd";
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return invalid(op, "x and w must be 2-D");
+  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  if (wd[0] != k) return invalid(op, "w must be [k, n] for x [m, k]");
+  if (bias.dimensions().size() != 1 || bias.dimensions()[0] != n) return invalid(op, "bias must be [n]");
+  if (seed.element_count() != seed_words(seed.element_count())) return invalid(op, "seed must have 2 words");
+  const auto t = x.element_type();
+  if (w.element_type() != t || bias.element_type() != t || y->element_type() != t || h->element_type() != t)
+    return invalid(op, "x, w, bias, y and h must have one dtype");
+  if (y->element_count() != static_cast<size_t>(m * n) || h->element_count() != static_cast<size_t>(m * n))
+    return invalid(op, "y and h must be [m, n]");
+  return dispatch_float<HostTypes>(t, op, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    const T* xs = data<T>(x);
+    const T* ws = data<T>(w);
+    const T* bs = data<T>(bias);
+    T* ys = data<T>(y);
+    T* hs = data<T>(h);
+    std::vector<float> row(static_cast<size_t>(n));
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) row[j] = 0.f;
+      for (int64_t p = 0; p < k; ++p) {
+        const float a = to_float(xs[i * k + p]);
+        for (int64_t j = 0; j < n; ++j) row[j] += a * to_float(ws[p * n + j]);
+      }
+      for (int64_t j = 0; j < n; ++j) hs[i * n + j] = from_float<T>(row[j]);
+    }
+    for_each_element(Rows{m, n}, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+      const float g = gelu(to_float(hs[i]) + to_float(bs[c]), approximate);
+      ys[i] = from_float<T>(kept ? g * keep_scale : 0.f);
+    });
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace jaxsub
 
@@ -175,3 +217,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_gelu_dropout_bwd, jaxsub::BiasGeluD
                                   .Ret<xla::ffi::AnyBuffer>()                 // dbias
                                   .Ret<xla::ffi::AnyBuffer>()                 // workspace
                                   .Ret<xla::ffi::AnyBuffer>());               // y, or empty
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_dense_gelu_fwd, jaxsub::DenseGeluFwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // x
+                                  .Arg<xla::ffi::AnyBuffer>()                 // w
+                                  .Arg<xla::ffi::AnyBuffer>()                 // bias
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()     // seed
+                                  .Attr<bool>("approximate")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Ret<xla::ffi::AnyBuffer>()                 // y
+                                  .Ret<xla::ffi::AnyBuffer>());               // h

@@ -53,7 +53,8 @@ py::dict cuda_staged_targets() {
 #ifdef JAXSUB_WITH_CUDA
 #include "gemm.h"
 namespace jaxsub {
-bool attention_sm90();  // attention.cu
+bool attention_sm90();   // attention.cu
+bool dense_gelu_sm90();  // dense_gelu.cu
 }
 #endif
 
@@ -68,6 +69,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_sm90", &jaxsub::attention_sm90,
         "whether attention at head dim 64 or 128 runs the wgmma (sm_90a) kernels, forward and backward, on the "
         "current device now (JAXSUB_ATTENTION_SM90=0 turns them off)");
+  m.def("dense_gelu_sm90", &jaxsub::dense_gelu_sm90,
+        "whether the dense_gelu_fwd target (CUTLASS GEMM with the GELU epilogue) runs on the current device");
   m.def(
       "gemm_tune",
       [](const std::string& dtype, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, bool bias,

@@ -19,7 +19,8 @@
   X(attention_qkv_fwd)     \
   X(attention_qkv_bwd)     \
   X(bias_grad)             \
-  X(gemm)
+  X(gemm)                  \
+  X(dense_gelu_fwd)
 
 // Staged targets: always registered for "cpu"; their CUDA handlers are compiled and
 // exported (cuda_staged_targets) but registered for "CUDA" only when the environment sets

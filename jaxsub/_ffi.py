@@ -73,6 +73,21 @@ def attention_sm90() -> bool:
     return cuda_built() and bool(_C.attention_sm90())
 
 
+def dense_gelu_sm90() -> bool:
+    """Whether the dense_gelu_fwd target (CUTLASS's GEMM with the GELU epilogue) runs on
+    the current GPU: built with CUTLASS and sm_90a device code, a compute capability 9.0
+    device. False without a CUDA build or a GPU."""
+    return cuda_available() and bool(_C.dense_gelu_sm90())
+
+
+def dense_gelu_enabled() -> bool:
+    """Whether `ops.dense_bias_gelu_dropout` runs the dense_gelu_fwd target on the GPU:
+    only when JAXSUB_DENSE_GELU=1 (read at trace time) and dense_gelu_sm90(). Off by
+    default: its epilogue measured slower than the GEMM and the GELU kernel apart
+    (bench/NOTES.md, twenty-fourth session)."""
+    return os.environ.get("JAXSUB_DENSE_GELU") == "1" and dense_gelu_sm90()
+
+
 @functools.cache
 def gemm_tune(dtype: str, m: int, n: int, k: int, trans_a: bool, trans_b: bool, bias: bool,
               workspace_bytes: int) -> tuple[int, tuple[float, ...]]:

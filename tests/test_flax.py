@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jaxsub
+from jaxsub import _ffi
 from jaxsub.flax import Encoder, EncoderLayer, from_flax_params, reference_layer, to_flax_params
 from jaxsub.testing import assert_close
 
@@ -310,7 +311,8 @@ def test_scanned_encoder_runs_each_forward_kernel_once():
         lowered = step.lower(*args)
         traced = _forward_targets(lowered.as_text(), r"stablehlo.custom_call @(jaxsub_\w+)")
         compiled = _forward_targets(lowered.compile().as_text(), r'custom_call_target="(jaxsub_\w+)"')
-        assert {"jaxsub_bdrln_fwd", "jaxsub_bias_gelu_dropout_fwd"} <= set(traced), traced
+        gelu = "jaxsub_dense_gelu_fwd" if _ffi.dense_gelu_enabled() else "jaxsub_bias_gelu_dropout_fwd"
+        assert {"jaxsub_bdrln_fwd", gelu} <= set(traced), traced
         assert compiled == traced, layouts
 
 
@@ -392,5 +394,9 @@ def test_library_products_same_numbers(layouts, recompute_gelu):
     assert_close(v1, v0, jnp.bfloat16, reduction=B * S * E * F, what="loss")
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         assert_close(a, b, jnp.bfloat16, reduction=B * S * E * F, grad=True, what="grads")
-    assert "@jaxsub_gemm" not in texts[0]
-    assert texts[1].count("stablehlo.custom_call @jaxsub_gemm") == 12
+    assert "@jaxsub_gemm" not in texts[0] and "@jaxsub_dense_gelu_fwd" not in texts[0]
+    # The feed-forward input product runs as the GEMM with the GELU epilogue
+    # (ops.dense_bias_gelu_dropout), its gradient products through the gemm target.
+    assert texts[1].count("stablehlo.custom_call @jaxsub_dense_gelu_fwd") == 1
+    assert "@jaxsub_bias_gelu_dropout_fwd" not in texts[1]
+    assert texts[1].count("stablehlo.custom_call @jaxsub_gemm") == 11

@@ -13,6 +13,7 @@ from jax.test_util import check_grads
 import jaxsub
 from jaxsub import _ffi
 from jaxsub.ops.gelu import reference_bias_gelu_dropout
+from jaxsub.ops.gemm import reference_dense
 from jaxsub.testing import assert_close, assert_vmap_matches_loop
 
 op = jaxsub.ops.bias_gelu_dropout
@@ -334,9 +335,130 @@ def test_dense_bad_kernel():
         jaxsub.ops.bias_gelu_dropout_dense(x, bias, jnp.ones((16, 3), BF16), rate=0.0, key=None)
 
 
+# dense_bias_gelu_dropout: the product before the op in one call (on CPU the target's
+# plain loops; on an H200 a GEMM with the GELU epilogue).
+
+
+def dense_gelu_vjp(x, w, bias, w_out, dout, *, rate, key, approximate, fused=True, library=False):
+    def f(x, w, b, w_out):
+        if fused:
+            return jaxsub.ops.dense_bias_gelu_dropout(x, w, b, rate=rate, key=key, approximate=approximate,
+                                                      out_kernel=w_out, library_products=library)
+        y = op(reference_dense(x, w), b, rate=rate, key=key, approximate=approximate)
+        return y if w_out is None else jnp.einsum("...f,fe->...e", y, w_out)
+
+    out, vjp = jax.vjp(f, x, w, bias, w_out)
+    return (out, *vjp(dout))
+
+
+dense_gelu_vjp_jit = jax.jit(dense_gelu_vjp, static_argnames=("rate", "approximate", "fused", "library"))
+
+
+def dense_gelu_inputs(seed, lead, e, f, e2, dtype):
+    x = normal(seed, (*lead, e), dtype)
+    w = normal(seed + 1, (e, f), dtype, scale=2 / math.sqrt(e))
+    bias = normal(seed + 2, (f,), dtype)
+    w_out = None if e2 is None else normal(seed + 3, (f, e2), dtype, scale=1 / math.sqrt(f))
+    dout = normal(seed + 4, (*lead, f if e2 is None else e2), dtype)
+    return x, w, bias, w_out, dout
+
+
+def check_dense_gelu(got, want, dtype, e, f, rows, what=""):
+    names = ("out", "dx", "dw", "dbias", "dw_out")
+    reductions = (e, f, rows, rows, rows)
+    for g, v, name, red in zip(got, want, names, reductions):
+        if v is None:
+            assert g is None, name
+            continue
+        assert g.dtype == v.dtype and g.shape == v.shape, name
+        assert_close(g, v, dtype, reduction=red * 4, grad=name != "out", what=f"{what}{name}")
+
+
+@pytest.mark.parametrize("lead,e,f,e2,dtype,rate,approximate", [
+    ((2, 5), 24, 40, None, F32, 0.1, False), ((3,), 8, 1000, 16, BF16, 0.25, True),
+    ((2, 3), 12, 20, 8, F16, 0.0, False), ((7,), 16, 136, None, BF16, 0.1, False), ((), 9, 5, 3, F32, 0.5, True)])
+def test_dense_gelu_matches_product_then_op(lead, e, f, e2, dtype, rate, approximate):
+    """Values and gradients equal the product (f32 sums, rounded to x's dtype) followed by
+    bias_gelu_dropout (the same dropout mask) and, with out_kernel, the second product."""
+    x, w, bias, w_out, dout = dense_gelu_inputs(51, lead, e, f, e2, dtype)
+    key = jax.random.key(56)
+    got = dense_gelu_vjp_jit(x, w, bias, w_out, dout, rate=rate, key=key, approximate=approximate)
+    want = dense_gelu_vjp_jit(x, w, bias, w_out, dout, rate=rate, key=key, approximate=approximate, fused=False)
+    check_dense_gelu(got, want, dtype, e, f, max(1, math.prod(lead)))
+
+
+def test_dense_gelu_check_grads():
+    x, w, bias, w_out, _ = dense_gelu_inputs(61, (3,), 6, 10, 4, F32)
+    f = lambda x, w, b, w_out: jaxsub.ops.dense_bias_gelu_dropout(x, w, b, rate=0.2, key=jax.random.key(62),
+                                                                  out_kernel=w_out)
+    check_grads(f, (x, w, bias, w_out), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
+
+
+def test_dense_gelu_targets_in_lowered_hlo():
+    """One dense_gelu_fwd target forward (no separate GELU forward); the GELU backward
+    kernel writes y again when out_kernel is given."""
+    x, w, bias, w_out, _ = dense_gelu_inputs(71, (4,), 16, 32, 8, F32)
+    f = lambda x, w, b, w_out: jaxsub.ops.dense_bias_gelu_dropout(x, w, b, rate=0.1, key=jax.random.key(72),
+                                                                  out_kernel=w_out).sum()
+    text = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3))).lower(x, w, bias, w_out).as_text()
+    assert text.count("@jaxsub_dense_gelu_fwd") == 1
+    assert "@jaxsub_bias_gelu_dropout_fwd" not in text
+    bwd = [ln for ln in text.splitlines() if "@jaxsub_bias_gelu_dropout_bwd" in ln]
+    assert len(bwd) == 1 and bwd[0].rstrip().endswith("tensor<4x32xf32>)"), bwd
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(w=jnp.ones((8, 32))), ValueError, "dense_bias_gelu_dropout.*kernel"),
+    (dict(w=jnp.ones((16, 32), BF16)), TypeError, "dense_bias_gelu_dropout.*kernel"),
+    (dict(bias=jnp.ones((31,))), ValueError, "dense_bias_gelu_dropout.*bias"),
+    (dict(x=jnp.ones((4, 16), jnp.int32), w=jnp.ones((16, 32), jnp.int32)), TypeError, "dense_bias_gelu_dropout.*x"),
+    (dict(w_out=jnp.ones((31, 8))), ValueError, "dense_bias_gelu_dropout.*out_kernel"),
+    (dict(w_out=jnp.ones((32, 8), F16)), TypeError, "dense_bias_gelu_dropout.*out_kernel"),
+    (dict(rate=1.0), ValueError, "rate")])
+def test_dense_gelu_bad_inputs_raise(kwargs, exc, match):
+    a = dict(x=jnp.ones((4, 16)), w=jnp.ones((16, 32)), bias=jnp.ones((32,)), w_out=None, rate=0.1)
+    a.update(kwargs)
+    with pytest.raises(exc, match=match):
+        jaxsub.ops.dense_bias_gelu_dropout(a["x"], a["w"], a["bias"], rate=a["rate"], key=jax.random.key(0),
+                                           out_kernel=a["w_out"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 class TestCuda:
+    @pytest.mark.parametrize("lead,e,f,e2,dtype,approximate", [
+        ((8, 512), 1024, 4096, 1024, BF16, False), ((8, 512), 1024, 4096, None, F16, True)])
+    def test_dense_gelu_epilogue_at_bert_size(self, monkeypatch, lead, e, f, e2, dtype, approximate):
+        """The GEMM with the GELU epilogue against the product (XLA, f32 sums) followed by
+        the GELU kernel, both on the GPU: values and gradients, the same dropout mask."""
+        monkeypatch.setenv("JAXSUB_DENSE_GELU", "1")
+        if not _ffi.dense_gelu_sm90():
+            pytest.skip("the GEMM with the GELU epilogue needs an sm_90 device and a CUTLASS build")
+        x, w, bias, w_out, dout = dense_gelu_inputs(81, lead, e, f, e2, dtype)
+        args = (x, w, bias, w_out, dout, jax.random.key(86))
+        run = lambda fused: jax.jit(lambda x, w, b, wo, d, k: dense_gelu_vjp(
+            x, w, b, wo, d, rate=0.1, key=k, approximate=approximate, fused=fused, library=True))
+        compiled = run(True).lower(*args).compile().as_text()
+        assert 'custom_call_target="jaxsub_dense_gelu_fwd"' in compiled
+        check_dense_gelu(run(True)(*args), run(False)(*args), dtype, e, f, math.prod(lead))
+
+    @pytest.mark.parametrize("lead,e,f,e2,dtype,rate", [
+        ((333,), 72, 136, 40, F16, 0.1), ((1, 5), 8, 8, None, BF16, 0.3), ((2, 130), 264, 1000, 24, BF16, 0.0),
+        ((129,), 1024, 4096, None, BF16, 0.1)])
+    def test_dense_gelu_epilogue_matches_cpu(self, monkeypatch, lead, e, f, e2, dtype, rate):
+        """Partial tiles in every direction (rows, the product's columns, the contracted
+        dim not a multiple of the 64 a tile reads): the GPU's values and gradients as the
+        CPU handler's, so every output element is written and the mask is indexed right."""
+        monkeypatch.setenv("JAXSUB_DENSE_GELU", "1")
+        if not _ffi.dense_gelu_sm90():
+            pytest.skip("the GEMM with the GELU epilogue needs an sm_90 device and a CUTLASS build")
+        x, w, bias, w_out, dout = dense_gelu_inputs(91, lead, e, f, e2, dtype)
+        args = (x, w, bias, w_out, dout, jax.random.key(96))
+        run = jax.jit(lambda x, w, b, wo, d, k: dense_gelu_vjp(x, w, b, wo, d, rate=rate, key=k, approximate=False))
+        want = run(*jax.device_put(args, jax.devices("cpu")[0]))
+        got = run(*jax.device_put(args, jax.devices()[0]))
+        check_dense_gelu(got, want, dtype, e, f, math.prod(lead))
+
     @pytest.mark.parametrize("approximate", [False, True])
     def test_dense_cuda_matches_cpu(self, approximate):
         """The backward kernel's second output (the forward's y, written again) at

@@ -382,21 +382,44 @@ class EncoderProblem(Problem):
         choices = self.check(selection).choices
         ext = {"x": x, "mask": mask, "keys": _keys(keys), "deterministic": bool(deterministic),
                "library": bool(library_products)}
-        gelu, ffn_out = STAGE_NAMES.index("bias_gelu_dropout"), STAGE_NAMES.index("ffn_out")
+        ffn_in, gelu, ffn_out = (STAGE_NAMES.index(n) for n in ("ffn_in", "bias_gelu_dropout", "ffn_out"))
         dense = recompute_gelu and self._dense_fits(choices[gelu].candidate, choices[ffn_out].candidate)
+        fused_in = ext["library"] and self._fused_in_fits(choices[ffn_in].candidate, choices[gelu].candidate, params)
         value, prev = {"x": x}, IN_LABEL
         for i, choice in enumerate(choices):
             cand = choice.candidate
             if cand.in_layout != prev:
                 value = relayout(value, prev, cand.in_layout)
-            if dense and i == gelu:
-                pass  # run with ffn_out below
+            if (fused_in and i == ffn_in) or (dense and i == gelu):
+                pass  # run with the stage after
+            elif fused_in and i == gelu:
+                value = self._dense_gelu(cand, params, value, ext, None)
             elif dense and i == ffn_out:
-                value = self._gelu_dense(choices[gelu].candidate, params, value, ext)
+                value = (self._dense_gelu(choices[gelu].candidate, params, value, ext, params["ffn_kernel"])
+                         if fused_in else self._gelu_dense(choices[gelu].candidate, params, value, ext))
             else:
                 value = self.run_stage(i, cand, params, value, ext)
             prev = cand.out_layout
         return value["y"]
+
+    def _fused_in_fits(self, ffn_in: Candidate, gelu: Candidate, params) -> bool:
+        """Whether ffn_in and bias_gelu_dropout can run as ops.dense_bias_gelu_dropout:
+        [B, S, E] into [B, S, F], no relayout between, 16-bit operands of one dtype."""
+        a = params["in_kernel"]
+        return (parse_label(ffn_in.in_layout)["h"] == TOKEN_LAYOUTS[0] and ffn_in.out_layout == gelu.in_layout
+                and parse_label(gelu.in_layout)["ffn"] == FFN_LAYOUTS[0] and _gemm.in_place_pays(a.dtype)
+                and a.dtype == self.spec.dtype and params["in_bias"].dtype == a.dtype)
+
+    def _dense_gelu(self, gelu_cand, p, v, ext, out_kernel):
+        """ffn_in and bias_gelu_dropout (and ffn_out, given its kernel) as one
+        ops.dense_bias_gelu_dropout: on an H200 one GEMM writes the GELU output."""
+        s = self.spec
+        a = v["a"] if s.pre_layer_norm else v["hm"]
+        out = ops.dense_bias_gelu_dropout(a, p["in_kernel"], p["in_bias"], rate=s.dropout_rate,
+                                          key=ext["keys"]["gelu"], approximate=s.approximate_gelu,
+                                          deterministic=ext["deterministic"], kernel_config=kernel_config(gelu_cand),
+                                          out_kernel=out_kernel, library_products=ext["library"])
+        return {"out" if out_kernel is not None else "ffn": out, "h": v["h"]}
 
     @staticmethod
     def _dense_fits(gelu: Candidate, ffn_out: Candidate) -> bool:

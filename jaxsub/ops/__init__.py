@@ -2,7 +2,7 @@
 
 from jaxsub.ops.dropout import dropout_mask
 from jaxsub.ops.norm import bias_dropout_residual_layer_norm, layer_norm
-from jaxsub.ops.gelu import bias_gelu_dropout, bias_gelu_dropout_dense
+from jaxsub.ops.gelu import bias_gelu_dropout, bias_gelu_dropout_dense, dense_bias_gelu_dropout
 from jaxsub.ops.bias import bias_add
 from jaxsub.ops.gemm import dense
 from jaxsub.ops.softmax import softmax_dropout
@@ -14,6 +14,7 @@ __all__ = [
     "bias_dropout_residual_layer_norm",
     "bias_gelu_dropout",
     "bias_gelu_dropout_dense",
+    "dense_bias_gelu_dropout",
     "bias_add",
     "dense",
     "softmax_dropout",

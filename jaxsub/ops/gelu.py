@@ -3,11 +3,16 @@
 y = dropout(gelu(x + bias)) in one pass over x: the pre-activation x + bias and the
 activation are never written to memory, and backward recomputes both from x, bias and
 the seed (the dropout mask is regenerated, not stored).
+
+`dense_bias_gelu_dropout` puts the product before it into the same call: on an H200 (opt-in,
+JAXSUB_DENSE_GELU=1) a GEMM whose epilogue writes both the product (for the backward) and
+the GELU output (cuda/dense_gelu.cu), so that the GELU pass over the product goes.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +142,75 @@ def _fused_dense_bwd(approximate, rate, kernel, library, res, dout):
 _fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
 
 
+# The product before the op in the same call (dense_gelu_fwd: y and the product h for the
+# backward), optionally followed by a product with a [F, E] weight whose backward writes y
+# again (as _fused_dense). Residuals: x, the weights, h, the bias and the seed; never y.
+
+
+def _dense_gelu_call(x2, w, bias, seed, *, approximate, rate):
+    shape = jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), x2.dtype)
+    return _ffi.call("jaxsub_dense_gelu_fwd", (shape, shape), x2, w, bias, seed, approximate=approximate,
+                     **_dropout.attrs(rate))
+
+
+def _product(a, b, library, *, trans_a=False, trans_b=False):
+    """op(a) @ op(b) for 2-D a, b: jaxsub's GEMM target (library) or XLA's."""
+    if library:  # no barrier: XLA may write a weight gradient straight into a scan's stack
+        return _gemm.gemm(a, b, trans_a=trans_a, trans_b=trans_b, barrier=False)
+    return jnp.matmul(a.T if trans_a else a, b.T if trans_b else b)
+
+
+def _dg_forward(x, w, bias, w_out, seed, approximate, rate, library):
+    y, h = _dense_gelu_call(x.reshape(-1, x.shape[-1]), w, bias, seed, approximate=approximate, rate=rate)
+    out = y if w_out is None else _product(y, w_out, library)
+    return out.reshape(*x.shape[:-1], out.shape[-1]), h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _dense_gelu(x, w, bias, w_out, seed, approximate, rate, kernel, library):
+    return _dg_forward(x, w, bias, w_out, seed, approximate, rate, library)[0]
+
+
+def _dense_gelu_fwd(x, w, bias, w_out, seed, approximate, rate, kernel, library):
+    out, h = _dg_forward(x, w, bias, w_out, seed, approximate, rate, library)
+    return out, (x, w, h, bias, w_out, seed)
+
+
+def _dense_gelu_bwd(approximate, rate, kernel, library, res, dout):
+    x, w, h, bias, w_out, seed = res
+    d2 = dout.reshape(h.shape[0], -1)
+    dy = d2 if w_out is None else _product(d2, w_out, library, trans_b=True)
+    dh, dbias, y = _bwd_call(dy, h, bias, seed, approximate=approximate, rate=rate, kernel=kernel,
+                             with_y=w_out is not None)
+    dw_out = None if w_out is None else _product(y, d2, library, trans_a=True)
+    x2 = x.reshape(h.shape[0], -1)
+    dx = _product(dh, w, library, trans_b=True).reshape(x.shape)
+    dw = _product(x2, dh, library, trans_a=True)
+    return dx, dw, dbias, dw_out, None
+
+
+_dense_gelu.defvjp(_dense_gelu_fwd, _dense_gelu_bwd)
+
+
+def _dense_gelu_unsupported(x, kernel, bias) -> str | None:
+    """Why dense_bias_gelu_dropout cannot run the dense_gelu_fwd target here (None: it can;
+    "" : off on this GPU, by default, which is not logged)."""
+    if x.size == 0 or kernel.size == 0:
+        return "zero-size input"
+    platform = jax.default_backend() if isinstance(x, jax.core.Tracer) else next(iter(x.devices())).platform
+    if platform == "cpu":
+        return None
+    if platform == "gpu" and os.environ.get("JAXSUB_DENSE_GELU") != "1":
+        return ""
+    if platform != "gpu" or not _ffi.dense_gelu_sm90():
+        return "the GEMM with the GELU epilogue needs an sm_90 GPU and a build with CUTLASS"
+    if x.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or bias.dtype != x.dtype:
+        return "the GEMM with the GELU epilogue takes bfloat16 or float16, the bias in x's dtype"
+    if kernel.shape[0] % 8 or kernel.shape[1] % 8:
+        return "the GEMM with the GELU epilogue needs both kernel dims multiples of 8"
+    return None
+
+
 # ---------------------------------------------------------------------------------------
 # Public function.
 
@@ -148,7 +222,7 @@ def _check_bool(name, value) -> bool:
 
 
 def _check_inputs(x, bias):
-    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    x = x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(x)
     bias = bias if isinstance(bias, jax.Array) else jnp.asarray(bias)
     if x.ndim < 1:
         raise ValueError(f"jaxsub.{_OP}: `x` must have rank >= 1, got shape {x.shape}")
@@ -248,3 +322,73 @@ def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, de
     library = (_check_bool("library_products", library_products) and _gemm.in_place_pays(x.dtype)
                and _gemm.supported(x, kernel))
     return _fused_dense(x, bias, kernel, seed, approximate, rate, config, library)
+
+
+def dense_bias_gelu_dropout(x, kernel, bias, *, rate, key, approximate=False, deterministic=False,
+                            kernel_config=None, out_kernel=None, library_products=False):
+    """`bias_gelu_dropout(x @ kernel, bias, ...)` (then `@ out_kernel`), the product and the
+    GELU in one call.
+
+    Args:
+      x: [..., E], float32, bfloat16 or float16.
+      kernel: [E, F], x's dtype.
+      bias, rate, key, approximate, deterministic, kernel_config: as bias_gelu_dropout's,
+        for the [..., F] product.
+      out_kernel: None, or [F, E2] in x's dtype: the result is then multiplied by it, and
+        the backward writes the GELU output again for out_kernel's gradient instead of
+        keeping it (as bias_gelu_dropout_dense: what a scanned stack wants).
+      library_products: the backward's products (and the product with out_kernel) through
+        jaxsub's GEMM target (`jaxsub.ops.dense`, for weights sliced from stacked layers in
+        a scan) rather than XLA's.
+
+    Returns:
+      [..., F] (or [..., E2]) in x's dtype: the values of `bias_gelu_dropout(dense(x,
+      kernel), bias, ...)` (the product rounded to x's dtype before the bias, as there),
+      up to the product's summation order; the same dropout mask
+      (`dropout_mask(key, (..., F), rate)`).
+
+    Target `jaxsub_dense_gelu_fwd` computes the forward in one call: on CPU in plain loops;
+    on an H200 with JAXSUB_DENSE_GELU=1 (bf16 or f16, E and F multiples of 8, the bias in
+    x's dtype) as one GEMM whose epilogue writes the product, kept for the backward, and
+    the GELU output (CUTLASS's sm90 GEMM with an epilogue of jaxsub's). That GEMM is off by
+    default: it measured slower than the two kernels apart (bench/NOTES.md, twenty-fourth
+    session). Otherwise on a GPU the product and bias_gelu_dropout run as separate ops (a
+    one-time log line where JAXSUB_DENSE_GELU=1 asked for the GEMM and it cannot run). The
+    backward is bias_gelu_dropout's kernel and the products' gradients.
+    """
+    name = f"dense_{_OP}"
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    kernel = kernel if isinstance(kernel, jax.Array) else jnp.asarray(kernel)
+    if x.ndim < 1:
+        raise ValueError(f"jaxsub.{name}: `x` must have rank >= 1, got shape {x.shape}")
+    if kernel.ndim != 2 or kernel.shape[0] != x.shape[-1]:
+        raise ValueError(f"jaxsub.{name}: `kernel` must have shape ({x.shape[-1]}, F), got {kernel.shape}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"jaxsub.{name}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
+    if kernel.dtype != x.dtype:
+        raise TypeError(f"jaxsub.{name}: `kernel` must have x's dtype ({x.dtype}), got {kernel.dtype}")
+    if jnp.shape(bias) != (kernel.shape[1],):
+        raise ValueError(f"jaxsub.{name}: `bias` must have shape ({kernel.shape[1]},) (kernel.shape[1]), "
+                         f"got {jnp.shape(bias)}")
+    # The op's checks and configuration for the product, [..., F].
+    product = jax.ShapeDtypeStruct((*x.shape[:-1], kernel.shape[1]), x.dtype)
+    _, bias, rate, approximate, seed, config, reason = _prepare(product, bias, rate, key, approximate, deterministic,
+                                                                kernel_config)
+    if out_kernel is not None:
+        out_kernel = out_kernel if isinstance(out_kernel, jax.Array) else jnp.asarray(out_kernel)
+        if out_kernel.ndim != 2 or out_kernel.shape[0] != kernel.shape[1]:
+            raise ValueError(f"jaxsub.{name}: `out_kernel` must have shape ({kernel.shape[1]}, E2), "
+                             f"got {out_kernel.shape}")
+        if out_kernel.dtype != x.dtype:
+            raise TypeError(f"jaxsub.{name}: `out_kernel` must have x's dtype ({x.dtype}), got {out_kernel.dtype}")
+    library = _check_bool("library_products", library_products) and _gemm.in_place_pays(x.dtype)
+    why = _dense_gelu_unsupported(x, kernel, bias)
+    if why is not None or reason is not None:
+        if why != "":
+            _ffi.fallback(name, why or reason, "the product and bias_gelu_dropout as separate ops")
+        h = _gemm.dense(x, kernel) if library else jnp.einsum("...e,ef->...f", x, kernel)
+        if out_kernel is None:
+            return bias_gelu_dropout(h, bias, rate=rate, key=key, approximate=approximate, kernel_config=kernel_config)
+        return bias_gelu_dropout_dense(h, bias, out_kernel, rate=rate, key=key, approximate=approximate,
+                                       kernel_config=kernel_config, library_products=library)
+    return _dense_gelu(x, kernel, bias, out_kernel, seed, approximate, rate, config, library)

@@ -1,0 +1,292 @@
+// Dense + bias + GELU + dropout in one GEMM (ABI.md: dense_gelu_fwd), CUDA: the GEMM's
+// epilogue writes the product h = x · w (rounded to T, for the backward) and
+// y = dropout(gelu(h + bias)), so the GELU kernel's read of h and its own pass go.
+//
+// The GEMM is CUTLASS's sm90 TMA warp-specialized ping-pong kernel (128 x 128 x 64 tiles,
+// clusters of 2 x 1: the fastest of five configurations at 4096 x 4096 x 1024, bench/NOTES.md
+// twenty-fourth session). The epilogue is an epilogue-visitor tree: the accumulator, stored
+// as h by CUTLASS's aux-store node and passed on; the bias, CUTLASS's row broadcast; and
+// GeluDropout below, which computes y from both with the keep decisions of every other
+// dropout kernel (philox.h: element index row * n + column).
+//
+// A file of its own in the GELU family (its CPU handler is in gelu_cpu.cc): CUTLASS's
+// headers are optional and its kernels take minutes to compile.
+// Built when CUTLASS's headers were found at configure time (JAXSUB_CUTLASS) and sm_90a
+// device code is built (JAXSUB_SM90A); dense_gelu_sm90() says whether this handler runs
+// on the current device. Python routes every other case to the gemm and
+// bias_gelu_dropout targets (jaxsub/ops/gelu.py), which compute the same values.
+#include <cstdlib>
+#include <string>
+
+#include "common.h"
+#include "gelu_math.h"
+#include "philox.h"
+
+#if defined(JAXSUB_CUTLASS) && defined(JAXSUB_SM90A)
+#define JAXSUB_DENSE_GELU 1
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#endif
+
+namespace jaxsub {
+
+#ifdef JAXSUB_DENSE_GELU
+namespace {
+
+using namespace cute;
+namespace fusion = cutlass::epilogue::fusion;
+
+struct GeluDropoutParams {
+  const uint32_t* seed = nullptr;  // [2] or [4]: the first two words
+  uint32_t threshold = 0;          // drop where the element's 16 random bits < threshold
+  float keep_scale = 1.f;          // 1 / (1 - rate)
+  int64_t n = 0;                   // columns of y: element (i, j) has index i * n + j
+  bool approximate = false;
+};
+
+// The epilogue node y = dropout(gelu(float(T(acc)) + bias)): the GELU kernel's arithmetic
+// on the h the aux node stores, so y is what bias_gelu_dropout gives for that h. Its two
+// children give the accumulator (after the aux store) and the bias, both as floats.
+template <class T>
+struct GeluDropout {
+  struct SharedStorage {};
+  using Arguments = GeluDropoutParams;
+  using Params = GeluDropoutParams;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE GeluDropout() {}
+  CUTLASS_HOST_DEVICE GeluDropout(Params const& p, SharedStorage const&) : params(p) {}
+  Params params;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(fusion::detail::ProducerLoadArgs<Args...> const&) {
+    return fusion::detail::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class CoordTensor>
+  struct ConsumerStoreCallbacks : fusion::detail::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, int64_t m0, int64_t n0, Params const& p)
+        : tCcD(c), row0(m0), col0(n0), params(p) {
+      seed[0] = p.seed[0];
+      seed[1] = p.seed[1];
+    }
+    CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates from the thread's first element
+    int64_t row0, col0;
+    Params const& params;
+    uint32_t seed[2];
+
+    // One loop body for the fragment's F elements, not F inlined copies. The collective
+    // unrolls its subtile loops around visit(); with this loop unrolled too, the kernel
+    // held 128 inlined Philox calls and ran 498 us at 4096 x 1024 x 4096 against the plain
+    // GEMM's 43, most likely because its epilogue no longer fit the instruction caches
+    // (not profiled; bench/NOTES.md, twenty-fourth session). v goes through a small
+    // per-thread array instead.
+    template <typename ElementAccumulator, typename ElementInput, int F>
+    CUTLASS_DEVICE cutlass::Array<T, F> visit(cutlass::Array<ElementAccumulator, F> const&, int epi_v, int epi_m,
+                                              int epi_n, cutlass::Array<ElementInput, F> const& acc,
+                                              cutlass::Array<ElementInput, F> const& bias) {
+      Tensor c = tCcD(_, _, _, epi_m, epi_n);
+      const uint32_t thr_hi = params.threshold << 16;
+      float v[F];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < F; ++i) v[i] = static_cast<float>(static_cast<T>(acc[i])) + static_cast<float>(bias[i]);
+      U32x4 w{0u, 0u, 0u, 0u};
+      uint64_t q_cached = ~uint64_t{0};
+#pragma unroll 1
+      for (int i = 0; i < F; ++i) {
+        float m = params.keep_scale;
+        if (params.threshold != 0) {
+          const auto mn = c(epi_v * F + i);
+          const uint64_t idx = static_cast<uint64_t>(row0 + get<0>(mn)) * static_cast<uint64_t>(params.n) +
+                               static_cast<uint64_t>(col0 + get<1>(mn));
+          // A thread's elements come in pairs of adjacent columns (the MMA's accumulator
+          // layout): one Philox call serves both.
+          if ((idx >> 3) != q_cached) {
+            q_cached = idx >> 3;
+            w = dropout_words(seed, q_cached);
+          }
+          m = lane_kept(w, static_cast<int>(idx & 7), thr_hi) ? params.keep_scale : 0.f;
+        }
+        v[i] = gelu(v[i], params.approximate) * m;
+      }
+      cutlass::Array<T, F> y;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < F; ++i) y[i] = static_cast<T>(v[i]);
+      return y;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<Args...> const& args) {
+    // tCcD's coordinates are relative to the thread's first element, whose absolute
+    // coordinate is the problem's extent less the residue CUTLASS passes for it.
+    const int64_t m0 = static_cast<int64_t>(get<0>(args.problem_shape_mnkl)) - get<0>(args.residue_tCcD);
+    const int64_t n0 = static_cast<int64_t>(get<1>(args.problem_shape_mnkl)) - get<1>(args.residue_tCcD);
+    return ConsumerStoreCallbacks<decltype(args.tCcD)>(args.tCcD, m0, n0, params);
+  }
+};
+
+template <class T>
+struct DenseGelu {
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Layout = cutlass::layout::RowMajor;  // x [m, k], w [k, n], y and h [m, n]
+  static constexpr int kAlign = 8;           // elements per 16 bytes
+  using Schedule = cutlass::epilogue::TmaWarpSpecialized;
+  using EpiTile = cutlass::epilogue::collective::EpilogueTileAuto;
+  using Desc = cutlass::epilogue::collective::detail::EpilogueDescriptor<Tile, EpiTile, T, T, Schedule>;
+  using AuxDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<Desc, Layout, T>;
+  using Aux = fusion::Sm90AuxStore<AuxDesc::Stages, typename Desc::EpilogueTile, T,
+                                   cutlass::FloatRoundStyle::round_to_nearest, typename AuxDesc::Stride,
+                                   typename AuxDesc::SmemLayoutAtom, typename AuxDesc::CopyOpR2S, kAlign>;
+  using Bias = fusion::Sm90RowBroadcast<0, Tile, T, float, Stride<_0, _1, int64_t>, kAlign>;
+  using Tree = fusion::Sm90EVT<GeluDropout<T>, fusion::Sm90EVT<Aux, fusion::Sm90AccFetch>, Bias>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, EpiTile, float, float, void, Layout, kAlign,
+      T, Layout, kAlign, Schedule, Tree>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, Layout, kAlign, T, Layout, kAlign, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static ffi::Error run(const char* op, cudaStream_t stream, int64_t m, int64_t n, int64_t k, const void* x,
+                        const void* w, const void* bias, void* y, void* h, const GeluDropoutParams& gp) {
+    using SA = typename Kernel::StrideA;
+    using SB = typename Kernel::StrideB;
+    using SD = typename Kernel::StrideD;
+    const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+    SA sa = cutlass::make_cute_packed_stride(SA{}, make_shape(mi, ki, 1));
+    SB sb = cutlass::make_cute_packed_stride(SB{}, make_shape(ni, ki, 1));
+    SD sd = cutlass::make_cute_packed_stride(SD{}, make_shape(mi, ni, 1));
+    typename AuxDesc::Stride saux = cutlass::make_cute_packed_stride(typename AuxDesc::Stride{}, make_shape(mi, ni, 1));
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {mi, ni, ki, 1},
+        {static_cast<const T*>(x), sa, static_cast<const T*>(w), sb},
+        {{// Tree: {children..., node}
+          {// Sm90EVT<Aux, AccFetch>: {AccFetch, Aux}
+           {},
+           {static_cast<T*>(h), saux}},
+          {static_cast<const T*>(bias), T(0), {}},
+          gp},
+         nullptr,
+         sd,
+         static_cast<T*>(y),
+         sd}};
+    Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return invalid(op, "CUTLASS cannot run this shape");
+    if (Gemm::get_workspace_size(args) != 0) return invalid(op, "the GEMM wants a workspace");
+    if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)
+      return invalid(op, "CUTLASS initialization failed");
+    if (gemm.run(stream) != cutlass::Status::kSuccess) return launch_status(op);
+    return launch_status(op);
+  }
+};
+
+bool sm90_device() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+}
+
+}  // namespace
+#endif
+
+// Whether the dense_gelu_fwd CUDA handler runs on the current device (module.cc).
+bool dense_gelu_sm90() {
+#ifdef JAXSUB_DENSE_GELU
+  return sm90_device();
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+// x: [m, k]; w: [k, n]; bias: [n]; seed: [2] or [4] -> y, h: [m, n]. T = bf16 or f16
+// throughout, k and n multiples of 8 (Python routes everything else elsewhere).
+ffi::Error DenseGeluFwd(cudaStream_t stream, bool approximate, uint32_t threshold, float keep_scale, ffi::AnyBuffer x,
+                        ffi::AnyBuffer w, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::AnyBuffer> h) {
+  const char* op = "dense_gelu_fwd";
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || bias.dimensions().size() != 1) return invalid(op, "x and w must be 2-D, bias 1-D");
+  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  if (wd[0] != k) return invalid(op, "w must be [k, n] for x [m, k]");
+  if (bias.dimensions()[0] != n) return invalid(op, "bias must be [n]");
+  if (y->element_count() != static_cast<size_t>(m * n) || h->element_count() != static_cast<size_t>(m * n))
+    return invalid(op, "y and h must be [m, n]");
+  if (seed.element_count() != 2 && seed.element_count() != 4) return invalid(op, "seed must have 2 or 4 words");
+  const auto t = x.element_type();
+  if (w.element_type() != t || bias.element_type() != t || y->element_type() != t || h->element_type() != t)
+    return invalid(op, "x, w, bias, y and h must have one dtype");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+#ifdef JAXSUB_DENSE_GELU
+  if (k % 8 != 0 || n % 8 != 0) return invalid(op, "k and n must be multiples of 8");
+  if (!aligned16(x.untyped_data()) || !aligned16(w.untyped_data()) || !aligned16(bias.untyped_data()) ||
+      !aligned16(y->untyped_data()) || !aligned16(h->untyped_data()))
+    return invalid(op, "buffers must be 16-byte aligned");
+  if (!sm90_device()) return invalid(op, "needs a compute capability 9.0 device");
+  const GeluDropoutParams gp{seed.typed_data(), threshold, keep_scale, n, approximate};
+  if (t == ffi::DataType::BF16)
+    return DenseGelu<cutlass::bfloat16_t>::run(op, stream, m, n, k, x.untyped_data(), w.untyped_data(),
+                                               bias.untyped_data(), y->untyped_data(), h->untyped_data(), gp);
+  if (t == ffi::DataType::F16)
+    return DenseGelu<cutlass::half_t>::run(op, stream, m, n, k, x.untyped_data(), w.untyped_data(),
+                                           bias.untyped_data(), y->untyped_data(), h->untyped_data(), gp);
+  return invalid(op, "unsupported dtype on CUDA (expected bfloat16 or float16)");
+#else
+  (void)stream, (void)approximate, (void)threshold, (void)keep_scale;
+  return invalid(op, "built without CUTLASS or sm_90a device code");
+#endif
+}
+
+}  // namespace
+}  // namespace jaxsub
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_dense_gelu_fwd, jaxsub::DenseGeluFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<bool>("approximate")
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Arg<ffi::AnyBuffer>()        // x
+                                  .Arg<ffi::AnyBuffer>()        // w
+                                  .Arg<ffi::AnyBuffer>()        // bias
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // seed
+                                  .Ret<ffi::AnyBuffer>()        // y
+                                  .Ret<ffi::AnyBuffer>(),       // h
+                              {ffi::Traits::kCmdBufferCompatible});
