@@ -48,6 +48,7 @@ struct GeluDropoutParams {
   float keep_scale = 1.f;          // 1 / (1 - rate)
   int64_t n = 0;                   // columns of y: element (i, j) has index i * n + j
   bool approximate = false;
+  bool quad = true;  // share Philox calls within quads where the layout allows (keep_mask)
 };
 
 // The epilogue node y = dropout(gelu(float(T(acc)) + bias)): the GELU kernel's arithmetic
@@ -100,41 +101,89 @@ struct GeluDropout {
     int64_t row0, col0;
     Params const& params;
     uint32_t seed[2];
+    bool quad_ok = false;  // quad_layout() of the tile's first fragment
 
-    // One loop body for the fragment's F elements, not F inlined copies. The collective
-    // unrolls its subtile loops around visit(); with this loop unrolled too, the kernel
-    // held 128 inlined Philox calls and ran 498 us at 4096 x 1024 x 4096 against the plain
-    // GEMM's 43, most likely because its epilogue no longer fit the instruction caches
-    // (not profiled; bench/NOTES.md, twenty-fourth session). v goes through a small
+    // Element k of the thread's fragment c: its index row * n + column in y.
+    template <class C>
+    CUTLASS_DEVICE uint64_t index_of(C const& c, int k) const {
+      const auto mn = c(k);
+      return static_cast<uint64_t>(row0 + get<0>(mn)) * static_cast<uint64_t>(params.n) +
+             static_cast<uint64_t>(col0 + get<1>(mn));
+    }
+
+    // Whether the fragment's elements sit as the MMA's accumulator layout puts them: pairs
+    // (2 p, 2 p + 1) of adjacent columns 2 q, 2 q + 1 of a group of eight, q the lane's index
+    // in its quad, and the quad's four lanes on the same rows and groups, so that the quad
+    // shares Philox calls (keep_mask). Checked on a tile's first fragment, warp-wide: the
+    // other fragments are the same partition moved by whole epilogue tiles.
+    template <int F, class C>
+    CUTLASS_DEVICE bool quad_layout(C const& c, int epi_v) const {
+      const int lane = static_cast<int>(threadIdx.x & 31), ql = lane & 3;
+      bool ok = true;
+#pragma unroll 1
+      for (int p = 0; p < F / 2; ++p) {
+        const uint64_t i0 = index_of(c, epi_v * F + 2 * p), i1 = index_of(c, epi_v * F + 2 * p + 1);
+        const uint64_t call = i0 >> 3;  // the same for the quad's four lanes
+        const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(call), lane & ~3);
+        const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(call >> 32), lane & ~3);
+        ok = ok && i1 == i0 + 1 && static_cast<int>((i0 & 7) >> 1) == ql && lo == static_cast<uint32_t>(call) &&
+             hi == static_cast<uint32_t>(call >> 32);
+      }
+      return __all_sync(0xffffffffu, ok);
+    }
+
+    // The keep decisions of the fragment's F elements, bit i for element i. With the quad
+    // layout each lane draws one Philox call per four of its pairs and the quad swaps
+    // words (step s: lane q takes word q of the call of lane (q + s) % 4), a quarter of the
+    // Philox work; otherwise each element's own call, the result the same either way.
+    template <int F, class C>
+    CUTLASS_DEVICE uint32_t keep_mask(C const& c, int epi_v, int epi_m, int epi_n) {
+      static_assert(F % 8 == 0 && F <= 32, "four pairs per quad step, one bit per element");
+      if (epi_v == 0 && epi_m == 0 && epi_n == 0) quad_ok = params.quad && quad_layout<F>(c, epi_v);
+      const uint32_t thr_hi = params.threshold << 16;
+      const int lane = static_cast<int>(threadIdx.x & 31), ql = lane & 3;
+      uint32_t bits = 0;
+      if (quad_ok) {
+#pragma unroll 1
+        for (int g = 0; g < F / 8; ++g) {
+          const U32x4 w = dropout_words(seed, index_of(c, epi_v * F + 2 * (4 * g + ql)) >> 3);
+          CUTLASS_PRAGMA_UNROLL
+          for (int s = 0; s < 4; ++s) {
+            const int src = (lane & ~3) | ((ql + s) & 3);
+            const uint32_t word = __shfl_sync(0xffffffffu, word_at(w, (ql - s) & 3), src);
+            const int e = 2 * (4 * g + ((ql + s) & 3));  // lanes 2 ql (low half) and 2 ql + 1
+            bits |= static_cast<uint32_t>((word << 16) >= thr_hi) << e;
+            bits |= static_cast<uint32_t>(word >= thr_hi) << (e + 1);
+          }
+        }
+        return bits;
+      }
+#pragma unroll 1
+      for (int i = 0; i < F; ++i) {
+        const uint64_t idx = index_of(c, epi_v * F + i);
+        bits |= static_cast<uint32_t>(lane_kept(dropout_words(seed, idx >> 3), static_cast<int>(idx & 7), thr_hi))
+                << i;
+      }
+      return bits;
+    }
+
+    // y for the fragment: one loop body for its F elements, not F inlined copies. The
+    // collective unrolls its subtile loops around visit(); with this loop unrolled too, the
+    // kernel held 128 inlined Philox calls and ran 498 us at 4096 x 1024 x 4096 against
+    // the plain GEMM's 43, most likely because its epilogue no longer fit the instruction
+    // caches (not profiled; bench/NOTES.md, twenty-fourth session). v goes through a small
     // per-thread array instead.
     template <typename ElementAccumulator, typename ElementInput, int F>
     CUTLASS_DEVICE cutlass::Array<T, F> visit(cutlass::Array<ElementAccumulator, F> const&, int epi_v, int epi_m,
                                               int epi_n, cutlass::Array<ElementInput, F> const& acc,
                                               cutlass::Array<ElementInput, F> const& bias) {
       Tensor c = tCcD(_, _, _, epi_m, epi_n);
-      const uint32_t thr_hi = params.threshold << 16;
+      const uint32_t keep = params.threshold != 0 ? keep_mask<F>(c, epi_v, epi_m, epi_n) : ~0u;
       float v[F];
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) v[i] = static_cast<float>(static_cast<T>(acc[i])) + static_cast<float>(bias[i]);
-      U32x4 w{0u, 0u, 0u, 0u};
-      uint64_t q_cached = ~uint64_t{0};
 #pragma unroll 1
-      for (int i = 0; i < F; ++i) {
-        float m = params.keep_scale;
-        if (params.threshold != 0) {
-          const auto mn = c(epi_v * F + i);
-          const uint64_t idx = static_cast<uint64_t>(row0 + get<0>(mn)) * static_cast<uint64_t>(params.n) +
-                               static_cast<uint64_t>(col0 + get<1>(mn));
-          // A thread's elements come in pairs of adjacent columns (the MMA's accumulator
-          // layout): one Philox call serves both.
-          if ((idx >> 3) != q_cached) {
-            q_cached = idx >> 3;
-            w = dropout_words(seed, q_cached);
-          }
-          m = lane_kept(w, static_cast<int>(idx & 7), thr_hi) ? params.keep_scale : 0.f;
-        }
-        v[i] = gelu(v[i], params.approximate) * m;
-      }
+      for (int i = 0; i < F; ++i) v[i] = gelu(v[i], params.approximate) * ((keep >> i & 1u) ? params.keep_scale : 0.f);
       cutlass::Array<T, F> y;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) y[i] = static_cast<T>(v[i]);
@@ -258,7 +307,11 @@ ffi::Error DenseGeluFwd(cudaStream_t stream, bool approximate, uint32_t threshol
       !aligned16(y->untyped_data()) || !aligned16(h->untyped_data()))
     return invalid(op, "buffers must be 16-byte aligned");
   if (!sm90_device()) return invalid(op, "needs a compute capability 9.0 device");
-  const GeluDropoutParams gp{seed.typed_data(), threshold, keep_scale, n, approximate};
+  // JAXSUB_DENSE_GELU_QUAD=0: every element draws its own Philox call (read per call: the
+  // GPU tests compare both ways).
+  const char* quad = std::getenv("JAXSUB_DENSE_GELU_QUAD");
+  const GeluDropoutParams gp{seed.typed_data(), threshold, keep_scale, n, approximate,
+                             !(quad != nullptr && std::string(quad) == "0")};
   if (t == ffi::DataType::BF16)
     return DenseGelu<cutlass::bfloat16_t>::run(op, stream, m, n, k, x.untyped_data(), w.untyped_data(),
                                                bias.untyped_data(), y->untyped_data(), h->untyped_data(), gp);

@@ -442,14 +442,17 @@ class TestCuda:
         assert 'custom_call_target="jaxsub_dense_gelu_fwd"' in compiled
         check_dense_gelu(run(True)(*args), run(False)(*args), dtype, e, f, math.prod(lead))
 
+    @pytest.mark.parametrize("quad", ["1", "0"])
     @pytest.mark.parametrize("lead,e,f,e2,dtype,rate", [
         ((333,), 72, 136, 40, F16, 0.1), ((1, 5), 8, 8, None, BF16, 0.3), ((2, 130), 264, 1000, 24, BF16, 0.0),
         ((129,), 1024, 4096, None, BF16, 0.1)])
-    def test_dense_gelu_epilogue_matches_cpu(self, monkeypatch, lead, e, f, e2, dtype, rate):
+    def test_dense_gelu_epilogue_matches_cpu(self, monkeypatch, lead, e, f, e2, dtype, rate, quad):
         """Partial tiles in every direction (rows, the product's columns, the contracted
         dim not a multiple of the 64 a tile reads): the GPU's values and gradients as the
-        CPU handler's, so every output element is written and the mask is indexed right."""
+        CPU handler's, so every output element is written and the mask is indexed right;
+        with the quads sharing Philox calls and (JAXSUB_DENSE_GELU_QUAD=0) without."""
         monkeypatch.setenv("JAXSUB_DENSE_GELU", "1")
+        monkeypatch.setenv("JAXSUB_DENSE_GELU_QUAD", quad)
         if not _ffi.dense_gelu_sm90():
             pytest.skip("the GEMM with the GELU epilogue needs an sm_90 device and a CUTLASS build")
         x, w, bias, w_out, dout = dense_gelu_inputs(91, lead, e, f, e2, dtype)
