@@ -322,12 +322,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
 bool use_sm90() {
 #ifdef JAXSUB_SM90A
   const char* off = std::getenv("JAXSUB_ATTENTION_SM90");  // read per call: tests compare both kernels
-  int dev = 0, major = 0, minor = 0;
-  if ((off != nullptr && std::string(off) == "0") || cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return false;
-  return major == 9 && minor == 0;
+  return !(off != nullptr && std::string(off) == "0") && device_is_sm90();
 #else
   return false;
 #endif

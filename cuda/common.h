@@ -360,6 +360,16 @@ inline ffi::Error launch_status(const char* op) {
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Whether the current device has compute capability 9.0 (Hopper: the sm_90a kernels).
+inline bool device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+}
 #endif  // __CUDACC__
 
 // The FFI attributes every attention-family target binds, in ABI.md's order (CUDA and CPU

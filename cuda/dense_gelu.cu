@@ -260,22 +260,13 @@ struct DenseGelu {
   }
 };
 
-bool sm90_device() {
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return false;
-  return major == 9 && minor == 0;
-}
-
 }  // namespace
 #endif
 
 // Whether the dense_gelu_fwd CUDA handler runs on the current device (module.cc).
 bool dense_gelu_sm90() {
 #ifdef JAXSUB_DENSE_GELU
-  return sm90_device();
+  return device_is_sm90();
 #else
   return false;
 #endif
@@ -306,7 +297,7 @@ ffi::Error DenseGeluFwd(cudaStream_t stream, bool approximate, uint32_t threshol
   if (!aligned16(x.untyped_data()) || !aligned16(w.untyped_data()) || !aligned16(bias.untyped_data()) ||
       !aligned16(y->untyped_data()) || !aligned16(h->untyped_data()))
     return invalid(op, "buffers must be 16-byte aligned");
-  if (!sm90_device()) return invalid(op, "needs a compute capability 9.0 device");
+  if (!device_is_sm90()) return invalid(op, "needs a compute capability 9.0 device");
   // JAXSUB_DENSE_GELU_QUAD=0: every element draws its own Philox call (read per call: the
   // GPU tests compare both ways).
   const char* quad = std::getenv("JAXSUB_DENSE_GELU_QUAD");
