@@ -412,7 +412,8 @@ class EncoderProblem(Problem):
 
     def _dense_gelu(self, gelu_cand, p, v, ext, out_kernel):
         """ffn_in and bias_gelu_dropout (and ffn_out, given its kernel) as one
-        ops.dense_bias_gelu_dropout: on an H200 one GEMM writes the GELU output."""
+        ops.dense_bias_gelu_dropout (on an H200 with JAXSUB_DENSE_GELU=1, one GEMM that writes
+        the GELU output)."""
         s = self.spec
         a = v["a"] if s.pre_layer_norm else v["hm"]
         out = ops.dense_bias_gelu_dropout(a, p["in_kernel"], p["in_bias"], rate=s.dropout_rate,
