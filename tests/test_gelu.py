@@ -371,7 +371,7 @@ def check_dense_gelu(got, want, dtype, e, f, rows, what=""):
             assert g is None, name
             continue
         assert g.dtype == v.dtype and g.shape == v.shape, name
-        assert_close(g, v, dtype, reduction=red * 4, grad=name != "out", what=f"{what}{name}")
+        assert_close(g, v, dtype, reduction=red, grad=name != "out", what=f"{what}{name}")
 
 
 @pytest.mark.parametrize("lead,e,f,e2,dtype,rate,approximate", [
