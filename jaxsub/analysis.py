@@ -84,6 +84,7 @@ _FUSED = {
     "jaxsub_attention_qkv_fwd": (CONTRACTION, None), "jaxsub_attention_qkv_bwd": (CONTRACTION, None),
     "jaxsub_bias_grad": (NORMALIZATION, 1),  # a column sum, classed like XLA's reduce_sum
     "jaxsub_gemm": (CONTRACTION, None),
+    "jaxsub_dense_gelu_fwd": (CONTRACTION, None),  # the product, then 7 per element of y
 }
 # Positions of each target's scratch results (ABI.md), not counted as moved bytes.
 _WORKSPACES = {"jaxsub_layer_norm_bwd": (-1,), "jaxsub_bdrln_bwd": (-1,), "jaxsub_bias_gelu_dropout_bwd": (2,),
@@ -163,6 +164,8 @@ def _fused_row(node):
     if target == "jaxsub_gemm":  # d [M, N] from a contraction over K
         a, trans_a = node.ins[0].shape, dict(node.params.get("attributes", ())).get("trans_a", False)
         flops = 2 * _size(results[0]) * (a[0] if trans_a else a[1])
+    elif target == "jaxsub_dense_gelu_fwd":  # y, h [M, N] from x [M, K]: the product and the GELU
+        flops = (2 * node.ins[0].shape[1] + _FUSED["jaxsub_bias_gelu_dropout_fwd"][1]) * _size(results[0])
     elif per_element is None:  # attention: q [B, Sq, H, D], k [B, Sk, H, D]; packed: out [B, S, H, D]
         bwd = "_bwd" in target
         if "_qkv_" in target:

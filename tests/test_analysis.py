@@ -211,6 +211,15 @@ def test_gelu_backward_counts_its_y_result_not_its_workspace():
     assert rows["dense"].bytes == rows["op"].bytes + 4 * 64 * 48
 
 
+def test_dense_gelu_is_a_contraction_with_its_bytes():
+    """dense_gelu_fwd: the product's flops plus the GELU's per element of y; it reads x, w,
+    bias and the seed and writes y and h."""
+    x, w, bias = _normal(14, (32, 24)), _normal(15, (24, 40)), _normal(16, (40,))
+    f = lambda x, w, b: ops.dense_bias_gelu_dropout(x, w, b, rate=0.1, key=jax.random.key(17))
+    (row,) = _rows(jaxsub.analyze(f, x, w, bias, compare_optimized=False), "jaxsub_dense_gelu_fwd")
+    assert row == (CON, 2 * 32 * 40 * 24 + 7 * 32 * 40, 4 * (32 * 24 + 24 * 40 + 40 + 2 * 32 * 40) + 8)
+
+
 def test_fused_attention_is_a_contraction_with_its_bytes():
     b, s, h, d = 2, 8, 2, 4
     q, k, v = (_normal(i, (b, s, h, d)) for i in (12, 13, 14))
