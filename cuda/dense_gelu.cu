@@ -126,7 +126,7 @@ struct GeluDropout {
         const uint64_t call = i0 >> 3;  // the same for the quad's four lanes
         const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(call), lane & ~3);
         const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(call >> 32), lane & ~3);
-        ok = ok && i1 == i0 + 1 && static_cast<int>((i0 & 7) >> 1) == ql && lo == static_cast<uint32_t>(call) &&
+        ok = ok && i1 == i0 + 1 && static_cast<int>(i0 & 7) == 2 * ql && lo == static_cast<uint32_t>(call) &&
              hi == static_cast<uint32_t>(call >> 32);
       }
       return __all_sync(0xffffffffu, ok);
