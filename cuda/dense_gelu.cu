@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "gelu_math.h"
+#include "gemm.h"
 #include "philox.h"
 
 #if defined(JAXSUB_CUTLASS) && defined(JAXSUB_SM90A)
@@ -266,7 +267,10 @@ struct DenseGelu {
     if (Gemm::get_workspace_size(args) != 0) return invalid(op, "the GEMM wants a workspace");
     if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess)
       return invalid(op, "CUTLASS initialization failed");
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return launch_status(op);
+    if (gemm.run(stream) != cutlass::Status::kSuccess) {
+      const cudaError_t e = cudaGetLastError();  // read and cleared: the launch failed either way
+      return ffi::Error::Internal(std::string(op) + ": CUTLASS launch failed: " + cudaGetErrorString(e));
+    }
     return launch_status(op);
   }
 };
@@ -288,20 +292,13 @@ namespace {
 // x: [m, k]; w: [k, n]; bias: [n]; seed: [2] or [4] -> y, h: [m, n]. T = bf16 or f16
 // throughout, k and n multiples of 8 (Python routes everything else elsewhere).
 ffi::Error DenseGeluFwd(cudaStream_t stream, bool approximate, uint32_t threshold, float keep_scale, ffi::AnyBuffer x,
-                        ffi::AnyBuffer w, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Result<ffi::AnyBuffer> h) {
+                        ffi::AnyBuffer w, ffi::AnyBuffer bias, ffi::Buffer<ffi::U32> seed,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h) {
   const char* op = "dense_gelu_fwd";
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || bias.dimensions().size() != 1) return invalid(op, "x and w must be 2-D, bias 1-D");
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
-  if (wd[0] != k) return invalid(op, "w must be [k, n] for x [m, k]");
-  if (bias.dimensions()[0] != n) return invalid(op, "bias must be [n]");
-  if (y->element_count() != static_cast<size_t>(m * n) || h->element_count() != static_cast<size_t>(m * n))
-    return invalid(op, "y and h must be [m, n]");
-  if (seed.element_count() != 2 && seed.element_count() != 4) return invalid(op, "seed must have 2 or 4 words");
+  GemmShape g;
+  if (auto e = check_dense_gelu(op, x, w, bias, seed, *y, *h, g); e.failure()) return e;
+  const int64_t m = g.m, k = g.k, n = g.n;
   const auto t = x.element_type();
-  if (w.element_type() != t || bias.element_type() != t || y->element_type() != t || h->element_type() != t)
-    return invalid(op, "x, w, bias, y and h must have one dtype");
   if (m == 0 || n == 0) return ffi::Error::Success();
 #ifdef JAXSUB_DENSE_GELU
   if (k % 8 != 0 || n % 8 != 0) return invalid(op, "k and n must be multiples of 8");

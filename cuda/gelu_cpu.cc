@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "gelu_math.h"
+#include "gemm.h"
 #include "philox.h"
 
 namespace jaxsub {
@@ -152,18 +153,10 @@ ffi::Error DenseGeluFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bi
                            bool approximate, uint32_t threshold, float keep_scale, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> h) {
   constexpr const char* op = "dense_gelu_fwd";
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return invalid(op, "x and w must be 2-D");
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
-  if (wd[0] != k) return invalid(op, "w must be [k, n] for x [m, k]");
-  if (bias.dimensions().size() != 1 || bias.dimensions()[0] != n) return invalid(op, "bias must be [n]");
-  if (seed.element_count() != seed_words(seed.element_count())) return invalid(op, "seed must have 2 words");
-  const auto t = x.element_type();
-  if (w.element_type() != t || bias.element_type() != t || y->element_type() != t || h->element_type() != t)
-    return invalid(op, "x, w, bias, y and h must have one dtype");
-  if (y->element_count() != static_cast<size_t>(m * n) || h->element_count() != static_cast<size_t>(m * n))
-    return invalid(op, "y and h must be [m, n]");
-  return dispatch_float<HostTypes>(t, op, [&](auto tt) {
+  GemmShape g;
+  if (auto e = check_dense_gelu(op, x, w, bias, seed, *y, *h, g); e.failure()) return e;
+  const int64_t m = g.m, k = g.k, n = g.n;
+  return dispatch_float<HostTypes>(x.element_type(), op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const T* xs = data<T>(x);
     const T* ws = data<T>(w);

@@ -36,6 +36,30 @@ inline ffi::Error check_gemm(const char* op, const ffi::AnyBuffer& a, const ffi:
   return ffi::Error::Success();
 }
 
+// dense_gelu_fwd's contract (ABI.md), shared by its CPU handler (gelu_cpu.cc) and CUDA
+// handler (dense_gelu.cu): x [m, k], w [k, n], bias [n], seed u32[2] or [4], y and h
+// [m, n], every float operand of one dtype.
+inline ffi::Error check_dense_gelu(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                                   const ffi::AnyBuffer& bias, const ffi::Buffer<ffi::U32>& seed,
+                                   const ffi::AnyBuffer& y, const ffi::AnyBuffer& h, GemmShape& g) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || bias.dimensions().size() != 1)
+    return invalid(op, "x and w must be 2-D, bias 1-D");
+  g.m = xd[0];
+  g.k = xd[1];
+  g.n = wd[1];
+  g.bias = true;
+  if (wd[0] != g.k) return invalid(op, "w must be [k, n] for x [m, k]");
+  if (bias.dimensions()[0] != g.n) return invalid(op, "bias must be [n]");
+  if (seed.element_count() != seed_words(seed.element_count())) return invalid(op, "seed must have 2 words");
+  const auto t = x.element_type();
+  if (w.element_type() != t || bias.element_type() != t || y.element_type() != t || h.element_type() != t)
+    return invalid(op, "x, w, bias, y and h must have one dtype");
+  if (y.element_count() != static_cast<size_t>(g.m * g.n) || h.element_count() != static_cast<size_t>(g.m * g.n))
+    return invalid(op, "y and h must be [m, n]");
+  return ffi::Error::Success();
+}
+
 // The algorithm the CUDA handler will use for a shape (gemm.cu; XLA's 256-byte aligned
 // buffers): cuBLASLt's heuristic offers up to eight, each is timed once per process on
 // scratch buffers and the fastest kept (JAXSUB_GEMM_TUNE=0: the heuristic's first).
