@@ -9,6 +9,10 @@
 // GeluDropout below, which computes y from both with the keep decisions of every other
 // dropout kernel (philox.h: element index row * n + column).
 //
+// Measured slower than the GEMM and the GELU kernel apart (149 against 96 us at BERT-large
+// size; bench/NOTES.md, twenty-fifth session), so Python runs it only when asked
+// (JAXSUB_DENSE_GELU=1).
+//
 // A file of its own in the GELU family (its CPU handler is in gelu_cpu.cc): CUTLASS's
 // headers are optional and its kernels take minutes to compile.
 // Built when CUTLASS's headers were found at configure time (JAXSUB_CUTLASS) and sm_90a
@@ -49,8 +53,52 @@ struct GeluDropoutParams {
   float keep_scale = 1.f;          // 1 / (1 - rate)
   int64_t n = 0;                   // columns of y: element (i, j) has index i * n + j
   bool approximate = false;
-  bool quad = true;  // share Philox calls within quads where the layout allows (keep_mask)
+  bool quad = true;  // share Philox calls within quads where the layout allows (fragment_math)
 };
+
+// One fragment's epilogue values: v (h + bias, then y), and its keep decisions, either as
+// bits (keep) or, with the quad layout (quad), as the Philox counters this lane draws.
+template <int F>
+struct FragmentArgs {
+  float v[F];
+  uint64_t calls[F / 8];
+  uint32_t keep;
+  bool quad;
+};
+
+// v = dropout(gelu(v)) for one fragment, out of line: one copy for all of a tile's
+// fragments, its loops unrolled so that the F / 8 Philox calls and the F GELU chains
+// overlap (one warp per scheduler runs the epilogue). With
+// a.quad each lane draws one call per four of its pairs and the quad swaps words (step s:
+// lane q takes word q of the call of lane (q + s) % 4): in the accumulator layout the
+// quad's four lanes hold the call's eight columns, 2 q and 2 q + 1 for lane q.
+template <bool kApproximate, int F>
+__device__ __noinline__ void fragment_math(FragmentArgs<F>& a, uint32_t s0, uint32_t s1, uint32_t thr_hi,
+                                           float keep_scale) {
+  uint32_t keep = a.keep;
+  if (a.quad) {
+    const int lane = static_cast<int>(threadIdx.x & 31), ql = lane & 3;
+    U32x4 w[F / 8];
+#pragma unroll
+    for (int g = 0; g < F / 8; ++g)
+      w[g] = philox4x32_10(U32x4{static_cast<uint32_t>(a.calls[g]), static_cast<uint32_t>(a.calls[g] >> 32), 0u, 0u},
+                           s0, s1);
+    keep = 0;
+#pragma unroll
+    for (int g = 0; g < F / 8; ++g) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int src = (lane & ~3) | ((ql + s) & 3);
+        const uint32_t word = __shfl_sync(0xffffffffu, word_at(w[g], (ql - s) & 3), src);
+        const int e = 2 * (4 * g + ((ql + s) & 3));  // lanes 2 ql (low half) and 2 ql + 1
+        keep |= static_cast<uint32_t>((word << 16) >= thr_hi) << e;
+        keep |= static_cast<uint32_t>(word >= thr_hi) << (e + 1);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < F; ++i) a.v[i] = gelu(a.v[i], kApproximate) * ((keep >> i & 1u) ? keep_scale : 0.f);
+}
 
 // The epilogue node y = dropout(gelu(float(T(acc)) + bias)): the GELU kernel's arithmetic
 // on the h the aux node stores, so y is what bias_gelu_dropout gives for that h. Its two
@@ -94,12 +142,12 @@ struct GeluDropout {
   template <class CoordTensor>
   struct ConsumerStoreCallbacks : fusion::detail::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, int64_t m0, int64_t n0, Params const& p)
-        : tCcD(c), row0(m0), col0(n0), params(p) {
+        : tCcD(c), base(static_cast<uint64_t>(m0) * static_cast<uint64_t>(p.n) + static_cast<uint64_t>(n0)), params(p) {
       seed[0] = p.seed[0];
       seed[1] = p.seed[1];
     }
     CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates from the thread's first element
-    int64_t row0, col0;
+    uint64_t base;  // the index of the thread's first element
     Params const& params;
     uint32_t seed[2];
     bool quad_ok = false;  // quad_layout() of the tile's first fragment
@@ -108,8 +156,8 @@ struct GeluDropout {
     template <class C>
     CUTLASS_DEVICE uint64_t index_of(C const& c, int k) const {
       const auto mn = c(k);
-      return static_cast<uint64_t>(row0 + get<0>(mn)) * static_cast<uint64_t>(params.n) +
-             static_cast<uint64_t>(col0 + get<1>(mn));
+      return base + static_cast<uint64_t>(get<0>(mn)) * static_cast<uint64_t>(params.n) +
+             static_cast<uint64_t>(get<1>(mn));
     }
 
     // Whether the fragment's elements sit as the MMA's accumulator layout puts them: pairs
@@ -133,32 +181,12 @@ struct GeluDropout {
       return __all_sync(0xffffffffu, ok);
     }
 
-    // The keep decisions of the fragment's F elements, bit i for element i. With the quad
-    // layout each lane draws one Philox call per four of its pairs and the quad swaps
-    // words (step s: lane q takes word q of the call of lane (q + s) % 4), a quarter of the
-    // Philox work; otherwise each element's own call, the result the same either way.
+    // The fallback keep decisions (each element's own Philox call, bit i for element i),
+    // where the fragment does not sit in the quad layout.
     template <int F, class C>
-    CUTLASS_DEVICE uint32_t keep_mask(C const& c, int epi_v, int epi_m, int epi_n) {
-      static_assert(F % 8 == 0 && F <= 32, "four pairs per quad step, one bit per element");
-      if (epi_v == 0 && epi_m == 0 && epi_n == 0) quad_ok = params.quad && quad_layout<F>(c, epi_v);
+    CUTLASS_DEVICE uint32_t keep_bits_apart(C const& c, int epi_v) const {
       const uint32_t thr_hi = params.threshold << 16;
-      const int lane = static_cast<int>(threadIdx.x & 31), ql = lane & 3;
       uint32_t bits = 0;
-      if (quad_ok) {
-#pragma unroll 1
-        for (int g = 0; g < F / 8; ++g) {
-          const U32x4 w = dropout_words(seed, index_of(c, epi_v * F + 2 * (4 * g + ql)) >> 3);
-          CUTLASS_PRAGMA_UNROLL
-          for (int s = 0; s < 4; ++s) {
-            const int src = (lane & ~3) | ((ql + s) & 3);
-            const uint32_t word = __shfl_sync(0xffffffffu, word_at(w, (ql - s) & 3), src);
-            const int e = 2 * (4 * g + ((ql + s) & 3));  // lanes 2 ql (low half) and 2 ql + 1
-            bits |= static_cast<uint32_t>((word << 16) >= thr_hi) << e;
-            bits |= static_cast<uint32_t>(word >= thr_hi) << (e + 1);
-          }
-        }
-        return bits;
-      }
 #pragma unroll 1
       for (int i = 0; i < F; ++i) {
         const uint64_t idx = index_of(c, epi_v * F + i);
@@ -168,37 +196,48 @@ struct GeluDropout {
       return bits;
     }
 
-    // v = dropout(gelu(v)) with the keep bits: two elements per iteration, so that two
-    // independent GELU chains overlap (one warp per scheduler runs the epilogue), and the
-    // GELU's form decided outside the loop.
-    template <bool kApproximate, int F>
-    CUTLASS_DEVICE void gelu_loop(float (&v)[F], uint32_t keep) const {
-#pragma unroll 2
-      for (int i = 0; i < F; ++i) v[i] = gelu(v[i], kApproximate) * ((keep >> i & 1u) ? params.keep_scale : 0.f);
-    }
-
-    // y for the fragment: one loop body for its F elements, not F inlined copies. The
-    // collective unrolls its subtile loops around visit(); with this loop unrolled too, the
-    // kernel held 128 inlined Philox calls and ran 498 us at 4096 x 1024 x 4096 against
-    // the plain GEMM's 43, most likely because its epilogue no longer fit the instruction
-    // caches (not profiled; bench/NOTES.md, twenty-fourth session). v goes through a small
-    // per-thread array instead.
+    // y for the fragment. The collective inlines visit() once per fragment of the tile
+    // (eight times at 128 x 128), so the arithmetic is one out-of-line copy
+    // (fragment_math) and only the values and the Philox counters are made here. With
+    // everything inlined the kernel held 16 248 instructions and ran 498 us at 4096 x 1024
+    // x 4096; with rolled loops inline 153 us; this way 149 us, against 46 for the GEMM
+    // alone and 82 for this epilogue without the GELU and the Philox calls
+    // (bench/NOTES.md, twenty-fourth and twenty-fifth sessions).
     template <typename ElementAccumulator, typename ElementInput, int F>
     CUTLASS_DEVICE cutlass::Array<T, F> visit(cutlass::Array<ElementAccumulator, F> const&, int epi_v, int epi_m,
                                               int epi_n, cutlass::Array<ElementInput, F> const& acc,
                                               cutlass::Array<ElementInput, F> const& bias) {
+      static_assert(F % 8 == 0 && F <= 32, "four pairs per quad step, one bit per element");
       Tensor c = tCcD(_, _, _, epi_m, epi_n);
-      const uint32_t keep = params.threshold != 0 ? keep_mask<F>(c, epi_v, epi_m, epi_n) : ~0u;
-      float v[F];
+      FragmentArgs<F> a;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < F; ++i) v[i] = static_cast<float>(static_cast<T>(acc[i])) + static_cast<float>(bias[i]);
+      for (int i = 0; i < F; ++i) a.v[i] = static_cast<float>(static_cast<T>(acc[i])) + static_cast<float>(bias[i]);
+      a.keep = ~0u;
+      a.quad = false;
+      if (params.threshold != 0) {
+        if (epi_v == 0 && epi_m == 0 && epi_n == 0) quad_ok = params.quad && quad_layout<F>(c, epi_v);
+        if (quad_ok) {
+          // Lane q draws the call of its pair 4 g + q (elements 8 g + 2 q, + 1): the indices
+          // of the four candidates are constants here, the lane picks one.
+          const int ql = static_cast<int>(threadIdx.x & 3);
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < F / 8; ++g) {
+            const uint64_t c0 = index_of(c, epi_v * F + 8 * g) >> 3, c1 = index_of(c, epi_v * F + 8 * g + 2) >> 3,
+                           c2 = index_of(c, epi_v * F + 8 * g + 4) >> 3, c3 = index_of(c, epi_v * F + 8 * g + 6) >> 3;
+            a.calls[g] = ql == 0 ? c0 : ql == 1 ? c1 : ql == 2 ? c2 : c3;
+          }
+          a.quad = true;
+        } else {
+          a.keep = keep_bits_apart<F>(c, epi_v);
+        }
+      }
       if (params.approximate)
-        gelu_loop<true>(v, keep);
+        fragment_math<true, F>(a, seed[0], seed[1], params.threshold << 16, params.keep_scale);
       else
-        gelu_loop<false>(v, keep);
+        fragment_math<false, F>(a, seed[0], seed[1], params.threshold << 16, params.keep_scale);
       cutlass::Array<T, F> y;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < F; ++i) y[i] = static_cast<T>(v[i]);
+      for (int i = 0; i < F; ++i) y[i] = static_cast<T>(a.v[i]);
       return y;
     }
   };
@@ -220,7 +259,7 @@ struct DenseGelu {
   using Layout = cutlass::layout::RowMajor;  // x [m, k], w [k, n], y and h [m, n]
   static constexpr int kAlign = 8;           // elements per 16 bytes
   using Schedule = cutlass::epilogue::TmaWarpSpecialized;
-  using EpiTile = cutlass::epilogue::collective::EpilogueTileAuto;
+  using EpiTile = cutlass::epilogue::collective::EpilogueTileAuto;  // 64 x 32: 64 x 64 measured no faster
   using Desc = cutlass::epilogue::collective::detail::EpilogueDescriptor<Tile, EpiTile, T, T, Schedule>;
   using AuxDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<Desc, Layout, T>;
   using Aux = fusion::Sm90AuxStore<AuxDesc::Stages, typename Desc::EpilogueTile, T,

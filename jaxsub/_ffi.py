@@ -84,7 +84,7 @@ def dense_gelu_enabled() -> bool:
     """Whether `ops.dense_bias_gelu_dropout` runs the dense_gelu_fwd target on the GPU:
     only when JAXSUB_DENSE_GELU=1 (read at trace time) and dense_gelu_sm90(). Off by
     default: its epilogue measured slower than the GEMM and the GELU kernel apart
-    (bench/NOTES.md, twenty-fourth session)."""
+    (bench/NOTES.md, twenty-fourth and twenty-fifth sessions)."""
     return os.environ.get("JAXSUB_DENSE_GELU") == "1" and dense_gelu_sm90()
 
 
