@@ -427,3 +427,50 @@ def test_pass_time_reports_both_stacks(capsys):
     assert pass_time.main(["--layers", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "2-layer stack" in out and "lax.scan" in out and "unrolled" in out and "match" in out
+
+
+_NCU_CSV = '''==PROF== Connected to process 4242 (/usr/bin/python3)
+jaxsub: one step run
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3","127.0.0.1","nvjet_sm90","1","13","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"
+"0","4242","python3","127.0.0.1","nvjet_sm90","1","13","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","524,288"
+"1","4242","python3","127.0.0.1","norm_fwd","1","13","(256, 1, 1)","(512, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","2.5"
+"1","4242","python3","127.0.0.1","norm_fwd","1","13","(256, 1, 1)","(512, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Kbyte","250"
+"1","4242","python3","127.0.0.1","norm_fwd","1","13","(256, 1, 1)","(512, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","9,000"
+==PROF== Disconnected from process 4242
+'''
+
+
+def test_step_dram_bytes_sums_ncu_csv(tmp_path):
+    tool = _tool("step_dram_bytes")
+    path = tmp_path / "jaxsub.csv"
+    path.write_text(_NCU_CSV)
+    got = tool.read_profile(str(path))
+    assert got == {"read": 1_048_576 + 2.5e6, "write": 524_288 + 250e3, "kernels": 2}
+    (tmp_path / "xla.csv").write_text(_NCU_CSV.replace('"2.5"', '"7.5"'))
+    table = tool.summarize([str(tmp_path / "xla.csv"), str(path)]).splitlines()
+    assert table[1].split()[:2] == ["xla.csv", "2"] and float(table[1].split()[-1]) == 1.0
+    want = (1_048_576 + 2.5e6 + 524_288 + 250e3) / (1_048_576 + 7.5e6 + 524_288 + 250e3)
+    assert abs(float(table[2].split()[-1]) - want) < 1e-3
+    (tmp_path / "empty.csv").write_text("==PROF== no kernels profiled\n")
+    with pytest.raises(ValueError, match="no dram__bytes"):
+        tool.read_profile(str(tmp_path / "empty.csv"))
+
+
+def test_step_dram_bytes_runs_from_the_compilation_cache(tmp_path):
+    """prepare fills the persistent cache; run loads the step from it and runs it once (on
+    CPU without a profiling range). Subprocesses: the cache setting is process-wide."""
+    import pathlib
+    import subprocess
+    import sys
+
+    tool = str(pathlib.Path(__file__).resolve().parents[1] / "tools" / "step_dram_bytes.py")
+    cache = str(tmp_path / "cc")
+    prep = subprocess.run([sys.executable, tool, "prepare", "--config", "small-b2s64-bf16", "--rows", "jaxsub",
+                           "--cache", cache], capture_output=True, text=True, timeout=600)
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    assert len(list(pathlib.Path(cache).iterdir())) > 0
+    run = subprocess.run([sys.executable, tool, "run", "--config", "small-b2s64-bf16", "--rows", "jaxsub",
+                          "--cache", cache], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "jaxsub: one step run" in run.stdout
