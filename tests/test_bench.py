@@ -458,8 +458,9 @@ def test_step_dram_bytes_sums_ncu_csv(tmp_path):
 
 
 def test_step_dram_bytes_runs_from_the_compilation_cache(tmp_path):
-    """prepare fills the persistent cache; run loads the step from it and runs it once (on
-    CPU without a profiling range). Subprocesses: the cache setting is process-wide."""
+    """prepare fills the persistent cache; run finds everything there (it adds no entry:
+    nothing compiles) and runs the step once (on CPU without a profiling range).
+    Subprocesses: the cache setting is process-wide."""
     import pathlib
     import subprocess
     import sys
@@ -469,8 +470,10 @@ def test_step_dram_bytes_runs_from_the_compilation_cache(tmp_path):
     prep = subprocess.run([sys.executable, tool, "prepare", "--config", "small-b2s64-bf16", "--rows", "jaxsub",
                            "--cache", cache], capture_output=True, text=True, timeout=600)
     assert prep.returncode == 0, prep.stderr[-2000:]
-    assert len(list(pathlib.Path(cache).iterdir())) > 0
+    entries = sorted(p.name for p in pathlib.Path(cache).iterdir())
+    assert entries
     run = subprocess.run([sys.executable, tool, "run", "--config", "small-b2s64-bf16", "--rows", "jaxsub",
                           "--cache", cache], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "jaxsub: one step run" in run.stdout
+    assert sorted(p.name for p in pathlib.Path(cache).iterdir()) == entries

@@ -352,9 +352,10 @@ def dense_bias_gelu_dropout(x, kernel, bias, *, rate, key, approximate=False, de
     x's dtype) as one GEMM whose epilogue writes the product, kept for the backward, and
     the GELU output (CUTLASS's sm90 GEMM with an epilogue of jaxsub's). That GEMM is off by
     default: it measured slower than the two kernels apart (149 against 96 us at
-    4096 x 1024 x 4096; bench/NOTES.md, twenty-fourth and twenty-fifth sessions). Otherwise on a GPU the product and bias_gelu_dropout run as separate ops (a
-    one-time log line where JAXSUB_DENSE_GELU=1 asked for the GEMM and it cannot run). The
-    backward is bias_gelu_dropout's kernel and the products' gradients.
+    4096 x 1024 x 4096; bench/NOTES.md, twenty-fourth and twenty-fifth sessions).
+    Otherwise on a GPU the product and bias_gelu_dropout run as separate ops (a one-time
+    log line where JAXSUB_DENSE_GELU=1 asked for the GEMM and it cannot run). The backward
+    is bias_gelu_dropout's kernel and the products' gradients.
     """
     name = f"dense_{_OP}"
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)
