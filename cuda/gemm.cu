@@ -153,8 +153,9 @@ uint32_t alignment(const void* p) {
 }
 
 // The shape of one call (device, dtype, m, n, k, transposes, bias in the epilogue, the
-// alignments of a, b and d); the algorithm chosen for it is kept per process (`choose`).
-using Key = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, bool, uint32_t, uint32_t, uint32_t>;
+// alignments of a, b and d (with c: the smaller of c's and d's), whether it adds c); the
+// algorithm chosen for it is kept per process (`choose`).
+using Key = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, bool, uint32_t, uint32_t, uint32_t, bool>;
 
 struct Chosen {
   lt::Heuristic h;
@@ -291,7 +292,7 @@ bool tuning_enabled() {
 // first stays unless another is at least 2% faster, which keeps the choice stable from
 // one process to the next. Any failure leaves the heuristic's first.
 int fastest(lt::Handle handle, ffi::DataType t, int64_t m, int64_t n, int64_t k, bool ta, bool tb, bool with_bias,
-            size_t workspace_bytes, const lt::Heuristic* cand, int count, float* times) {
+            bool with_c, size_t workspace_bytes, const lt::Heuristic* cand, int count, float* times) {
   for (int i = 0; i < count; ++i) times[i] = -1.f;
   if (count < 2) return 0;
   const size_t item = t == ffi::DataType::F32 ? 4 : 2;
@@ -316,7 +317,7 @@ int fastest(lt::Handle handle, ffi::DataType t, int64_t m, int64_t n, int64_t k,
   Descriptors ds;
   if (describe(ds, t, m, n, k, ta, tb, with_bias ? sc.p[3] : nullptr)) return 0;
   const lt::Api& f = lt::api();
-  const float alpha = 1.f, beta = 0.f;
+  const float alpha = 1.f, beta = with_c ? 1.f : 0.f;  // with c: accumulating into the result in place
   float best[kCandidates];
   bool usable[kCandidates];
   for (int i = 0; i < count; ++i) {  // one untimed run each: a candidate that fails is dropped
@@ -364,7 +365,7 @@ ffi::Error choose(lt::Handle handle, const Key& key, ffi::DataType t, size_t wor
     }
   }
   const int64_t m = std::get<2>(key), n = std::get<3>(key), k = std::get<4>(key);
-  const bool ta = std::get<5>(key), tb = std::get<6>(key), with_bias = std::get<7>(key);
+  const bool ta = std::get<5>(key), tb = std::get<6>(key), with_bias = std::get<7>(key), with_c = std::get<11>(key);
   Descriptors ds;
   // The heuristic sees the epilogue, not the data: any aligned address stands for the bias.
   lt::Status s = describe(ds, t, m, n, k, ta, tb, with_bias ? reinterpret_cast<const void*>(256) : nullptr);
@@ -380,7 +381,8 @@ ffi::Error choose(lt::Handle handle, const Key& key, ffi::DataType t, size_t wor
   const bool tune = enabled && (stream == nullptr || (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
                                                       capture == cudaStreamCaptureStatusNone &&
                                                       cudaStreamSynchronize(stream) == cudaSuccess));
-  const int pick = tune ? fastest(handle, t, m, n, k, ta, tb, with_bias, workspace_bytes, cand, found, times) : 0;
+  const int pick =
+      tune ? fastest(handle, t, m, n, k, ta, tb, with_bias, with_c, workspace_bytes, cand, found, times) : 0;
   *choice = cand[pick];
   Chosen chosen{cand[pick], pick, std::vector<float>(times, times + found)};
   if (report) *report = GemmTuning{pick, chosen.times};
@@ -399,18 +401,21 @@ lt::Handle handle_for(int device, lt::Status* s) {
 }
 
 Key make_key(int device, ffi::DataType t, int64_t m, int64_t n, int64_t k, bool ta, bool tb, bool epilogue_bias,
-             uint32_t al_a, uint32_t al_b, uint32_t al_d) {
-  return Key{device, static_cast<int>(t), m, n, k, ta, tb, epilogue_bias, al_a, al_b, al_d};
+             uint32_t al_a, uint32_t al_b, uint32_t al_d, bool with_c) {
+  return Key{device, static_cast<int>(t), m, n, k, ta, tb, epilogue_bias, al_a, al_b, al_d, with_c};
 }
 
-ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* b, const void* bias, void* d,
-               void* workspace, size_t workspace_bytes, int64_t m, int64_t n, int64_t k, bool ta, bool tb) {
+// d = op(a) op(b) (+ bias) (+ c): with c, cuBLASLt's C operand (beta = 1) in d's layout,
+// added in f32 in the epilogue with the bias before the one rounding.
+ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* b, const void* bias, const void* c,
+               void* d, void* workspace, size_t workspace_bytes, int64_t m, int64_t n, int64_t k, bool ta, bool tb) {
   const lt::Api& f = lt::api();
   if (!f.ok) return ffi::Error::Internal(std::string(kOp) + ": libcublasLt could not be loaded");
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return ffi::Error::Internal(std::string(kOp) + ": no CUDA device");
   const bool epilogue_bias = bias != nullptr && alignment(bias) >= 16;
-  const Key key = make_key(device, t, m, n, k, ta, tb, epilogue_bias, alignment(a), alignment(b), alignment(d));
+  const uint32_t al_d = c != nullptr ? std::min(alignment(c), alignment(d)) : alignment(d);
+  const Key key = make_key(device, t, m, n, k, ta, tb, epilogue_bias, alignment(a), alignment(b), al_d, c != nullptr);
   lt::Status s = 0;
   lt::Handle handle = handle_for(device, &s);
   if (handle == nullptr) return lt_error("cublasLtCreate", s);
@@ -418,33 +423,36 @@ ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* 
   if (ffi::Error e = choose(handle, key, t, workspace_bytes, stream, &choice); e.failure()) return e;
   Descriptors ds;
   if ((s = describe(ds, t, m, n, k, ta, tb, epilogue_bias ? bias : nullptr))) return lt_error("matmul descriptors", s);
-  const float alpha = 1.f, beta = 0.f;
-  s = f.matmul(handle, ds.desc, &alpha, b, ds.a, a, ds.b, &beta, d, ds.d, d, ds.d, &choice.algo, workspace,
-               workspace_bytes, stream);
+  const float alpha = 1.f, beta = c != nullptr ? 1.f : 0.f;
+  s = f.matmul(handle, ds.desc, &alpha, b, ds.a, a, ds.b, &beta, c != nullptr ? c : d, ds.d, d, ds.d, &choice.algo,
+               workspace, workspace_bytes, stream);
   if (s) return lt_error("cublasLtMatmul", s);
   return bias != nullptr && !epilogue_bias ? bias_kernel(stream, t, d, bias, m, n) : ffi::Error::Success();
 }
 
-ffi::Error Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
+ffi::Error Gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::AnyBuffer c,
                 ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace, bool trans_a, bool trans_b) {
   GemmShape g;
-  if (ffi::Error e = check_gemm(kOp, a, b, bias, *d, trans_a, trans_b, g); e.failure()) return e;
+  if (ffi::Error e = check_gemm(kOp, a, b, bias, c, *d, trans_a, trans_b, g); e.failure()) return e;
   if (g.m == 0 || g.n == 0) return ffi::Error::Success();
   const ffi::DataType t = a.element_type();
   const size_t item = t == ffi::DataType::F32 ? 4 : 2;
-  if (g.k == 0) {  // d = bias, or zeros
-    if (cudaMemsetAsync(d->untyped_data(), 0, item * g.m * g.n, stream) != cudaSuccess)
-      return ffi::Error::Internal(std::string(kOp) + ": memset failed");
+  if (g.k == 0) {  // d = c (+ bias), or bias, or zeros
+    const cudaError_t filled =
+        g.c ? cudaMemcpyAsync(d->untyped_data(), c.untyped_data(), item * g.m * g.n, cudaMemcpyDeviceToDevice, stream)
+            : cudaMemsetAsync(d->untyped_data(), 0, item * g.m * g.n, stream);
+    if (filled != cudaSuccess) return ffi::Error::Internal(std::string(kOp) + ": memset or copy failed");
     return g.bias ? bias_kernel(stream, t, d->untyped_data(), bias.untyped_data(), g.m, g.n) : ffi::Error::Success();
   }
   return run(stream, t, a.untyped_data(), b.untyped_data(), g.bias ? bias.untyped_data() : nullptr,
-             d->untyped_data(), workspace->untyped_data(), workspace->size_bytes(), g.m, g.n, g.k, trans_a, trans_b);
+             g.c ? c.untyped_data() : nullptr, d->untyped_data(), workspace->untyped_data(), workspace->size_bytes(),
+             g.m, g.n, g.k, trans_a, trans_b);
 }
 
 }  // namespace
 
 GemmTuning gemm_tune(const std::string& dtype, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, bool bias,
-                     int64_t workspace_bytes) {
+                     bool c, int64_t workspace_bytes) {
   GemmTuning r;
   const ffi::DataType t = dtype == "float32" ? ffi::DataType::F32
                           : dtype == "bfloat16" ? ffi::DataType::BF16
@@ -460,7 +468,7 @@ GemmTuning gemm_tune(const std::string& dtype, int64_t m, int64_t n, int64_t k, 
   lt::Handle handle = handle_for(device, &s);
   if (handle == nullptr) return r;
   // XLA's buffers, and the slices of them that reach the target, are 256-byte aligned.
-  const Key key = make_key(device, t, m, n, k, trans_a, trans_b, bias, 256, 256, 256);
+  const Key key = make_key(device, t, m, n, k, trans_a, trans_b, bias, 256, 256, 256, c);
   lt::Heuristic choice{};
   if (choose(handle, key, t, static_cast<size_t>(workspace_bytes), nullptr, &choice, &r).failure()) return GemmTuning{};
   return r;
@@ -476,6 +484,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_gemm, jaxsub::Gemm,
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Arg<ffi::AnyBuffer>()  // bias [n] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // c [m, n] or [0]
                                   .Ret<ffi::AnyBuffer>()  // d
                                   .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<bool>("trans_a")

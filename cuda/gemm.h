@@ -8,31 +8,35 @@
 
 namespace jaxsub {
 
-// d[m, n] = op(a) · op(b) (+ bias): a [m, k] or, trans_a, [k, m]; b [k, n] or, trans_b,
-// [n, k]; bias [n] or [0] (none); d [m, n]; all of one float dtype.
+// d[m, n] = op(a) · op(b) (+ bias) (+ c): a [m, k] or, trans_a, [k, m]; b [k, n] or,
+// trans_b, [n, k]; bias [n] or [0] (none); c [m, n] or [0] (none); d [m, n]; all of one
+// float dtype.
 struct GemmShape {
   int64_t m = 0, n = 0, k = 0;
-  bool bias = false;
+  bool bias = false, c = false;
 };
 
 inline ffi::Error check_gemm(const char* op, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-                             const ffi::AnyBuffer& bias, const ffi::AnyBuffer& d, bool trans_a, bool trans_b,
-                             GemmShape& g) {
-  auto ad = a.dimensions(), bd = b.dimensions(), dd = d.dimensions(), cd = bias.dimensions();
-  if (ad.size() != 2 || bd.size() != 2 || dd.size() != 2 || cd.size() != 1)
+                             const ffi::AnyBuffer& bias, const ffi::AnyBuffer& c, const ffi::AnyBuffer& d,
+                             bool trans_a, bool trans_b, GemmShape& g) {
+  auto ad = a.dimensions(), bd = b.dimensions(), dd = d.dimensions(), bsd = bias.dimensions(),
+       cd = c.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || dd.size() != 2 || bsd.size() != 1)
     return invalid(op, "a, b and d must be 2-D and bias 1-D");
   const auto t = a.element_type();
   if (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)
     return invalid(op, "unsupported dtype (expected float32, bfloat16 or float16)");
-  if (b.element_type() != t || d.element_type() != t || bias.element_type() != t)
-    return invalid(op, "a, b, bias and d must have one dtype");
+  if (b.element_type() != t || d.element_type() != t || bias.element_type() != t || c.element_type() != t)
+    return invalid(op, "a, b, bias, c and d must have one dtype");
   g.m = trans_a ? ad[1] : ad[0];
   g.k = trans_a ? ad[0] : ad[1];
   g.n = trans_b ? bd[0] : bd[1];
   if ((trans_b ? bd[1] : bd[0]) != g.k) return invalid(op, "the contracted dims of a and b differ");
   if (dd[0] != g.m || dd[1] != g.n) return invalid(op, "d must be [m, n]");
-  if (cd[0] != 0 && cd[0] != g.n) return invalid(op, "bias must be [n] or [0]");
-  g.bias = cd[0] != 0;
+  if (bsd[0] != 0 && bsd[0] != g.n) return invalid(op, "bias must be [n] or [0]");
+  g.bias = bsd[0] != 0;
+  g.c = !(cd.size() == 1 && cd[0] == 0);
+  if (g.c && (cd.size() != 2 || cd[0] != g.m || cd[1] != g.n)) return invalid(op, "c must be [m, n] or [0]");
   return ffi::Error::Success();
 }
 
@@ -60,9 +64,10 @@ inline ffi::Error check_dense_gelu(const char* op, const ffi::AnyBuffer& x, cons
   return ffi::Error::Success();
 }
 
-// The algorithm the CUDA handler will use for a shape (gemm.cu; XLA's 256-byte aligned
-// buffers): cuBLASLt's heuristic offers up to eight, each is timed once per process on
-// scratch buffers and the fastest kept (JAXSUB_GEMM_TUNE=0: the heuristic's first).
+// The algorithm the CUDA handler will use for a shape, with or without c (gemm.cu; XLA's
+// 256-byte aligned buffers): cuBLASLt's heuristic offers up to eight, each is timed once
+// per process on scratch buffers and the fastest kept (JAXSUB_GEMM_TUNE=0: the
+// heuristic's first).
 // index: the choice in the heuristic's order, -1 when there is no device or library;
 // times_us: each candidate's time, -1 where it was not timed. Declared here for the
 // Python module (module.cc), which calls it when a product is traced, before XLA may
@@ -72,6 +77,6 @@ struct GemmTuning {
   std::vector<float> times_us;
 };
 GemmTuning gemm_tune(const std::string& dtype, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, bool bias,
-                     int64_t workspace_bytes);
+                     bool c, int64_t workspace_bytes);
 
 }  // namespace jaxsub

@@ -73,17 +73,17 @@ PYBIND11_MODULE(_C, m) {
         "whether the dense_gelu_fwd target (CUTLASS GEMM with the GELU epilogue) runs on the current device");
   m.def(
       "gemm_tune",
-      [](const std::string& dtype, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, bool bias,
+      [](const std::string& dtype, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, bool bias, bool c,
          int64_t workspace_bytes) {
         jaxsub::GemmTuning r;
         {
           py::gil_scoped_release release;
-          r = jaxsub::gemm_tune(dtype, m, n, k, trans_a, trans_b, bias, workspace_bytes);
+          r = jaxsub::gemm_tune(dtype, m, n, k, trans_a, trans_b, bias, c, workspace_bytes);
         }
         return py::make_tuple(r.index, r.times_us);
       },
       py::arg("dtype"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("trans_a"), py::arg("trans_b"),
-      py::arg("bias"), py::arg("workspace_bytes"),
+      py::arg("bias"), py::arg("c"), py::arg("workspace_bytes"),
       "the gemm target's cuBLASLt algorithm for a shape on the current device, timed once per process "
       "(gemm.h): (index in the heuristic's order or -1, each candidate's us or -1)");
 #else

@@ -89,16 +89,16 @@ def dense_gelu_enabled() -> bool:
 
 
 @functools.cache
-def gemm_tune(dtype: str, m: int, n: int, k: int, trans_a: bool, trans_b: bool, bias: bool,
+def gemm_tune(dtype: str, m: int, n: int, k: int, trans_a: bool, trans_b: bool, bias: bool, c: bool,
               workspace_bytes: int) -> tuple[int, tuple[float, ...]]:
-    """The gemm target's cuBLASLt algorithm for a shape on the current GPU, timed among the
-    heuristic's candidates once per process (cuda/gemm.h): (index in the heuristic's order,
-    each candidate's µs or -1). (-1, ()) without a CUDA build or a GPU. Called while a
-    product is traced: XLA may later capture the call into a CUDA graph, where the handler
-    cannot time."""
+    """The gemm target's cuBLASLt algorithm for a shape (`c`: with a c operand) on the
+    current GPU, timed among the heuristic's candidates once per process (cuda/gemm.h):
+    (index in the heuristic's order, each candidate's µs or -1). (-1, ()) without a CUDA
+    build or a GPU. Called while a product is traced: XLA may later capture the call into
+    a CUDA graph, where the handler cannot time."""
     if not cuda_available():
         return -1, ()
-    index, times = _C.gemm_tune(dtype, m, n, k, trans_a, trans_b, bias, workspace_bytes)
+    index, times = _C.gemm_tune(dtype, m, n, k, trans_a, trans_b, bias, c, workspace_bytes)
     return int(index), tuple(float(t) for t in times)
 
 

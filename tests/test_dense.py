@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 
 import jaxsub
 from jaxsub import _ffi
-from jaxsub.ops.gemm import WORKSPACE_BYTES, gemm, reference_dense
+from jaxsub.ops.gemm import WORKSPACE_BYTES, dense_and_input, gemm, reference_dense
 from jaxsub.testing import assert_close
 
 op = jaxsub.ops.dense
@@ -79,6 +79,53 @@ def test_target_transposes(trans_a, trans_b, dtype):
     got = jax.jit(lambda a, b, c: gemm(a, b, c, trans_a=trans_a, trans_b=trans_b))(a, b, bias)
     want = reference_dense(a.T if trans_a else a, b.T if trans_b else b, bias)
     assert_close(got, want, dtype, reduction=k, what="d")
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_target_adds_c(trans_b, bias, dtype):
+    """The c operand is added with the bias before the one rounding: d = a b (+ bias) + c."""
+    m, k, n = 21, 17, 11
+    a, c = normal(71, (m, k), dtype), normal(72, (m, n), dtype)
+    b = normal(73, (n, k) if trans_b else (k, n), dtype)
+    bv = normal(74, (n,), dtype) if bias else None
+    got = jax.jit(lambda a, b, bv, c: gemm(a, b, bv, c, trans_b=trans_b))(a, b, bv, c)
+    prod = jnp.matmul(a.astype(F32), (b.T if trans_b else b).astype(F32), precision=jax.lax.Precision.HIGHEST)
+    want = (prod + (0 if bv is None else bv.astype(F32)) + c.astype(F32)).astype(dtype)
+    assert_close(got, want, dtype, reduction=k, what="d")
+
+
+def test_target_c_at_k_zero_and_bad_c():
+    """K = 0: d = c + bias. A c that is not [M, N] is the target's error, naming c."""
+    a, b = jnp.zeros((3, 0), F32), jnp.zeros((0, 4), F32)
+    bias, c = normal(75, (4,)), normal(76, (3, 4))
+    np.testing.assert_allclose(np.asarray(jax.jit(gemm)(a, b, bias, c)), np.asarray(c + bias), rtol=1e-6)
+    with pytest.raises(Exception, match="c must be"):
+        jax.block_until_ready(jax.jit(gemm)(normal(77, (3, 5)), normal(78, (5, 4)), None, normal(79, (4, 3))))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_dense_and_input_adds_the_other_gradient_in_the_product(dtype):
+    """dense_and_input(x, ...) = (dense(x, ...), x): the cotangent of the second output
+    (x's other uses) comes back added into dx, by the dx product's c operand (the lowered
+    gradient has no add of x-shaped arrays)."""
+    x, w, b, dy = inputs(81, (2, 9), 33, 17, dtype)
+    dx_other = normal(85, x.shape, dtype)
+
+    def run(f):
+        (y, x2), pull = jax.vjp(f, x, w, b)
+        return (y, x2, *pull((dy, dx_other)))
+
+    got = jax.jit(lambda: run(dense_and_input))()
+    want = jax.jit(lambda: run(lambda x, w, b: (reference_dense(x, w, b), x)))()
+    assert_close(got[0], want[0], dtype, reduction=33, what="y")
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(x))
+    for g, v, what in zip(got[2:], want[2:], ("dx", "dkernel", "dbias")):
+        assert_close(g, v, dtype, reduction=18, grad=True, what=what)
+    text = jax.jit(lambda x: run(lambda x, w, b: dense_and_input(x, w, b))[2]).lower(x).as_text()
+    assert not [line for line in text.splitlines() if "stablehlo.add" in line and "2x9x33x" in line]
+    assert text.count("@jaxsub_gemm") == 1  # dx with c (y and dkernel unused)
 
 
 def test_exact_on_integers():
@@ -204,6 +251,19 @@ class TestCuda:
     def test_bert_shapes(self, k, n):
         check(*jax.device_put(inputs(300 + n, (8, 512), k, n, BF16), jax.devices()[0]))
 
+    @pytest.mark.parametrize("m,k,n", [(7, 33, 5), (4096, 3072, 1024)])
+    def test_cuda_c_matches_cpu(self, m, k, n):
+        """The c operand (cuBLASLt's C, beta = 1), as the dx product of a post-LN layer's
+        q/k/v projection uses it (dense_and_input), against the CPU handler; its algorithm
+        is timed as a shape of its own."""
+        a, b, c = normal(21, (m, k), BF16), normal(22, (n, k), BF16, 1 / math.sqrt(k)), normal(23, (m, n), BF16)
+        f = jax.jit(lambda a, b, c: gemm(a, b, None, c, trans_b=True))
+        got = f(*jax.device_put((a, b, c), jax.devices()[0]))
+        want = f(*jax.device_put((a, b, c), jax.devices("cpu")[0]))
+        assert_close(got, want, BF16, reduction=k, what="d")
+        index, times = _ffi.gemm_tune("bfloat16", m, n, k, False, True, False, True, WORKSPACE_BYTES)
+        assert index >= 0 and len(times) >= 1
+
     @pytest.mark.parametrize("trans_a", [False, True])
     @pytest.mark.parametrize("trans_b", [False, True])
     def test_cuda_transposes_match_cpu(self, trans_a, trans_b):
@@ -222,7 +282,7 @@ class TestCuda:
         the call then runs it, with the reference's values."""
         x, w, b, dy = inputs(401, (8, 512), 1024, 4096, BF16)
         check(*jax.device_put((x, w, b, dy), jax.devices()[0]))
-        index, times = _ffi.gemm_tune("bfloat16", 8 * 512, 4096, 1024, False, False, True, WORKSPACE_BYTES)
+        index, times = _ffi.gemm_tune("bfloat16", 8 * 512, 4096, 1024, False, False, True, False, WORKSPACE_BYTES)
         assert index >= 0 and len(times) >= 1 and index < len(times)
         if len(times) > 1:
             assert 0 < times[index] <= times[0]

@@ -252,6 +252,50 @@ def test_post_ln_backward_has_one_add_of_token_gradients():
     assert len(grad_adds) == 1, grad_adds
 
 
+def _gemm_c_types(text: str) -> list:
+    """The c operand's type of each jaxsub_gemm call in lowered StableHLO text."""
+    return [line.rsplit(" : (", 1)[1].split(") ->")[0].split(", ")[3]
+            for line in text.splitlines() if "@jaxsub_gemm(" in line]
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_post_ln_library_products_add_the_input_gradient_in_the_dx_product(scan, monkeypatch):
+    """With library_products (bf16), the q/k/v projection hands the layer input on to the
+    first residual (ops.gemm.dense_and_input), so the residual's gradient is added into dx
+    by the dx product's c operand: no [B, S, E] add of gradients at all. In the scanned
+    stack the input is still read from its carry stack: the step stores the same
+    residuals as with the input passed to the residual directly."""
+    import jaxsub.flax.encoder as flax_encoder
+    from jaxsub import stack
+    from jaxsub.ops import gemm as gemm_mod
+
+    x = jnp.asarray(np.random.default_rng(19).standard_normal((B, S, E)), jnp.bfloat16)
+    kw = dict(num_heads=H, mlp_dim=F, dropout_rate=0.1, layouts="heuristic", dtype=jnp.bfloat16,
+              param_dtype=jnp.bfloat16)
+    module = Encoder(num_layers=2, **kw) if scan else EncoderLayer(**kw, library_products=True)
+    monkeypatch.setattr(flax_encoder, "_library", lambda _: True)
+    params = module.init(jax.random.key(20), x)["params"]
+    plans, plan = [], stack._plan
+    monkeypatch.setattr(stack, "_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+
+    def lowered():
+        def loss(p, x):
+            y = module.apply({"params": p}, x, None, False, rngs={"dropout": jax.random.key(21)})
+            return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+        return jax.jit(jax.grad(loss, (0, 1))).lower(params, x).as_text()
+
+    text = lowered()
+    assert not [line for line in text.splitlines() if "stablehlo.add" in line and f"{B}x{S}x{E}xbf16" in line]
+    assert f"tensor<{B * S}x{E}xbf16>" in _gemm_c_types(text)
+    if scan:
+        passing = plans[-1]
+        monkeypatch.setattr(gemm_mod, "dense_and_input", lambda a, k, b=None, axes=1: (
+            gemm_mod.dense(a, k, b, axes=axes), a))
+        assert f"tensor<{B * S}x{E}xbf16>" not in _gemm_c_types(lowered())
+        assert plans[-1] is not passing
+        assert passing.stored == plans[-1].stored and passing.sources == plans[-1].sources
+
+
 def _forward_targets(text: str, pattern: str) -> dict:
     import collections
     import re

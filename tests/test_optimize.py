@@ -406,6 +406,14 @@ def test_scan_attention_products_through_the_gemm_target(monkeypatch):
     text = grad.lower(ws, x).as_text()
     assert text.count("stablehlo.custom_call @jaxsub_gemm") == 6  # two products, forward and both gradients
     assert "@jaxsub_bias_add" not in text
+    # The layer input h is also the residual: the product hands it on (ops.gemm.dense_and_input),
+    # so the residual's gradient is added into dh by the dh product's c operand. The one
+    # [2, 8, 32] add left is the forward's residual add.
+    assert "its input's other uses read it from there" in str(report)
+    c_types = [ln.rsplit(" : (", 1)[1].split(") ->")[0].split(", ")[3] for ln in text.splitlines()
+               if "@jaxsub_gemm(" in ln]
+    assert c_types.count("tensor<16x32xbf16>") == 1
+    assert len([ln for ln in text.splitlines() if "stablehlo.add" in ln and "tensor<2x8x32xbf16>" in ln]) == 1
 
 
 def _gelu_writes_y(f, args):

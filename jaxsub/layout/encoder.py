@@ -162,13 +162,18 @@ def _residual(x, y, bias, rate, key):
     return x + y
 
 
-def _dense(ext, a, kernel, bias=None):
+def _dense(ext, a, kernel, bias=None, *, layer_input=False):
     """`ops.dense` of a's axes after B, S with the kernel's leading axes, where apply's
     library_products asks for it, the dtypes agree and are 16-bit; else None (the stage's
-    einsum)."""
+    einsum). layer_input: `a` is the layer's input, which the first residual reads again
+    (post-LN): ext["x"] becomes the copy `dense_and_input` hands on, so that the
+    residual's gradient is added into dx by the dx product."""
     if (not ext["library"] or not _gemm.in_place_pays(a.dtype) or a.dtype != kernel.dtype
             or (bias is not None and bias.dtype != a.dtype)):
         return None
+    if layer_input:
+        out, ext["x"] = _gemm.dense_and_input(a, kernel, bias, axes=a.ndim - 2)
+        return out
     return ops.dense(a, kernel, bias, axes=a.ndim - 2)
 
 
@@ -245,7 +250,7 @@ class EncoderProblem(Problem):
         if s.pre_layer_norm:
             a = ops.layer_norm(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon, kernel_config={})
         q = parse_label(cand.out_layout)["qkv"]
-        out = _dense(ext, a, p["qkv_kernel"], p["qkv_bias"]) if q == "BS3HD" else None
+        out = _dense(ext, a, p["qkv_kernel"], p["qkv_bias"], layer_input=not s.pre_layer_norm) if q == "BS3HD" else None
         if out is not None:  # the bias in the GEMM's epilogue
             return {"qkv": out}
         out = jnp.einsum(f"bse,ethd->{_ein(q)}", a, p["qkv_kernel"])

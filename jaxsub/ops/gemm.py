@@ -55,21 +55,23 @@ def reference_dense(x, kernel, bias=None, *, axes=1):
 # FFI call.
 
 
-def gemm(a, b, bias=None, *, trans_a=False, trans_b=False, barrier=True):
-    """d = op(a) · op(b) (+ bias) through the `jaxsub_gemm` target: a [M, K] ([K, M] with
-    trans_a), b [K, N] ([N, K] with trans_b), bias [N] or None, one dtype; d [M, N].
-    `barrier=False` leaves out the optimization barrier of `_ffi.call`, so that XLA may
-    write d straight into a dynamic-update-slice that is d's only user (a gradient
+def gemm(a, b, bias=None, c=None, *, trans_a=False, trans_b=False, barrier=True):
+    """d = op(a) · op(b) (+ bias) (+ c) through the `jaxsub_gemm` target: a [M, K] ([K, M]
+    with trans_a), b [K, N] ([N, K] with trans_b), bias [N] or None, c [M, N] or None
+    (cuBLASLt's C operand: added in the epilogue, before the one rounding), one dtype;
+    d [M, N]. `barrier=False` leaves out the optimization barrier of `_ffi.call`, so that
+    XLA may write d straight into a dynamic-update-slice that is d's only user (a gradient
     written into a scan's gradient stack)."""
     m = a.shape[1] if trans_a else a.shape[0]
     n = b.shape[0] if trans_b else b.shape[1]
     k = a.shape[0] if trans_a else a.shape[1]
     _ffi.gemm_tune(jnp.dtype(a.dtype).name, m, n, k, bool(trans_a), bool(trans_b), bias is not None,
-                   WORKSPACE_BYTES)
+                   c is not None, WORKSPACE_BYTES)
     bias = jnp.zeros((0,), a.dtype) if bias is None else bias
+    c = jnp.zeros((0,), a.dtype) if c is None else c
     d, _ = _ffi.call(_TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
-                     a, b, bias, trans_a=trans_a, trans_b=trans_b, barrier=barrier)
+                     a, b, bias, c, trans_a=trans_a, trans_b=trans_b, barrier=barrier)
     return d
 
 
@@ -94,10 +96,12 @@ def _forward(x, kernel, bias, axes):
     return gemm(x2, k2, None if bias is None else bias.reshape(-1)).reshape(_out_shape(x, kernel, axes))
 
 
-def _backward(axes, x, kernel, bias, dy):
+def _backward(axes, x, kernel, bias, dy, dx_other=None):
+    """The gradients; dx_other (x's shape) is added into dx by its product."""
     x2, k2 = _rows(x, kernel, axes)
     d2 = dy.reshape(x2.shape[0], k2.shape[1])
-    dx = gemm(d2, k2, trans_b=True, barrier=False).reshape(x.shape)
+    c = None if dx_other is None else dx_other.reshape(x2.shape)
+    dx = gemm(d2, k2, None, c, trans_b=True, barrier=False).reshape(x.shape)
     dkernel = gemm(x2, d2, trans_a=True, barrier=False).reshape(kernel.shape)
     return dx, dkernel, (None if bias is None else _bias.bias_grad(dy, bias))
 
@@ -118,6 +122,25 @@ def _dense_bias(x, kernel, bias, axes):
 
 _dense_bias.defvjp(lambda x, kernel, bias, axes: (_forward(x, kernel, bias, axes), (x, kernel, bias)),
                    lambda axes, res, dy: _backward(axes, *res, dy))
+
+
+# x returned as a second output: the cotangent of that output (x's other uses, summed) is
+# added into dx by the dx product's epilogue (cuBLASLt's C operand), not by an XLA add
+# kernel that reads both gradients and writes their sum (a post-LN layer's input feeds the
+# q/k/v projection and the first residual: ~6.5 µs per BERT-large layer at b8 x s512 on
+# an H200, bench/NOTES.md). bias may be None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dense_input(x, kernel, bias, axes):
+    return _forward(x, kernel, bias, axes), x
+
+
+def _dense_input_bwd(axes, res, ct):
+    dy, dx_other = ct
+    return _backward(axes, *res, dy, dx_other)
+
+
+_dense_input.defvjp(lambda x, kernel, bias, axes: ((_forward(x, kernel, bias, axes), x), (x, kernel, bias)),
+                    _dense_input_bwd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -203,3 +226,15 @@ def dense(x, kernel, bias=None, *, axes=1):
     if not supported(x, kernel):
         return reference_dense(x, kernel, bias, axes=axes)
     return _dense(x, kernel, axes) if bias is None else _dense_bias(x, kernel, bias, axes)
+
+
+def dense_and_input(x, kernel, bias=None, *, axes=1):
+    """(dense(x, kernel, bias, axes=axes), x): x handed on for its other uses, so that
+    their gradient is added into dx by the backward's dx product (in its epilogue, one
+    rounding) instead of by an add of XLA's after it. Internal to jaxsub's layers (a
+    post-LN layer's input feeds the q/k/v projection and the first residual); the
+    reference where `dense` would use it."""
+    x, kernel, bias = _check_inputs(x, kernel, bias, axes)
+    if not supported(x, kernel):
+        return reference_dense(x, kernel, bias, axes=axes), x
+    return _dense_input(x, kernel, bias, axes)

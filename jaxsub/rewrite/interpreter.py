@@ -57,7 +57,7 @@ def _remat(node, plan, vals):
 def run(g: G.Graph, plan: P.Plan, args):
     """The outputs of `g` on `args`, with `plan`'s matches replaced by fused ops. A match
     output given as `P.Copies` hands one copy to each node that reads it, in order (the
-    last copy to the rest)."""
+    last copy to the rest); a match returning `P.Rebound` also rebinds refs it read."""
     env = dict(zip(g.invars, args))
     handed = {}  # (ref, reading node) -> the copy it got
     given = {}   # ref -> copies handed out so far
@@ -82,6 +82,9 @@ def run(g: G.Graph, plan: P.Plan, args):
         vals = [read(r) for r in node.ins]
         if match is not None:
             outs = match.build(read)
+            if isinstance(outs, P.Rebound):
+                env.update(outs.values)
+                outs = outs.outs
         elif node.prim == G.SCAN:
             outs = _scan(node, plan.sub[node], vals)
         elif node.prim in G.REMAT:

@@ -49,6 +49,16 @@ class Copies(tuple):
     reach the fused op's backward separately instead of being added first."""
 
 
+@dataclasses.dataclass
+class Rebound:
+    """What a match's build returns when it also hands on new values for refs it read:
+    `outs`, the anchor's outputs, and `values` (ref -> value), which the nodes evaluated
+    after the anchor read instead (equal values: `ops.gemm.dense_and_input`'s copy of its
+    x, so that the gradients of x's later uses reach the product's backward)."""
+    outs: list
+    values: dict
+
+
 def consumers(g: G.Graph, ref) -> int:
     """How many distinct nodes read `ref` (a graph output counts as one more): the copies
     the interpreter would hand out. `g.uses` counts reads, twice for a node reading it twice."""

@@ -123,14 +123,23 @@ def _dense(g: G.Graph, plan: P.Plan) -> P.Plan:
                 or not _gemm.in_place_pays(node.outs[0].dtype)):
             continue
         x, w, bias = node.ins[0], node.ins[1], biased[1]
+        # x read again later (a post-LN layer's input, by the residual): those reads take
+        # the copy dense_and_input hands on, so that their gradient is added into dx by
+        # the dx product instead of by an XLA add.
+        shared = x.value is None and P.consumers(g, x) > 1
 
-        def build(read, x=x, w=w, bias=bias, k=k, attend=match.attrs["attend"]):
-            return attend(read, ops.dense(read(x), read(w), read(bias), axes=k))
+        def build(read, x=x, w=w, bias=bias, k=k, attend=match.attrs["attend"], shared=shared):
+            if not shared:
+                return attend(read, ops.dense(read(x), read(w), read(bias), axes=k))
+            y, again = _gemm.dense_and_input(read(x), read(w), read(bias), axes=k)
+            return P.Rebound(attend(read, y), {x: again})
 
         claimed.add(node)
         at[anchor] = dataclasses.replace(
             match, build=build, inputs={**match.inputs, "x": x, "w": w, "bias": bias},
-            description=f"{match.description}; the q/k/v product and its bias as one ops.dense")
+            description=f"{match.description}; the q/k/v product and its bias as one ops.dense"
+                        + ("; its input's other uses read it from there (their gradient added in the "
+                           "product's backward)" if shared else ""))
     for node in g.nodes:
         k = dense_axes(node)
         if (k is None or node in at or node in claimed or node in plan.skip
