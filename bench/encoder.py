@@ -50,10 +50,14 @@ flops, 335 GFLOP for the layer at 8 x 512; the cuDNN row is credited the same); 
 (flops / matmul rate) / time, the matmul rate measured in this run with a chain of 8192^3
 bf16 matmuls on a GPU (slope method), else the H200's 707 TFLOP/s from TARGETS.md (the
 header says which); XLA GB = "bytes accessed" of the compiled step from XLA's
-cost_analysis (custom calls counted by their operands and results; XLA counts a loop body
-once, whatever its trip count, so for the scanned stacks it is about one layer plus what
-lies outside the loop, not comparable with the single-layer rows); analyze GB =
-`jaxsub.analyze(step, *args)`'s analytic bytes, when jaxsub has `analyze`.
+cost_analysis, which counts nothing for a custom call (a program of one jaxsub call
+reports -1 bytes on CPU; the `EncoderLayer` step 0.017 GB on the H200), so for the jaxsub
+rows it is the bytes of XLA's own kernels only; XLA counts a loop body once, whatever its
+trip count, so for the scanned stacks it is about one layer plus what lies outside the
+loop, not comparable with the single-layer rows. analyze GB = `jaxsub.analyze(step,
+*args)`'s analytic bytes, each jaxpr equation (or fused op) counted by its operands and
+results, so for row a the unfused program's, not what XLA's fusions move. The DRAM bytes a
+step really moves: `tools/step_dram_bytes.py` (Nsight Compute).
 
 Before timing, each config is spot-checked without dropout: output y and the gradients
 (parameters, x) of every row against row a on the same parameters (Flax rows through
@@ -156,10 +160,9 @@ def cost_bytes(compiled) -> float | None:
 
 
 def analytic_bytes(step, args) -> tuple[float | None, object]:
-    """Hook for `jaxsub.analyze(fn, *args)` (jaxsub/analysis.py, being added separately):
-    (total bytes moved, its totals or why there are none). The total is read from the
-    report's `to_dict()` under "totals" -> "bytes", or a top-level "total_bytes"/"bytes";
-    adjust `_total_bytes` if the report names it otherwise."""
+    """`jaxsub.analyze(step, *args)`'s total bytes moved, and its totals or why there are
+    none (an older jaxsub without `analyze`, or a failure). The total is read from the
+    report's `to_dict()` under "totals" -> "bytes", or a top-level "total_bytes"/"bytes"."""
     analyze = getattr(jaxsub, "analyze", None)
     if analyze is None:
         return None, "jaxsub.analyze not available"

@@ -4,7 +4,8 @@
 (issue #5). So the step is compiled in a first process without `ncu`, into JAX's
 persistent compilation cache, and a second process under `ncu` loads it from there: it
 compiles nothing, and only the one step between cudaProfilerStart and cudaProfilerStop is
-profiled (`--profile-from-start off`), not the inputs' set-up or the GEMM tuning.
+profiled (`--profile-from-start off`), not the inputs' set-up or a first, warm-up step
+(which times the GEMM target's algorithms).
 
     python3 tools/step_dram_bytes.py prepare --config b8s512-bf16 --rows xla,jaxsub --cache /tmp/cc
     for row in xla jaxsub; do
@@ -15,14 +16,21 @@ profiled (`--profile-from-start off`), not the inputs' set-up or the GEMM tuning
     python3 tools/step_dram_bytes.py sum /tmp/xla.csv /tmp/jaxsub.csv
 
 `ncu` flushes the L2 before each kernel by default (`--cache-control all`), so each kernel's
-bytes are what it fetches from a cold cache: the same assumption as `jaxsub.analyze`'s
-count. `--cache-control none` keeps what earlier kernels left in the 50 MB L2 instead.
-Config and row names are bench.encoder's; `run` takes one row (one profile per file).
+reads are what it fetches from a cold cache (`jaxsub.analyze`'s assumption), but what it
+writes and leaves in the 50 MB L2 is counted nowhere. `--cache-control none` keeps the L2
+as the step leaves it: a kernel's reads of what earlier ones left there cost nothing, and
+their writes are counted when evicted, so the sum over the step is the step's DRAM traffic
+(up to the dirty lines left in the L2 at its end). On the H200 the two differ by 5%
+(bench/NOTES.md, twenty-sixth session). `prepare` also prints XLA's estimate and
+`jaxsub.analyze`'s count for each row. Config and row names are bench.encoder's; the jaxsub
+rows run with `--layouts` (the main job's "heuristic" by default); `run` takes one row
+(one profile per file).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import csv
 import ctypes
 import glob
@@ -59,8 +67,9 @@ def _use_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _step(config: str, row: str):
-    """The jitted step of bench.encoder's row at the config, and its arguments."""
+def _step(config: str, row: str, layouts: str):
+    """The jitted step of bench.encoder's row at the config (the jaxsub rows with
+    `layouts`, the main job's "heuristic" by default), and its arguments."""
     import jax
 
     from bench import encoder
@@ -71,34 +80,47 @@ def _step(config: str, row: str):
         raise SystemExit(f"step_dram_bytes: unknown --config {config!r}; one of {', '.join(sizes)}")
     if row not in ROWS:
         raise SystemExit(f"step_dram_bytes: unknown row {row!r}; one of {', '.join(ROWS)}")
-    cfg = sizes[config]
+    cfg = dataclasses.replace(sizes[config], layouts=layouts)
     params, x, dy, key = encoder.make_inputs(cfg, seed=0)
     impl = ROWS[row]
     step = jax.jit(encoder.make_step(impl.forward(cfg, False)))
     return step, (impl.to_row(params), x, dy, key)
 
 
-def prepare(config: str, rows: list[str], cache: str) -> None:
+def _mb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e6:.1f} MB"
+
+
+def prepare(config: str, rows: list[str], cache: str, layouts: str) -> None:
     import jax
+
+    from bench import encoder
 
     _use_cache(cache)
     for row in rows:
-        step, args = _step(config, row)
+        step, args = _step(config, row, layouts)
         t0 = time.perf_counter()
         jax.block_until_ready(step(*args))
         print(f"{row}: compiled and ran in {time.perf_counter() - t0:.1f} s")
+        # The two counts the measured bytes go beside (bench.encoder's columns).
+        xla = encoder.cost_bytes(step.lower(*args).compile())
+        analytic, _ = encoder.analytic_bytes(step, args)
+        print(f"{row}: bytes per step, XLA's estimate {_mb(xla)}, jaxsub.analyze {_mb(analytic)}")
     print(f"cache {cache}: {len(os.listdir(cache))} entries")
 
 
-def run(config: str, row: str, cache: str) -> None:
+def run(config: str, row: str, cache: str, layouts: str) -> None:
     import jax
 
     _use_cache(cache)
-    step, args = _step(config, row)
+    step, args = _step(config, row, layouts)
     t0 = time.perf_counter()
     compiled = step.lower(*args).compile()  # from the cache: seconds here mean it compiled
     print(f"{row}: lowered and loaded in {time.perf_counter() - t0:.1f} s")
-    jax.block_until_ready(args)
+    # One step outside the profiled range: jaxsub's GEMM target times cuBLASLt's candidate
+    # algorithms on its first call for each shape (cuda/gemm.cu), and those runs are not
+    # the step's traffic.
+    jax.block_until_ready(compiled(*args))
     lib = _cudart()
     if lib is None:
         print("step_dram_bytes: no CUDA runtime found for cudaProfilerStart; ncu sees the whole process")
@@ -152,15 +174,17 @@ def main(argv: list[str]) -> int:
         s.add_argument("--config", default="b8s512-bf16")
         s.add_argument("--rows", default="xla,jaxsub" if name == "prepare" else "xla")
         s.add_argument("--cache", required=True, help="the persistent compilation cache's directory")
+        s.add_argument("--layouts", choices=("none", "heuristic", "auto"), default="heuristic",
+                       help="the jaxsub rows' layouts= (bench.encoder's default: heuristic)")
     s = sub.add_parser("sum")
     s.add_argument("profiles", nargs="+", help="ncu --csv --print-units base output files")
     a = p.parse_args(argv)
     if a.cmd == "prepare":
-        prepare(a.config, a.rows.split(","), a.cache)
+        prepare(a.config, a.rows.split(","), a.cache, a.layouts)
     elif a.cmd == "run":
         if "," in a.rows:
             raise SystemExit("step_dram_bytes run: one row per profile")
-        run(a.config, a.rows, a.cache)
+        run(a.config, a.rows, a.cache, a.layouts)
     else:
         print(summarize(a.profiles))
     return 0
