@@ -252,12 +252,6 @@ def test_post_ln_backward_has_one_add_of_token_gradients():
     assert len(grad_adds) == 1, grad_adds
 
 
-def _gemm_c_types(text: str) -> list:
-    """The c operand's type of each jaxsub_gemm call in lowered StableHLO text."""
-    return [line.rsplit(" : (", 1)[1].split(") ->")[0].split(", ")[3]
-            for line in text.splitlines() if "@jaxsub_gemm(" in line]
-
-
 @pytest.mark.parametrize("scan", [False, True])
 def test_post_ln_library_products_add_the_input_gradient_in_the_dx_product(scan, monkeypatch):
     """With library_products (bf16), the q/k/v projection hands the layer input on to the
@@ -268,6 +262,7 @@ def test_post_ln_library_products_add_the_input_gradient_in_the_dx_product(scan,
     import jaxsub.flax.encoder as flax_encoder
     from jaxsub import stack
     from jaxsub.ops import gemm as gemm_mod
+    from test_optimize import gemm_c_types
 
     x = jnp.asarray(np.random.default_rng(19).standard_normal((B, S, E)), jnp.bfloat16)
     kw = dict(num_heads=H, mlp_dim=F, dropout_rate=0.1, layouts="heuristic", dtype=jnp.bfloat16,
@@ -286,12 +281,12 @@ def test_post_ln_library_products_add_the_input_gradient_in_the_dx_product(scan,
 
     text = lowered()
     assert not [line for line in text.splitlines() if "stablehlo.add" in line and f"{B}x{S}x{E}xbf16" in line]
-    assert f"tensor<{B * S}x{E}xbf16>" in _gemm_c_types(text)
+    assert f"tensor<{B * S}x{E}xbf16>" in gemm_c_types(text)
     if scan:
         passing = plans[-1]
         monkeypatch.setattr(gemm_mod, "dense_and_input", lambda a, k, b=None, axes=1: (
             gemm_mod.dense(a, k, b, axes=axes), a))
-        assert f"tensor<{B * S}x{E}xbf16>" not in _gemm_c_types(lowered())
+        assert f"tensor<{B * S}x{E}xbf16>" not in gemm_c_types(lowered())
         assert plans[-1] is not passing
         assert passing.stored == plans[-1].stored and passing.sources == plans[-1].sources
 

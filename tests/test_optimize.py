@@ -410,10 +410,14 @@ def test_scan_attention_products_through_the_gemm_target(monkeypatch):
     # so the residual's gradient is added into dh by the dh product's c operand. The one
     # [2, 8, 32] add left is the forward's residual add.
     assert "its input's other uses read it from there" in str(report)
-    c_types = [ln.rsplit(" : (", 1)[1].split(") ->")[0].split(", ")[3] for ln in text.splitlines()
-               if "@jaxsub_gemm(" in ln]
-    assert c_types.count("tensor<16x32xbf16>") == 1
+    assert gemm_c_types(text).count("tensor<16x32xbf16>") == 1
     assert len([ln for ln in text.splitlines() if "stablehlo.add" in ln and "tensor<2x8x32xbf16>" in ln]) == 1
+
+
+def gemm_c_types(text: str) -> list:
+    """The c operand's type of each jaxsub_gemm call in lowered StableHLO text."""
+    return [line.rsplit(" : (", 1)[1].split(") ->")[0].split(", ")[3]
+            for line in text.splitlines() if "@jaxsub_gemm(" in line]
 
 
 def _gelu_writes_y(f, args):
