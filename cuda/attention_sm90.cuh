@@ -229,18 +229,44 @@ __device__ __forceinline__ void bwd_cluster_dq(const AttnArgs& a, X x, int tiles
 //   MN-major), issued together while dSᵀ goes to shared memory; then dQ = dS K (A = dSᵀ
 //   MN-major, that is dS, B = K MN-major; warp w: queries 16 w ..) added to the f32
 //   workspace.
-// Shared memory: K, V, stage 0's Q and dO, dSᵀ, stage 1's Q and dO (swizzled tiles), then
-// per stage the tile's lse and delta, then the warps' keep words.
+// Shared memory: K, V, stage 0's Q and dO, dSᵀ, stage 1's Q and dO (swizzled tiles), at
+// D = 64 the permuted K, then per stage the tile's lse and delta, then the warps' keep words.
+// At D = 64 the accumulator path also keeps a copy of K with its columns permuted
+// (bwd_permute_k, below): 7 tiles (66 KB a block, still three per SM). At D = 128 the
+// eighth tile would leave room for one block per SM, so D = 128 adds float2 pairs.
+template <int D, bool kClusterDq>
+__host__ __device__ constexpr bool sm90_bwd_dq4() { return D == 64 && !kClusterDq; }
 template <int D>
-__host__ __device__ constexpr size_t sm90_bwd_tiles() { return 6 * static_cast<size_t>(kTile) * D * 2 + kTile * kTile * 2; }
+__host__ __device__ constexpr size_t sm90_bwd_tiles() {
+  return (D == 64 ? 7 : 6) * static_cast<size_t>(kTile) * D * 2 + kTile * kTile * 2;
+}
 template <int D>
 constexpr size_t sm90_bwd_smem() { return sm90_bwd_tiles<D>() + 2 * 2 * kTile * 4 + kWarps * kTile * 2; }
-// Blocks per multiprocessor: three at D = 64 (58 KB each, 168 registers), two at D = 128
+// Blocks per multiprocessor: three at D = 64 (66 KB each, 168 registers), two at D = 128
 // (106 KB). (Before the products were regrouped, ptxas serialized them at D = 64 for lack of
 // registers; two blocks of 198 registers without that measured slower: bench/NOTES.md,
 // "Hopper kernels". The general-mask kernel, kAnyMask, is still serialized.)
 template <int D>
 constexpr int sm90_bwd_min_blocks() { return D <= 64 ? 3 : 2; }
+
+// The dQ product's B operand, K with columns permuted inside each group of 16: column
+// 16 j + 8 h + 2 u + e of the copy holds column 16 j + 4 u + 2 h + e of K (j < D / 16,
+// h, e < 2, u < 4). The product's accumulator then gives thread tq of a quad columns
+// 16 j + 4 tq .. + 3 of its rows, adjacent, in c[8 j + 2 r + {0, 1}] and c[8 j + 4 + 2 r +
+// {0, 1}]: one 16-byte reduction (REDG.F32x4) where the plain layout needs two 8-byte
+// ones, and no shuffles (the eighth session's float4 version traded halves between lanes
+// and spilled). Word w of a 128-byte row: a warp copies one whole row, conflict-free.
+template <int D>
+__device__ __forceinline__ void bwd_permute_k(unsigned char* dst, const unsigned char* src) {
+  constexpr int kWords = D / 2;
+#pragma unroll 4
+  for (int idx = threadIdx.x; idx < kTile * kWords; idx += kThreads) {
+    const int row = idx / kWords, w = idx % kWords;
+    const int j = w / 8, h = (w / 4) & 1, u = w & 3;
+    *reinterpret_cast<uint32_t*>(dst + swz_offset(row, 2 * w)) =
+        *reinterpret_cast<const uint32_t*>(src + swz_offset(row, 16 * j + 4 * u + 2 * h));
+  }
+}
 
 //
 // kClusterDq (short sequences: at most two query tiles, Sq <= 128, so each tile keeps its
@@ -262,6 +288,8 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   auto q_s = [&](int st) { return smem + (st ? 4 * kTileBytes + kDsBytes : 2 * kTileBytes); };
   auto do_s = [&](int st) { return q_s(st) + kTileBytes; };
   unsigned char* ds_s = smem + 4 * kTileBytes;
+  constexpr bool kDq4 = sm90_bwd_dq4<D, kClusterDq>();
+  unsigned char* kp_s = smem + 6 * kTileBytes + kDsBytes;  // bwd_permute_k's copy (kDq4)
   float* lse_s = reinterpret_cast<float*>(smem + sm90_bwd_tiles<D>());  // [2][64]
   float* delta_s = lse_s + 2 * kTile;                                     // [2][64]
   uint16_t* keep_s = reinterpret_cast<uint16_t*>(delta_s + 2 * kTile);    // [4 warps][64]
@@ -293,6 +321,11 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   load_tile_swz<T, D, false>(v_s, vg, kblock, a.sk, row_stride);
   if (tiles > 0) load_query_tile(0, 0);
   cp_async_commit();
+  if constexpr (kDq4) {  // the dQ product reads the copy after the loop's barriers
+    cp_async_wait<0>();
+    __syncthreads();
+    bwd_permute_k<D>(kp_s, k_s);
+  }
 
   float dk[D / 2], dv[D / 2];  // [4 dn + e]: key quad + 8 (e / 2) of the warp, column 8 dn + 2 tq + e % 2
 #pragma unroll
@@ -358,7 +391,8 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     float c[D / 2];  // dQ of the warp's 16 queries: [4 dn + e] = query 16 warp + quad + 8 (e / 2), column 8 dn + 2 tq + e % 2
     wgmma_fence();
 #pragma unroll
-    for (int kc = 0; kc < 4; ++kc) wgmma_ss<T, D, true, true>(c, mnmajor(addr(ds_s), kc), mnmajor(addr(k_s), kc), kc > 0);
+    for (int kc = 0; kc < 4; ++kc)
+      wgmma_ss<T, D, true, true>(c, mnmajor(addr(ds_s), kc), mnmajor(addr(kDq4 ? kp_s : k_s), kc), kc > 0);
     wgmma_commit();
     wgmma_wait<0>();  // dV, dK and dQ: Q, dO and dSᵀ are free after this
 #pragma unroll
@@ -370,10 +404,18 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
       for (int r = 0; r < 2; ++r) {
         const int64_t i = qb + warp * 16 + quad + r * 8;
         if (i >= a.sq) continue;
-        float* dq_row = dqg + i * out_row + tq * 2;
+        if constexpr (kDq4) {  // columns 16 j + 4 tq .. + 3 (bwd_permute_k)
+          float* dq_row = dqg + i * out_row + tq * 4;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn)  // the scale: the dq kernel
-          atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]));
+          for (int j = 0; j < D / 16; ++j)
+            atomicAdd(reinterpret_cast<float4*>(dq_row + j * 16),
+                      make_float4(c[8 * j + 2 * r], c[8 * j + 2 * r + 1], c[8 * j + 4 + 2 * r], c[8 * j + 5 + 2 * r]));
+        } else {
+          float* dq_row = dqg + i * out_row + tq * 2;
+#pragma unroll
+          for (int dn = 0; dn < D / 8; ++dn)  // the scale: the dq kernel
+            atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[4 * dn + 2 * r], c[4 * dn + 2 * r + 1]));
+        }
       }
     }
     // dSᵀ and keep_s are rewritten next iteration only after its first barrier, which
