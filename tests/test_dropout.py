@@ -189,3 +189,53 @@ def test_gpu_mask_bit_identical_to_cpu():
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 def test_seed_words_padded_to_four_act_as_their_key_on_gpu():
     test_seed_words_padded_to_four_act_as_their_key()
+
+
+def saved_residuals(f, *args):
+    """What autodiff keeps for f's backward, as printed by jax.ad_checkpoint."""
+    import contextlib
+    import io
+
+    import jax.ad_checkpoint
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(f, *args)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("dtype,shape", [(jnp.float32, (3, 7, 5)), (jnp.bfloat16, (2, 130))])
+def test_residual_add_regenerates_its_mask(dtype, shape):
+    """The pre-LN residual x + dropout(y + bias) of jaxsub's layers: the values and
+    gradients of the jnp formula with dropout_mask, bit for bit, and no boolean mask kept
+    for the backward (the formula keeps one)."""
+    from jaxsub.ops.dropout import residual_add
+
+    ks = jax.random.split(jax.random.key(11), 4)
+    x, y = (jax.random.normal(k, shape).astype(dtype) for k in ks[:2])
+    bias = jax.random.normal(ks[2], shape[-1:]).astype(dtype)
+    key, rate = ks[3], 0.3
+
+    def formula(x, y, bias):
+        v = y + bias
+        keep = jaxsub.ops.dropout_mask(key, v.shape, rate)
+        return x + jnp.where(keep, v / jnp.asarray(1.0 - rate, v.dtype), jnp.zeros((), v.dtype))
+
+    def fused(x, y, bias):
+        return residual_add(x, y, bias, rate=rate, key=key)
+
+    def loss(fn):
+        w = jax.random.normal(jax.random.key(5), shape)
+        return jax.jit(lambda *a: (fn(*a).astype(jnp.float32) * w).sum())
+
+    np.testing.assert_array_equal(np.asarray(fused(x, y, bias), np.float32), np.asarray(formula(x, y, bias), np.float32))
+    got = jax.grad(loss(fused), argnums=(0, 1, 2))(x, y, bias)
+    want = jax.grad(loss(formula), argnums=(0, 1, 2))(x, y, bias)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert "bool" in saved_residuals(loss(formula), x, y, bias)
+    assert "bool" not in saved_residuals(loss(fused), x, y, bias)
+    # No key or rate 0: the plain sum.
+    for k, r in ((None, rate), (key, 0.0)):
+        np.testing.assert_array_equal(np.asarray(residual_add(x, y, bias, rate=r, key=k), np.float32),
+                                      np.asarray(x + (y + bias), np.float32))

@@ -108,6 +108,22 @@ def test_dropout_uses_the_rng(pre_layer_norm):
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.parametrize("pre_layer_norm", [False, True], ids=["post_ln", "pre_ln"])
+def test_no_dropout_mask_is_kept_for_the_backward(pre_layer_norm):
+    """Every dropout of the layer draws its mask again in the backward: nothing of the
+    activations' shape is kept as a boolean (the pre-LN residuals were an XLA select on a
+    mask before)."""
+    from test_dropout import saved_residuals
+
+    layer, x, params = _setup(seed=13, pre_layer_norm=pre_layer_norm)
+
+    def loss(p, x):
+        return jnp.sum(layer.apply({"params": p}, x, None, False, rngs={"dropout": jax.random.key(1)}) ** 2)
+
+    kept = [line for line in saved_residuals(loss, params, x).splitlines() if line.startswith("bool[")]
+    assert not [line for line in kept if line.startswith(f"bool[{B},{S},")], kept
+
+
 def test_bf16_smoke():
     layer, x, params = _setup(seed=11, dtype=jnp.bfloat16)
     y = jax.jit(lambda p, x: layer.apply({"params": p}, x, _key_padding()))(params, x)

@@ -46,6 +46,7 @@ from jaxsub import _ffi, ops
 from jaxsub.layout.problem import (
     Candidate, host_normal, Problem, Selection, Stage, Workload, config_str, parse_config, parse_label, relayout, transpose)
 from jaxsub.ops import attn as _attn
+from jaxsub.ops import dropout as _dropout
 from jaxsub.ops import gemm as _gemm
 from jaxsub.ops import norm as _norm
 
@@ -154,12 +155,9 @@ def _rowwise(layout: str, canonical: str, active: bool, fn, *arrays):
 
 
 def _residual(x, y, bias, rate, key):
-    """x + dropout(y + bias) (pre-LN), mask from ops.dropout_mask on y's shape."""
-    y = y + bias
-    if key is not None:
-        keep = ops.dropout_mask(key, y.shape, rate)
-        y = jnp.where(keep, y / jnp.asarray(1.0 - rate, y.dtype), jnp.zeros((), y.dtype))
-    return x + y
+    """x + dropout(y + bias) (pre-LN), mask from ops.dropout_mask on y's shape, drawn again
+    in the backward rather than kept."""
+    return _dropout.residual_add(x, y, bias, rate=rate, key=key)
 
 
 def _dense(ext, a, kernel, bias=None, *, layer_input=False):

@@ -10,6 +10,7 @@ mask in backward; nothing is stored.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -113,3 +114,53 @@ def apply_reference(v: jax.Array, keep, rate: float) -> jax.Array:
     if keep is None or rate == 0.0:
         return v
     return jnp.where(keep, v * keep_scale(rate), 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# The pre-LN residual, x + dropout(y + bias), for jaxsub's own layers (internal). Written
+# in jnp, autodiff would keep the boolean mask as a residual of the backward's select; here
+# the backward draws it again from the seed, as the fused kernels do.
+
+
+def _drop_bias(y, bias, keep, rate):
+    v = y + bias
+    return jnp.where(keep, v / jnp.asarray(1.0 - rate, v.dtype), jnp.zeros((), v.dtype))
+
+
+def _mask(seed, shape, rate):
+    return _ffi.call("jaxsub_dropout_mask", jax.ShapeDtypeStruct(shape, jnp.bool_), seed, threshold=threshold(rate))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _residual_add(x, y, bias, seed, rate):
+    return x + _drop_bias(y, bias, _mask(seed, y.shape, rate), rate)
+
+
+def _residual_add_fwd(x, y, bias, seed, rate):
+    # y's zero-size slice carries its dtype and shape to the backward without its values.
+    return _residual_add(x, y, bias, seed, rate), (bias, seed, y[..., :0])
+
+
+def _residual_add_bwd(rate, res, g):
+    bias, seed, y0 = res
+    shape = y0.shape[:-1] + (bias.shape[-1],)
+    keep = _mask(seed, shape, rate)
+    # The select's and the bias add's transposes, exactly as autodiff of the forward makes
+    # them (the forward's values are dead code for XLA).
+    _, vjp = jax.vjp(lambda y, b: _drop_bias(y, b, keep, rate), jnp.zeros(shape, y0.dtype), bias)
+    dy, dbias = vjp(g.astype(y0.dtype))
+    return g, dy, dbias, None
+
+
+_residual_add.defvjp(_residual_add_fwd, _residual_add_bwd)
+
+
+def residual_add(x, y, bias, *, rate, key):
+    """x + dropout(y + bias), the keep-mask `dropout_mask(key, y.shape, rate)` (no dropout
+    when key is None or rate is 0), in y's dtype before the add. The backward regenerates
+    the mask instead of keeping it. x and y have one shape; bias is y's last axis."""
+    if key is None or rate == 0.0:
+        return x + (y + bias)
+    if x.shape != y.shape or bias.shape != y.shape[-1:]:
+        raise ValueError(f"jaxsub.residual_add: x {x.shape}, y {y.shape} and bias {bias.shape} do not fit")
+    return _residual_add(x, y, bias, seed_from_key("residual_add", key), check_rate("residual_add", rate))
