@@ -328,10 +328,14 @@ bool use_sm90() {
 #endif
 }
 // use_sm90() for one call's views: the wgmma kernels address a thread's rows of a tile
-// with 32-bit byte offsets (load_tile_swz), so every row stride stays below 2^24 elements.
+// with 32-bit byte offsets (load_tile_swz), so every row stride stays below 2^24 elements;
+// the backward at D = 64 adds dQ with 16-byte reductions (sm90_bwd_dq4), so its f32
+// accumulator, when there is one, starts on 16 bytes (XLA's buffers do; the mma.sync
+// kernel takes any other).
 bool use_sm90(const AttnArgs& a, int d) {
   constexpr int64_t kMaxStride = int64_t{1} << 24;
-  return a.qkv_row < kMaxStride && a.grad_row < kMaxStride && a.h * d < kMaxStride && use_sm90();
+  return a.qkv_row < kMaxStride && a.grad_row < kMaxStride && a.h * d < kMaxStride &&
+         (a.dq_acc == nullptr || aligned16(a.dq_acc)) && use_sm90();
 }
 
 // The forward for a's views, pointers and attributes: out [B, Sq, H, D], lse [B, H, Sq].
