@@ -137,19 +137,20 @@ def _residual_add(x, y, bias, seed, rate):
 
 
 def _residual_add_fwd(x, y, bias, seed, rate):
-    # y's zero-size slice carries its dtype and shape to the backward without its values.
-    return _residual_add(x, y, bias, seed, rate), (bias, seed, y[..., :0])
+    # Zero-size slices of x and y carry their dtypes and y's shape to the backward without
+    # their values.
+    return _residual_add(x, y, bias, seed, rate), (bias, seed, x[..., :0], y[..., :0])
 
 
 def _residual_add_bwd(rate, res, g):
-    bias, seed, y0 = res
+    bias, seed, x0, y0 = res
     shape = y0.shape[:-1] + (bias.shape[-1],)
     keep = _mask(seed, shape, rate)
     # The select's and the bias add's transposes, exactly as autodiff of the forward makes
     # them (the forward's values are dead code for XLA).
     _, vjp = jax.vjp(lambda y, b: _drop_bias(y, b, keep, rate), jnp.zeros(shape, y0.dtype), bias)
     dy, dbias = vjp(g.astype(y0.dtype))
-    return g, dy, dbias, None
+    return g.astype(x0.dtype), dy, dbias, None
 
 
 _residual_add.defvjp(_residual_add_fwd, _residual_add_bwd)
