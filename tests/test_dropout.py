@@ -1,9 +1,12 @@
 """dropout_mask: the C++ Philox4x32-10 keep-mask against an independent NumPy Philox that
 is itself pinned to the published Random123 known-answer vectors."""
 
+import contextlib
+import io
 import math
 
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -193,11 +196,6 @@ def test_seed_words_padded_to_four_act_as_their_key_on_gpu():
 
 def saved_residuals(f, *args):
     """What autodiff keeps for f's backward, as printed by jax.ad_checkpoint."""
-    import contextlib
-    import io
-
-    import jax.ad_checkpoint
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(f, *args)

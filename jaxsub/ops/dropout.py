@@ -94,6 +94,11 @@ def seed_from_key(op: str, key) -> jax.Array:
 NO_SEED = np.zeros((2,), np.uint32)
 
 
+def _mask(seed, shape, rate):
+    """The keep-mask of `shape` for seed words (the `jaxsub_dropout_mask` target)."""
+    return _ffi.call("jaxsub_dropout_mask", jax.ShapeDtypeStruct(shape, jnp.bool_), seed, threshold=threshold(rate))
+
+
 def dropout_mask(key, shape, rate) -> jax.Array:
     """The boolean keep-mask the fused kernels use for a logical tensor of `shape`.
 
@@ -104,9 +109,7 @@ def dropout_mask(key, shape, rate) -> jax.Array:
     shape = tuple(int(d) for d in shape)
     if rate == 0.0:
         return jnp.ones(shape, jnp.bool_)
-    seed = seed_from_key("dropout_mask", key)
-    return _ffi.call("jaxsub_dropout_mask", jax.ShapeDtypeStruct(shape, jnp.bool_), seed,
-                     threshold=threshold(rate))
+    return _mask(seed_from_key("dropout_mask", key), shape, rate)
 
 
 def apply_reference(v: jax.Array, keep, rate: float) -> jax.Array:
@@ -125,10 +128,6 @@ def apply_reference(v: jax.Array, keep, rate: float) -> jax.Array:
 def _drop_bias(y, bias, keep, rate):
     v = y + bias
     return jnp.where(keep, v / jnp.asarray(1.0 - rate, v.dtype), jnp.zeros((), v.dtype))
-
-
-def _mask(seed, shape, rate):
-    return _ffi.call("jaxsub_dropout_mask", jax.ShapeDtypeStruct(shape, jnp.bool_), seed, threshold=threshold(rate))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
