@@ -5,7 +5,9 @@
 // One kernel template serves both ops (kResidual selects BDRLN): a row is read once into
 // registers, statistics are two-pass on those registers, and the backward recomputes the
 // BDRLN input h = residual + dropout(x + bias) instead of storing it, so the forward
-// writes only y and the per-row (mean, rstd).
+// writes only y and the per-row (mean, rstd), and h itself only where the caller keeps it
+// (a pre-LN layer's residual stream). Both backwards take an optional cotangent of h (of x
+// for layer norm), added to the gradient they compute for it.
 #include "common.h"
 #include "philox.h"
 #include "rows.cuh"
@@ -27,6 +29,9 @@ struct NormPtrs {
   float* rstd;           // [R]
   float* workspace;      // [C, K, N] f32 (backward)
   const void* dy2 = nullptr;  // [R, N] T or null (BDRLN backward): a second cotangent of y, added to dy
+  void* h = nullptr;          // [R, N] T or null (BDRLN forward): the normalized row h, written too
+  const void* dh = nullptr;   // [R, N] T or null (backward): a cotangent of h itself (layer norm: of x),
+                              // added to the layer norm's gradient of h
 };
 
 // BDRLN: h = residual + dropout(x + bias) for row r, in place of the x tile (layer norm:
@@ -87,9 +92,11 @@ __device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, 
 }
 
 // One row's backward inputs as loaded (BDRLN: the next row's, loaded while this one is worked on).
-template <typename T, int VEC, int NV, bool kResidual>
+// kDh: the call passed a cotangent of h (p.dh); a template parameter, so that the kernels
+// without one keep their registers (the raw tile would stay live across the prefetch).
+template <typename T, int VEC, int NV, bool kResidual, bool kDh>
 struct BwdRow {
-  RawTile<T, VEC, NV> x, dy, dy2, res;
+  RawTile<T, VEC, NV> x, dy, dy2, res, dh;
   float mean = 0.f, rstd = 0.f;
 
   __device__ __forceinline__ void load(const NormPtrs& p, int64_t r, int64_t rows, int64_t n) {
@@ -100,7 +107,20 @@ struct BwdRow {
       load_raw<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, res);
       if (p.dy2 != nullptr) load_raw<T, VEC, NV>(static_cast<const T*>(p.dy2) + r * n, n, valid, dy2);
     }
+    if constexpr (kDh) load_raw<T, VEC, NV>(static_cast<const T*>(p.dh) + r * n, n, valid, dh);
     mean = valid ? p.mean[r] : 0.f, rstd = valid ? p.rstd[r] : 0.f;
+  }
+
+  // h's own cotangent (p.dh), or zeros without one.
+  __device__ __forceinline__ void extra(Tile<VEC, NV>& t) const {
+    if constexpr (kDh) {
+      unpack(dh, t);
+      return;
+    }
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) t.v[v][e] = 0.f;
   }
 
   // The row's cotangent: dy, plus dy2 where the caller passed one.
@@ -141,6 +161,9 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), norm_fwd_min_blocks(
     Tile<VEC, NV> h;
     uint32_t keep;
     load_h<T, VEC, NV, kResidual>(p, pf32, r, n, valid, threshold, keep_scale, seed, h, keep);
+    if constexpr (kResidual) {
+      if (p.h != nullptr) store_tile<T, VEC, NV>(static_cast<T*>(p.h) + r * n, n, valid, h);
+    }
     float s = 0.f;
 #pragma unroll
     for (int v = 0; v < NV; ++v)
@@ -187,7 +210,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), norm_fwd_min_blocks(
 // 25.0 -> 22.0 us at [4096, 1024] bf16, ncu). Layer norm loads each row when it gets to
 // it: with the prefetch it needed more than 64 registers (two 512-thread blocks per SM)
 // and ran slower (16.3 -> 17.8-18.3 us in two ncu runs).
-template <typename T, int VEC, int NV, bool kResidual>
+template <typename T, int VEC, int NV, bool kResidual, bool kDh>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     norm_bwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, uint32_t threshold, float keep_scale) {
   constexpr int K = kResidual ? 3 : 2;
@@ -205,15 +228,16 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   const float inv_n = 1.f / static_cast<float>(n);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   constexpr bool kPrefetch = kResidual;
-  BwdRow<T, VEC, NV, kResidual> row;
+  BwdRow<T, VEC, NV, kResidual, kDh> row;
   if constexpr (kPrefetch) row.load(p, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, rows, n);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t r = base + threadIdx.y;
     const bool valid = r < rows;
     if constexpr (!kPrefetch) row.load(p, r, rows, n);
-    Tile<VEC, NV> h, d, g, res;
+    Tile<VEC, NV> h, d, g, res, dh_in;
     unpack(row.x, h);
     row.cotangent(p, d);
+    row.extra(dh_in);
     if constexpr (kResidual) unpack(row.res, res);
     const float mean = row.mean, rstd = row.rstd;
     if constexpr (kPrefetch) row.load(p, r + stride, rows, n);
@@ -238,7 +262,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const float xhat = h.v[v][e], dyv = d.v[v][e];
-        const float dh = rstd * (dyv * g.v[v][e] - s1 - xhat * s2);
+        const float dh = rstd * (dyv * g.v[v][e] - s1 - xhat * s2) + dh_in.v[v][e];
         acc[K - 2].v[v][e] += dyv * xhat;
         acc[K - 1].v[v][e] += dyv;
         if constexpr (kResidual) {
@@ -285,7 +309,8 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
   const bool pf32 = a.prm == ffi::DataType::F32;
   return dispatch_float<DeviceTypes>(a.t, a.op, [&](auto tt) {
     using T = typename decltype(tt)::type;
-    const bool aligned = all_aligned({p.dy, p.dy2, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual});
+    const bool aligned =
+        all_aligned({p.dy, p.dy2, p.dh, p.x, p.bias, p.residual, p.scale, p.ln_bias, p.y, p.dresidual, p.h});
     // Defaults. Forward: layer norm up to 32 elements per thread (a 16-bit row of 1024 is
     // one warp, 4 vectors per thread), BDRLN 16 (see norm_fwd_min_blocks). Backward: 8
     // (16-bit) / 16 (f32) as before; four or five [NV][VEC] f32 tiles (column partials,
@@ -300,7 +325,8 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       if constexpr (kBackward) {
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
-        auto kernel = norm_bwd_kernel<T, VEC, NV, kResidual>;
+        auto kernel = p.dh != nullptr ? norm_bwd_kernel<T, VEC, NV, kResidual, true>
+                                      : norm_bwd_kernel<T, VEC, NV, kResidual, false>;
         const int blocks = partial_blocks(kernel, a.rows, c, smem, a.workspace_rows);
         kernel<<<blocks, block, smem, stream>>>(p, pf32, a.rows, a.cols, a.threshold, a.keep_scale);
         status = launch_check(a.op, "norm_bwd_kernel", c, blocks, smem);
@@ -327,6 +353,18 @@ ffi::Error check_rows(const char* op, const Rows& rc, std::initializer_list<cons
   return ffi::Error::Success();
 }
 
+// An optional [R, N] operand or result: empty ([0], none), or x's dtype and R * N elements.
+ffi::Error check_optional_rows(const char* op, const char* what, const Rows& rc, ffi::DataType t,
+                               const ffi::AnyBuffer& b) {
+  if (b.element_count() == 0 ||
+      (static_cast<int64_t>(b.element_count()) == rc.rows * rc.cols && b.element_type() == t))
+    return ffi::Error::Success();
+  return invalid(op, std::string(what) + " must be empty or have the dtype and shape of x");
+}
+
+// Its data, or null where it is empty.
+void* optional_data(const ffi::AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
+
 // x: [R, N]; scale, bias: [N] -> y: [R, N], mean, rstd: [R].
 ffi::Error LayerNormFwd(cudaStream_t stream, float eps, int32_t block_threads, int32_t max_elems, ffi::AnyBuffer x,
                         ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
@@ -341,10 +379,11 @@ ffi::Error LayerNormFwd(cudaStream_t stream, float eps, int32_t block_threads, i
   return launch_norm<false, false>(stream, a);
 }
 
-// dy, x: [R, N]; scale: [N]; mean, rstd: [R] -> dx: [R, N]; dscale, dbias: [N]; workspace: [C, 2, N].
+// dy: [R, N]; dh: [R, N] or [0] (a cotangent of x itself, added to dx); x: [R, N]; scale: [N];
+// mean, rstd: [R] -> dx: [R, N]; dscale, dbias: [N]; workspace: [C, 2, N].
 ffi::Error LayerNormBwd(cudaStream_t stream, int32_t block_threads, int32_t max_elems, ffi::AnyBuffer dy,
-                        ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
+                        ffi::AnyBuffer dh, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer mean,
+                        ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
                         ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
   const char* op = "layer_norm_bwd";
   const Rows rc = as_rows(x);
@@ -352,17 +391,21 @@ ffi::Error LayerNormBwd(cudaStream_t stream, int32_t block_threads, int32_t max_
   NormArgs<false> a{op, x.element_type(), scale.element_type(), rc.rows, rc.cols};
   a.p = NormPtrs{dy.untyped_data(), x.untyped_data(), nullptr, nullptr, scale.untyped_data(), nullptr, nullptr,
                  dx->untyped_data(), nullptr, data<float>(mean), data<float>(rstd), data<float>(workspace)};
+  if (auto e = check_optional_rows(op, "dh", rc, x.element_type(), dh); e.failure()) return e;
+  a.p.dh = optional_data(dh);
   a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   a.grads[0] = dscale->untyped_data(), a.grads[1] = dbias->untyped_data();
   a.kernel = {block_threads, max_elems};
   return launch_norm<false, true>(stream, a);
 }
 
-// x, residual: [R, N]; bias, scale, ln_bias: [N]; seed: [2] -> y: [R, N]; mean, rstd: [R].
+// x, residual: [R, N]; bias, scale, ln_bias: [N]; seed: [2] -> y: [R, N]; mean, rstd: [R];
+// h: [R, N] (h = residual + dropout(x + bias) written too) or [0] (not written).
 ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float keep_scale, int32_t block_threads,
                     int32_t max_elems, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
                     ffi::AnyBuffer scale, ffi::AnyBuffer ln_bias, ffi::Buffer<ffi::U32> seed,
-                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd) {
+                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
+                    ffi::Result<ffi::AnyBuffer> h) {
   const char* op = "bdrln_fwd";
   const Rows rc = as_rows(x);
   if (auto e = check_rows(op, rc, {&residual}, {&bias, &scale, &ln_bias}); e.failure()) return e;
@@ -373,14 +416,18 @@ ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float ke
   a.p = NormPtrs{nullptr, x.untyped_data(), bias.untyped_data(), residual.untyped_data(), scale.untyped_data(),
                  ln_bias.untyped_data(), seed.typed_data(), y->untyped_data(), nullptr, data<float>(mean),
                  data<float>(rstd), nullptr};
+  if (auto e = check_optional_rows(op, "h", rc, x.element_type(), *h); e.failure()) return e;
+  a.p.h = optional_data(*h);
   a.eps = eps, a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = {block_threads, max_elems};
   return launch_norm<true, false>(stream, a);
 }
 
-// dy, x, residual: [R, N]; dy2: [R, N] or [0] (none); bias, scale: [N]; mean, rstd: [R]; seed: [2]
+// dy, x, residual: [R, N]; dy2: [R, N] or [0] (none); dh: [R, N] (a cotangent of h itself) or [0];
+// bias, scale: [N]; mean, rstd: [R]; seed: [2]
 //   -> dx: [R, N]; dbias: [N]; dresidual: [R, N]; dscale, dln_bias: [N]; workspace: [C, 3, N].
 ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, int32_t block_threads,
-                    int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                    int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer dh, ffi::AnyBuffer x,
+                    ffi::AnyBuffer bias,
                     ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                     ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
                     ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dresidual,
@@ -400,6 +447,8 @@ ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, i
                  scale.untyped_data(), nullptr, seed.typed_data(), dx->untyped_data(), dresidual->untyped_data(),
                  data<float>(mean), data<float>(rstd), data<float>(workspace),
                  has_dy2 ? dy2.untyped_data() : nullptr};
+  if (auto e = check_optional_rows(op, "dh", rc, x.element_type(), dh); e.failure()) return e;
+  a.p.dh = optional_data(dh);
   a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = {block_threads, max_elems};
   a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   a.grads[0] = dbias->untyped_data(), a.grads[1] = dscale->untyped_data(), a.grads[2] = dln_bias->untyped_data();
@@ -437,6 +486,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_layer_norm_bwd, jaxsub::LayerNormBwd,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -459,6 +509,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bdrln_fwd, jaxsub::BdrlnFwd,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
                               {kCmdBuffer});
 
@@ -469,6 +520,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bdrln_bwd, jaxsub::BdrlnBwd,
                                   .Attr<float>("keep_scale")
                                   .Attr<int32_t>("block_threads")
                                   .Attr<int32_t>("max_elems")
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

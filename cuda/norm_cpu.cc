@@ -34,6 +34,17 @@ ffi::Error check(const char* op, std::initializer_list<Expect> args) {
   return ffi::Error::Success();
 }
 
+// An optional T[R, N] argument: empty ([0], none) or as `count` says; its data or null.
+template <typename T>
+ffi::Error optional_rows(const char* op, const char* name, ffi::AnyBuffer buf, ffi::DataType t, size_t count,
+                         T*& out) {
+  out = nullptr;
+  if (buf.element_count() == 0) return ffi::Error::Success();
+  if (auto e = check(op, {{name, buf, t, count}}); e.failure()) return e;
+  out = static_cast<T*>(buf.untyped_data());
+  return ffi::Error::Success();
+}
+
 // The dims and dtypes a handler checks its other arguments against: x is T[R, N] and the
 // parameters are P[N], P taken from `scale`.
 struct NormShape {
@@ -81,13 +92,16 @@ Stats row_stats(const float* h, int64_t n, float eps) {
   return {mean, 1.0f / std::sqrt(static_cast<float>(sq / n) + eps)};
 }
 
-// load_row(r, h) fills h: f32[N]; scale, bias: P[N]; y: T[R, N]; mean, rstd: f32[R].
+// load_row(r, h) fills h: f32[N]; scale, bias: P[N]; y: T[R, N]; mean, rstd: f32[R];
+// h_out: T[R, N] (h itself, rounded) or null.
 template <typename T, typename P, typename LoadRow>
 void layer_norm_fwd_rows(int64_t rows, int64_t n, float eps, LoadRow load_row, const P* scale, const P* bias,
-                         T* y, float* mean, float* rstd) {
+                         T* y, float* mean, float* rstd, T* h_out = nullptr) {
   std::vector<float> h(n);
   for (int64_t r = 0; r < rows; ++r) {
     load_row(r, h.data());
+    if (h_out != nullptr)
+      for (int64_t c = 0; c < n; ++c) h_out[r * n + c] = from_float<T>(h[c]);
     const Stats s = row_stats(h.data(), n, eps);
     mean[r] = s.mean;
     rstd[r] = s.rstd;
@@ -98,11 +112,13 @@ void layer_norm_fwd_rows(int64_t rows, int64_t n, float eps, LoadRow load_row, c
 }
 
 // load_row(r, h) recomputes h: f32[N]; dy: T[R, N]; dy2: T[R, N] or null, a second cotangent
-// added to dy; scale: P[N]; mean, rstd: f32[R]; store_dh(r, dh) receives the layer-norm input
-// gradient dh: f32[N] of row r; dscale, dbias: P[N] (sums over rows).
+// added to dy; dh_in: T[R, N] or null, a cotangent of h itself added to its gradient; scale:
+// P[N]; mean, rstd: f32[R]; store_dh(r, dh) receives the layer-norm input gradient dh: f32[N]
+// of row r; dscale, dbias: P[N] (sums over rows).
 template <typename T, typename P, typename LoadRow, typename StoreDh>
-void layer_norm_bwd_rows(int64_t rows, int64_t n, LoadRow load_row, const T* dy, const T* dy2, const P* scale,
-                         const float* mean, const float* rstd, StoreDh store_dh, P* dscale, P* dbias) {
+void layer_norm_bwd_rows(int64_t rows, int64_t n, LoadRow load_row, const T* dy, const T* dy2, const T* dh_in,
+                         const P* scale, const float* mean, const float* rstd, StoreDh store_dh, P* dscale,
+                         P* dbias) {
   std::vector<float> xhat(n), g(n);
   std::vector<double> dscale_acc(n, 0.0), dbias_acc(n, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
@@ -119,7 +135,10 @@ void layer_norm_bwd_rows(int64_t rows, int64_t n, LoadRow load_row, const T* dy,
       dbias_acc[c] += d;
     }
     const float mean_g = static_cast<float>(sum_g / n), mean_gx = static_cast<float>(sum_gx / n);
-    for (int64_t c = 0; c < n; ++c) g[c] = rstd[r] * (g[c] - mean_g - xhat[c] * mean_gx);
+    for (int64_t c = 0; c < n; ++c) {
+      g[c] = rstd[r] * (g[c] - mean_g - xhat[c] * mean_gx);
+      if (dh_in != nullptr) g[c] += to_float(dh_in[r * n + c]);
+    }
     store_dh(r, g.data());
   }
   for (int64_t c = 0; c < n; ++c) {
@@ -188,9 +207,10 @@ ffi::Error LayerNormFwdCpu(float eps, int32_t block_threads, int32_t max_elems, 
   });
 }
 
-// dy, x: T[R, N]; scale: P[N]; mean, rstd: f32[R]
-//   -> dx: T[R, N]; dscale, dbias: P[N]; workspace: f32[C, 2, N] (unused on CPU).
-ffi::Error LayerNormBwdCpu(int32_t block_threads, int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+// dy: T[R, N]; dh: T[R, N] or T[0] (a cotangent of x itself, added to dx); x: T[R, N]; scale: P[N];
+// mean, rstd: f32[R] -> dx: T[R, N]; dscale, dbias: P[N]; workspace: f32[C, 2, N] (unused on CPU).
+ffi::Error LayerNormBwdCpu(int32_t block_threads, int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer dh,
+                           ffi::AnyBuffer x,
                            ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> /*workspace*/) {
@@ -212,18 +232,22 @@ ffi::Error LayerNormBwdCpu(int32_t block_threads, int32_t max_elems, ffi::AnyBuf
     auto store = [&](int64_t row, const float* dh) {
       for (size_t c = 0; c < s.cols; ++c) dxs[row * s.cols + c] = from_float<T>(dh[c]);
     };
-    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), nullptr, data<P>(scale), data<float>(mean),
+    const T* dh_in;
+    if (auto e = optional_rows(op, "dh", dh, s.t, s.count, dh_in); e.failure()) return e;
+    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), nullptr, dh_in, data<P>(scale), data<float>(mean),
                               data<float>(rstd), store, data<P>(dscale), data<P>(dbias));
     return ffi::Error::Success();
   });
 }
 
 // x: T[R, N]; bias: P[N]; residual: T[R, N]; scale, ln_bias: P[N]; seed: u32[2]
-//   -> y: T[R, N]; mean, rstd: f32[R] (statistics of h = residual + dropout(x + bias)).
+//   -> y: T[R, N]; mean, rstd: f32[R] (statistics of h = residual + dropout(x + bias));
+//      h: T[R, N] (h itself) or T[0] (not written).
 ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, int32_t block_threads, int32_t max_elems,
                        ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale,
                        ffi::AnyBuffer ln_bias, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> y,
-                       ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd) {
+                       ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
+                       ffi::Result<ffi::AnyBuffer> h) {
   constexpr const char* op = "bdrln_fwd";
   if (auto e = check_kernel_config(op, {block_threads, max_elems}); e.failure()) return e;
   const NormShape s = norm_shape(x, scale);
@@ -240,19 +264,21 @@ ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, int32_t 
     using P = typename decltype(pt)::type;
     const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), data<uint32_t>(seed),
                               threshold,  keep_scale,    static_cast<int64_t>(s.cols)};
+    T* h_out;
+    if (auto e = optional_rows(op, "h", *h, s.t, s.count, h_out); e.failure()) return e;
     layer_norm_fwd_rows<T, P>(s.rows, s.cols, eps, load, data<P>(scale), data<P>(ln_bias), data<T>(y),
-                              data<float>(mean), data<float>(rstd));
+                              data<float>(mean), data<float>(rstd), h_out);
     return ffi::Error::Success();
   });
 }
 
-// dy: T[R, N]; dy2: T[R, N] or T[0] (none); x: T[R, N]; bias: P[N]; residual: T[R, N]; scale: P[N];
-// mean, rstd: f32[R]; seed: u32[2]
+// dy: T[R, N]; dy2: T[R, N] or T[0] (none); dh: T[R, N] (a cotangent of h itself) or T[0];
+// x: T[R, N]; bias: P[N]; residual: T[R, N]; scale: P[N]; mean, rstd: f32[R]; seed: u32[2]
 //   -> dx: T[R, N]; dbias: P[N]; dresidual: T[R, N]; dscale, dln_bias: P[N];
 //      workspace: f32[C, 3, N] (unused on CPU).
 ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threads, int32_t max_elems,
-                       ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer x, ffi::AnyBuffer bias,
-                       ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                       ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer dh, ffi::AnyBuffer x,
+                       ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                        ffi::AnyBuffer seed,
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
                        ffi::Result<ffi::AnyBuffer> dresidual, ffi::Result<ffi::AnyBuffer> dscale,
@@ -292,7 +318,10 @@ ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threa
         dbias_acc[c] += g;
       }
     };
-    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), has_dy2 ? data<T>(dy2) : nullptr, data<P>(scale),
+    const T* dh_in;
+    if (auto e = optional_rows(op, "dh", dh, s.t, s.count, dh_in); e.failure()) return e;
+    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), has_dy2 ? data<T>(dy2) : nullptr, dh_in,
+                              data<P>(scale),
                               data<float>(mean), data<float>(rstd), store, data<P>(dscale), data<P>(dln_bias));
     P* db = data<P>(dbias);
     for (size_t c = 0; c < s.cols; ++c) db[c] = from_float<P>(static_cast<float>(dbias_acc[c]));
@@ -323,6 +352,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_layer_norm_bwd, jaxsub::LayerNormBwdCpu,
                                   .Attr<int32_t>("block_threads")
                                   .Attr<int32_t>("max_elems")
                                   .Arg<xla::ffi::AnyBuffer>()   // dy
+                                  .Arg<xla::ffi::AnyBuffer>()   // dh ([0]: none)
                                   .Arg<xla::ffi::AnyBuffer>()   // x
                                   .Arg<xla::ffi::AnyBuffer>()   // scale
                                   .Arg<xla::ffi::AnyBuffer>()   // mean
@@ -347,7 +377,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bdrln_fwd, jaxsub::BdrlnFwdCpu,
                                   .Arg<xla::ffi::AnyBuffer>()   // seed
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>()   // mean
-                                  .Ret<xla::ffi::AnyBuffer>());  // rstd
+                                  .Ret<xla::ffi::AnyBuffer>()   // rstd
+                                  .Ret<xla::ffi::AnyBuffer>());  // h ([0]: not written)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bdrln_bwd, jaxsub::BdrlnBwdCpu,
                               xla::ffi::Ffi::Bind()
@@ -357,6 +388,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bdrln_bwd, jaxsub::BdrlnBwdCpu,
                                   .Attr<int32_t>("max_elems")
                                   .Arg<xla::ffi::AnyBuffer>()   // dy
                                   .Arg<xla::ffi::AnyBuffer>()   // dy2 ([0]: none)
+                                  .Arg<xla::ffi::AnyBuffer>()   // dh ([0]: none)
                                   .Arg<xla::ffi::AnyBuffer>()   // x
                                   .Arg<xla::ffi::AnyBuffer>()   // bias
                                   .Arg<xla::ffi::AnyBuffer>()   // residual

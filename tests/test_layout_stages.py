@@ -195,9 +195,12 @@ def test_encoder_layer_applies_the_selected_kernel_configurations(pre_layer_norm
     assert _launches(text, "jaxsub_bias_gelu_dropout_fwd") == [(512, 0)]
     assert _launches(text, "jaxsub_bias_gelu_dropout_bwd") == [(1024, 0)]
     if pre_layer_norm:
-        # bdrln1 is the MLP's layer norm; the attention block's (in qkv) and bdrln2 have none.
-        assert _launches(text, "jaxsub_layer_norm_fwd") == [(0, 0), (128, 0)]
-        assert _launches(text, "jaxsub_layer_norm_bwd") == [(0, 0), (256, 0)]
+        # bdrln1 is the first residual with the MLP's layer norm (ops.norm.bdrln_and_sum); the
+        # attention block's layer norm (in qkv) keeps the defaults; bdrln2 has no row op.
+        assert _launches(text, "jaxsub_layer_norm_fwd") == [(0, 0)]
+        assert _launches(text, "jaxsub_layer_norm_bwd") == [(0, 0)]
+        assert _launches(text, "jaxsub_bdrln_fwd") == [(128, 0)]
+        assert _launches(text, "jaxsub_bdrln_bwd") == [(256, 0)]
     else:
         assert _launches(text, "jaxsub_bdrln_fwd") == [(128, 0), (128, 0)]
         assert _launches(text, "jaxsub_bdrln_bwd") == [(256, 0), (1024, 0)]

@@ -408,6 +408,100 @@ def test_bdrln_bwd_handler_rejects_a_second_cotangent_of_another_shape():
 
 
 # ---------------------------------------------------------------------------------------
+# bdrln_and_sum: (y, h) from one kernel; layer_norm_and_input: (y, x). The backward kernels
+# add the second output's cotangent to the gradient of h (of x).
+
+
+def _with_sum_and_reference(inp, rate=RATE):
+    key = inp["dropout_key"]
+    args = (inp["x"], inp["bias"], inp["residual"], inp["scale"], inp["ln_bias"])
+
+    def fused(*a):
+        return norm.bdrln_and_sum(*a, rate=rate, key=key)
+
+    def reference(x, bias, residual, scale, ln_bias):
+        keep = ops.dropout_mask(key, x.shape, rate)
+        h = residual.astype(f32) + ops.dropout.apply_reference(x.astype(f32) + bias.astype(f32), keep, rate)
+        return reference_bdrln(x, bias, residual, scale, ln_bias, keep=keep, rate=rate), h.astype(x.dtype)
+
+    return fused, reference, args
+
+
+def _with_input_and_reference(inp):
+    args = (inp["x"], inp["scale"], inp["ln_bias"])
+
+    def fused(*a):
+        return norm.layer_norm_and_input(*a)
+
+    def reference(x, scale, bias):
+        return reference_layer_norm(x, scale, bias), x
+
+    return fused, reference, args
+
+
+SECOND_OUTPUT = {"bdrln_and_sum": (_with_sum_and_reference, ("x", "bias", "residual", "scale", "ln_bias")),
+                 "layer_norm_and_input": (_with_input_and_reference, ("x", "scale", "ln_bias"))}
+
+
+@pytest.mark.parametrize("dtype,pdtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
+                                          (jnp.float16, jnp.float16)], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("lead,n", [((7,), 3), ((2, 3), 130), ((5,), 1000), ((3,), 4096)])
+@pytest.mark.parametrize("which", list(SECOND_OUTPUT))
+def test_second_output_and_its_cotangent(which, lead, n, dtype, pdtype):
+    make, names = SECOND_OUTPUT[which]
+    seed = _seed(which, lead, n, dtype, pdtype)
+    inp = _inputs(seed, lead + (n,), dtype, pdtype)
+    fused, reference, args = make(inp)
+    cts = (inp["dy"], _second_cotangent(seed + 1, inp["dy"]))
+    ((y, h), grads), ((y_ref, h_ref), grads_ref) = _values_and_vjps((fused, reference), args, cts)
+    assert y.dtype == h.dtype == dtype and y.shape == h.shape == inp["x"].shape
+    assert_close(y, y_ref, dtype, reduction=n, what=f"{which} y")
+    assert_close(h, h_ref, dtype, reduction=1, what=f"{which} h")
+    rows = inp["x"].size // n
+    for name, a, g, g_ref in zip(names, args, grads, grads_ref):
+        assert g.dtype == a.dtype and g.shape == a.shape, name
+        assert_close(g, g_ref, a.dtype, reduction=n if name in ACTIVATIONS else rows, grad=True,
+                     what=f"{which} d{name}")
+
+
+@pytest.mark.parametrize("which", list(SECOND_OUTPUT))
+def test_second_output_needs_no_add_of_the_cotangents(which):
+    """No [R, N] add before the backward kernel; the same outputs from the plain op (y, and
+    h or x as jnp values beside it) have one, so the check can fail."""
+    inp = _inputs(_seed("second-hlo", which), (4, 130), jnp.bfloat16, jnp.bfloat16)
+    make, _ = SECOND_OUTPUT[which]
+    fused, reference, args = make(inp)
+
+    def plain(*a):  # the op's single output, and the second value from jnp
+        _, h = reference(*a)
+        if which == "layer_norm_and_input":
+            return ops.layer_norm(*a), h
+        return ops.bias_dropout_residual_layer_norm(*a, rate=RATE, key=inp["dropout_key"]), h
+
+    def adds(f):
+        text = _hlo(lambda a, d, d2: jax.vjp(f, *a)[1]((d, d2)), args, inp["dy"], inp["dy"])
+        return sum(1 for line in text.splitlines() if "add" in line and "4x130xbf16" in line)
+
+    assert adds(fused) == 0
+    assert adds(plain) >= 1
+
+
+@pytest.mark.parametrize("target", ["bdrln_bwd", "layer_norm_bwd"])
+def test_bwd_handlers_reject_a_cotangent_of_h_of_another_shape(target):
+    inp = _inputs(_seed("dh-bad", target), (4, 8), jnp.float32, jnp.float32)
+    x, b, r, s = inp["x"], inp["bias"], inp["residual"], inp["scale"]
+    stats = jnp.ones((4,), f32)
+    op = BDRLN if target == "bdrln_bwd" else LN
+    kernel = norm._config.kernel_config(op, None, norm._config.row_signature(x, s.dtype, dropout_rate=RATE))
+    with pytest.raises(Exception, match=target):
+        if target == "bdrln_bwd":
+            jax.block_until_ready(norm._bdrln_bwd_call(inp["dy"], None, x, b, r, s, stats, stats,
+                                                       jnp.zeros((2,), jnp.uint32), RATE, kernel, dh=inp["dy"][:2]))
+        else:
+            jax.block_until_ready(norm._layer_norm_bwd_call(inp["dy"], x, s, stats, stats, kernel, dh=inp["dy"][:2]))
+
+
+# ---------------------------------------------------------------------------------------
 # CUDA against the CPU handlers (pytest -m gpu, on a CUDA machine).
 
 
@@ -466,3 +560,23 @@ class TestCuda:
         for name, g, g_ref in zip(("x", "bias", "residual", "scale", "ln_bias"), g_gpu, g_cpu):
             reduction = 1024 if name in ACTIVATIONS else self.ROWS
             assert_close(g, g_ref, jnp.bfloat16, reduction=reduction, grad=True, what=f"bdrln_pair d{name}")
+
+    @pytest.mark.parametrize("which", list(SECOND_OUTPUT))
+    def test_second_output_cuda_matches_cpu(self, which):
+        """bdrln_and_sum's h and both kernels' extra cotangent operand, against the CPU."""
+        inp = _inputs(_seed("gpu-second", which), (self.ROWS, 1024), jnp.bfloat16, jnp.float32)
+        cts = (inp["dy"], _second_cotangent(_seed("gpu-second-dh", which), inp["dy"]))
+        make, names = SECOND_OUTPUT[which]
+        out = {}
+        for platform in ("gpu", "cpu"):
+            on = jax.device_put((inp, cts), jax.devices(platform)[0])
+            fused, _, args = make(on[0])
+            [out[platform]] = _values_and_vjps([fused], args, on[1])
+        (y, h), g_gpu = out["gpu"]
+        (y_cpu, h_cpu), g_cpu = out["cpu"]
+        assert_close(y, y_cpu, jnp.bfloat16, reduction=1024, what=f"{which} y")
+        assert_close(h, h_cpu, jnp.bfloat16, reduction=1, what=f"{which} h")
+        for name, g, g_ref in zip(names, g_gpu, g_cpu):
+            assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+            reduction = 1024 if name in ACTIVATIONS else self.ROWS
+            assert_close(g, g_ref, g.dtype, reduction=reduction, grad=True, what=f"{which} d{name}")

@@ -35,7 +35,12 @@ def ops(x, key, p32, kernel_config=None):
         # Two consumers with different cotangents: the backward's second cotangent operand.
         d1, d2 = jaxsub.ops.norm.bdrln_pair(x, b2, res, scale, bias, rate=0.1, key=key, kernel_config=kc)
         e = jaxsub.ops.bias_add(x * x, b2)  # its gradient: the bias_grad kernel
+        # The second outputs (h, x) and their own cotangents: the kernels' h result and dh operands.
+        f1, f2 = jaxsub.ops.norm.bdrln_and_sum(x, b2, res, scale, bias, rate=0.1, key=key, kernel_config=kc)
+        g1, g2 = jaxsub.ops.norm.layer_norm_and_input(x, scale, bias, kernel_config=kc)
         return (a.astype(jnp.float32).sum() + b.astype(jnp.float32).sum() * 0.5
+                + (f1.astype(jnp.float32) ** 2).sum() * 0.15 + (f2.astype(jnp.float32) ** 2).sum() * 0.25
+                + (g1.astype(jnp.float32) ** 2).sum() * 0.35 + (g2.astype(jnp.float32) ** 3).sum() * 0.1
                 + (c.astype(jnp.float32) ** 2).sum() * 0.1
                 + d1.astype(jnp.float32).sum() * 0.3 + (d2.astype(jnp.float32) ** 2).sum() * 0.2
                 + (e.astype(jnp.float32) ** 2).sum() * 0.05)

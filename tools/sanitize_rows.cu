@@ -1,5 +1,6 @@
 // The row kernels (layer norm, BDRLN, bias + GELU + dropout; forward and backward with the
-// column sums, BDRLN's backward also with a second cotangent; the bias gradient) launched
+// column sums, BDRLN's backward also with a second cotangent, both backwards with a
+// cotangent of h and BDRLN's forward writing h; the bias gradient) launched
 // straight from C++, without XLA, for compute-sanitizer: under the tool, runs through JAX
 // crashed while XLA compiled (bench/NOTES.md v4). Odd and vector-aligned row lengths,
 // misaligned pointers (the general path), parameters in the activation dtype and in
@@ -90,6 +91,8 @@ void run(DataType t, DataType prm, int64_t rows, int64_t cols, bool misalign, co
     b.workspace_rows = ws_rows, b.kernel = k;
     b.grads[0] = dscale.p, b.grads[1] = dbias.p;
     check("layer_norm_bwd", jaxsub::launch_norm<false, true>(stream, b), rows, cols, k);
+    b.p.dh = res.p;  // a cotangent of x itself (layer_norm_and_input): any initialized [R, N] buffer
+    check("layer_norm_bwd dh", jaxsub::launch_norm<false, true>(stream, b), rows, cols, k);
   }
   {  // BDRLN
     NormArgs<true> a{"bdrln_fwd", t, prm, rows, cols};
@@ -97,6 +100,8 @@ void run(DataType t, DataType prm, int64_t rows, int64_t cols, bool misalign, co
                    mean.as<float>(), rstd.as<float>(), nullptr};
     a.eps = 1e-5f, a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = k;
     check("bdrln_fwd", jaxsub::launch_norm<true, false>(stream, a), rows, cols, k);
+    a.p.h = dres.p;  // h written too (bdrln_and_sum)
+    check("bdrln_fwd h", jaxsub::launch_norm<true, false>(stream, a), rows, cols, k);
     NormArgs<true> b{"bdrln_bwd", t, prm, rows, cols};
     b.p = NormPtrs{dy.p, x.p, bias.p, res.p, scale.p, nullptr, seed.as<uint32_t>(), dx.p, dres.p,
                    mean.as<float>(), rstd.as<float>(), workspace.as<float>()};
@@ -105,6 +110,8 @@ void run(DataType t, DataType prm, int64_t rows, int64_t cols, bool misalign, co
     check("bdrln_bwd", jaxsub::launch_norm<true, true>(stream, b), rows, cols, k);
     b.p.dy2 = res.p;  // a second cotangent (bdrln_pair): any initialized [R, N] buffer
     check("bdrln_bwd dy2", jaxsub::launch_norm<true, true>(stream, b), rows, cols, k);
+    b.p.dy2 = nullptr, b.p.dh = x.p;  // h's own cotangent (bdrln_and_sum)
+    check("bdrln_bwd dh", jaxsub::launch_norm<true, true>(stream, b), rows, cols, k);
   }
   for (bool approximate : {false, true}) {  // bias + GELU + dropout
     const jaxsub::Rows rc{rows, cols};

@@ -225,7 +225,8 @@ class EncoderProblem(Problem):
 
     def h_label(self, p: str) -> str:
         """What bdrln1 hands on: the feed-forward input and "h", the residual of bdrln2.
-        Pre-LN: "a" = layer_norm(h). Post-LN: "hm", the same values as h, returned as a
+        Pre-LN: "a" = layer_norm(h), from the kernel that writes h (ops.norm.bdrln_and_sum).
+        Post-LN: "hm", the same values as h, returned as a
         second output of the fused op (ops.norm.bdrln_pair), so that its backward kernel
         adds the two consumers' cotangents as it reads them (no XLA add)."""
         return f"a:{p};h:{p}" if self.spec.pre_layer_norm else f"hm:{p};h:{p}"
@@ -245,8 +246,9 @@ class EncoderProblem(Problem):
     def _qkv(self, cand, p, v, ext):
         s = self.spec
         a = v["x"]
-        if s.pre_layer_norm:
-            a = ops.layer_norm(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon, kernel_config={})
+        if s.pre_layer_norm:  # x is also the first residual: its gradient is added by the LN backward
+            a, ext["x"] = _norm.layer_norm_and_input(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon,
+                                                     kernel_config={})
         q = parse_label(cand.out_layout)["qkv"]
         out = _dense(ext, a, p["qkv_kernel"], p["qkv_bias"], layer_input=not s.pre_layer_norm) if q == "BS3HD" else None
         if out is not None:  # the bias in the GEMM's epilogue
@@ -285,10 +287,13 @@ class EncoderProblem(Problem):
         key, det = ext["keys"]["drop1"], ext["deterministic"]
         x = transpose(ext["x"], "BSE", lay)
         kc = kernel_config(cand)
-        if s.pre_layer_norm:
-            h = _rowwise(lay, "BSE", key is not None,
-                         lambda y, r: _residual(r, y, p["out_bias"], s.dropout_rate, key), v["proj"], x)
-            return {"a": ops.layer_norm(h, p["mlp_scale"], p["mlp_bias"], eps=s.epsilon, kernel_config=kc), "h": h}
+        if s.pre_layer_norm:  # h = x + dropout(proj + bias) and layer_norm(h) from one kernel
+            def bdrln(y, r):
+                return _norm.bdrln_and_sum(y, p["out_bias"], r, p["mlp_scale"], p["mlp_bias"], rate=s.dropout_rate,
+                                           key=key, eps=s.epsilon, deterministic=det, kernel_config=kc)
+
+            a, h = _rowwise(lay, "BSE", key is not None, bdrln, v["proj"], x)
+            return {"a": a, "h": h}
 
         def bdrln(y, r):
             return _norm.bdrln_pair(y, p["out_bias"], r, p["attn_scale"], p["attn_bias"], rate=s.dropout_rate,

@@ -80,25 +80,35 @@ def _layer_norm_fwd_call(x, scale, bias, eps, kernel):
                      eps=np.float32(eps), **kernel.attrs("fwd"))
 
 
-def _layer_norm_bwd_call(dy, x, scale, mean, rstd, kernel):
+def _optional(a, like):
+    """An optional [R, N] operand: `a`, or an empty [0] one in like's dtype for None."""
+    return jnp.zeros((0,), like.dtype) if a is None else a
+
+
+def _layer_norm_bwd_call(dy, x, scale, mean, rstd, kernel, dh=None):
+    """dh: a cotangent of x itself, added to dx inside the kernel; None: none."""
     dx, dscale, dbias, _ = _ffi.call(
         "jaxsub_layer_norm_bwd", (_like(x), _like(scale), _like(scale), _ffi.workspace(x, 2)),
-        dy, x, scale, mean, rstd, **kernel.attrs("bwd"))
+        dy, _optional(dh, dy), x, scale, mean, rstd, **kernel.attrs("bwd"))
     return dx, dscale, dbias
 
 
-def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel):
-    return _ffi.call("jaxsub_bdrln_fwd", (_like(x), *_row_stats(x)), x, bias, residual, scale,
+def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, keep_h=False):
+    """(y, mean, rstd, h): h = residual + dropout(x + bias) in x's dtype where keep_h, else
+    an empty [0] array (the kernel does not write it)."""
+    h = _like(x) if keep_h else jax.ShapeDtypeStruct((0,), x.dtype)
+    return _ffi.call("jaxsub_bdrln_fwd", (_like(x), *_row_stats(x), h), x, bias, residual, scale,
                      ln_bias, seed, eps=np.float32(eps), **dropout.attrs(rate), **kernel.attrs("fwd"))
 
 
-def _bdrln_bwd_call(dy, dy2, x, bias, residual, scale, mean, rstd, seed, rate, kernel):
-    """dy2: a second cotangent of y, added to dy inside the kernel; None: an empty [0] operand."""
-    dy2 = jnp.zeros((0,), dy.dtype) if dy2 is None else dy2
+def _bdrln_bwd_call(dy, dy2, x, bias, residual, scale, mean, rstd, seed, rate, kernel, dh=None):
+    """dy2: a second cotangent of y, added to dy inside the kernel; dh: a cotangent of h
+    itself, added to the layer norm's gradient of h; None: an empty [0] operand."""
     *grads, _ = _ffi.call(
         "jaxsub_bdrln_bwd",
         (_like(x), _like(bias), _like(x), _like(scale), _like(scale), _ffi.workspace(x, 3)),
-        dy, dy2, x, bias, residual, scale, mean, rstd, seed, **dropout.attrs(rate), **kernel.attrs("bwd"))
+        dy, _optional(dy2, dy), _optional(dh, dy), x, bias, residual, scale, mean, rstd, seed,
+        **dropout.attrs(rate), **kernel.attrs("bwd"))
     return grads
 
 
@@ -108,42 +118,52 @@ def _bdrln_bwd_call(dy, dy2, x, bias, residual, scale, mean, rstd, seed, rate, k
 # grad).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _layer_norm(x, scale, bias, eps, kernel):
-    return _layer_norm_fwd_call(x, scale, bias, eps, kernel)[0]
+# with_input: return (y, x), x's second cotangent added to dx in the kernel
+# (layer_norm_and_input).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _layer_norm(x, scale, bias, eps, kernel, with_input):
+    y = _layer_norm_fwd_call(x, scale, bias, eps, kernel)[0]
+    return (y, x) if with_input else y
 
 
-def _layer_norm_fwd(x, scale, bias, eps, kernel):
+def _layer_norm_fwd(x, scale, bias, eps, kernel, with_input):
     y, mean, rstd = _layer_norm_fwd_call(x, scale, bias, eps, kernel)
-    return y, (x, scale, mean, rstd)
+    return ((y, x) if with_input else y), (x, scale, mean, rstd)
 
 
-def _layer_norm_bwd(eps, kernel, residuals, dy):
+def _layer_norm_bwd(eps, kernel, with_input, residuals, ct):
     del eps
-    return _layer_norm_bwd_call(dy, *residuals, kernel)
+    dy, dh = ct if with_input else (ct, None)
+    return _layer_norm_bwd_call(dy, *residuals, kernel, dh=dh)
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-# `copies` (1 or 2) is how many outputs return y. With 2 the two are separate outputs, so
-# autodiff hands backward their cotangents separately and the kernel adds them as it reads
-# them, instead of XLA adding them in a kernel of its own first (bdrln_pair).
+# `outputs`: "y" (y alone), "yy" (y twice) or "yh" (y and h, the normalized sum). Separate
+# outputs reach the backward as separate cotangents, and the kernel adds them as it reads
+# them (dy2 for the second y, dh after the layer norm's gradient of h), instead of XLA
+# adding them in a kernel of its own first (bdrln_pair, bdrln_and_sum).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, copies):
-    y = _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)[0]
-    return y if copies == 1 else (y, y)
+def _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, outputs):
+    return _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, outputs)[0]
 
 
-def _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, copies):
-    y, mean, rstd = _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel)
-    return (y if copies == 1 else (y, y)), (x, bias, residual, scale, mean, rstd, seed)
+def _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, outputs):
+    y, mean, rstd, h = _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel,
+                                       keep_h=outputs == "yh")
+    out = {"y": y, "yy": (y, y), "yh": (y, h)}[outputs]
+    return out, (x, bias, residual, scale, mean, rstd, seed)
 
 
-def _bdrln_bwd(eps, rate, kernel, copies, residuals, ct):
+def _bdrln_bwd(eps, rate, kernel, outputs, residuals, ct):
     del eps
-    dy, dy2 = (ct, None) if copies == 1 else ct
-    dx, dbias, dresidual, dscale, dln_bias = _bdrln_bwd_call(dy, dy2, *residuals, rate, kernel)
+    dy, dy2, dh = ct, None, None
+    if outputs == "yy":
+        dy, dy2 = ct
+    elif outputs == "yh":
+        dy, dh = ct
+    dx, dbias, dresidual, dscale, dln_bias = _bdrln_bwd_call(dy, dy2, *residuals, rate, kernel, dh=dh)
     return dx, dbias, dresidual, dscale, dln_bias, None
 
 
@@ -221,6 +241,18 @@ def layer_norm(x, scale, bias, *, eps=1e-5, kernel_config=None):
     thread at most); missing keys keep the defaults (`jaxsub.ops.config.KernelConfig`).
     None: the configuration in effect (`jaxsub.ops.config.use`), else the defaults.
     """
+    return _layer_norm_op(x, scale, bias, eps=eps, kernel_config=kernel_config, with_input=False)
+
+
+def layer_norm_and_input(x, scale, bias, *, eps=1e-5, kernel_config=None):
+    """(`layer_norm(x, ...)`, x), for an x with other consumers besides the layer norm (a
+    pre-LN layer's input, which is also its first residual). x's cotangent from the second
+    output is added to the layer norm's dx inside the backward kernel, instead of autodiff
+    adding the two in an XLA kernel of its own. Internal to jaxsub's layers."""
+    return _layer_norm_op(x, scale, bias, eps=eps, kernel_config=kernel_config, with_input=True)
+
+
+def _layer_norm_op(x, scale, bias, *, eps, kernel_config, with_input):
     op = "layer_norm"
     x = _check_activation(op, "x", x)
     eps = _check_eps(op, eps)
@@ -229,8 +261,9 @@ def layer_norm(x, scale, bias, *, eps=1e-5, kernel_config=None):
     reason = _fallback_reason(x)
     if reason is not None:
         _ffi.fallback(op, reason)
-        return reference_layer_norm(x, scale, bias, eps=eps)
-    return _layer_norm(x, scale, bias, eps, kernel)
+        y = reference_layer_norm(x, scale, bias, eps=eps)
+        return (y, x) if with_input else y
+    return _layer_norm(x, scale, bias, eps, kernel, with_input)
 
 
 def bias_dropout_residual_layer_norm(x, bias, residual, scale, ln_bias, *, rate, key, eps=1e-5,
@@ -249,7 +282,7 @@ def bias_dropout_residual_layer_norm(x, bias, residual, scale, ln_bias, *, rate,
     kernel_config: the launch shape of the CUDA kernels, as for `layer_norm`.
     """
     return _bdrln_op(x, bias, residual, scale, ln_bias, rate=rate, key=key,
-                     eps=eps, deterministic=deterministic, kernel_config=kernel_config, copies=1)
+                     eps=eps, deterministic=deterministic, kernel_config=kernel_config, outputs="y")
 
 
 def bdrln_pair(x, bias, residual, scale, ln_bias, *, rate, key, eps=1e-5, deterministic=False, kernel_config=None):
@@ -262,10 +295,22 @@ def bdrln_pair(x, bias, residual, scale, ln_bias, *, rate, key, eps=1e-5, determ
     size, about as long as a third of the backward kernel). Internal to jaxsub's layers.
     """
     return _bdrln_op(x, bias, residual, scale, ln_bias, rate=rate, key=key,
-                     eps=eps, deterministic=deterministic, kernel_config=kernel_config, copies=2)
+                     eps=eps, deterministic=deterministic, kernel_config=kernel_config, outputs="yy")
 
 
-def _bdrln_op(x, bias, residual, scale, ln_bias, *, rate, key, eps, deterministic, kernel_config, copies):
+def bdrln_and_sum(x, bias, residual, scale, ln_bias, *, rate, key, eps=1e-5, deterministic=False,
+                  kernel_config=None):
+    """(`bias_dropout_residual_layer_norm(...)`, h) with h = residual + dropout(x + bias) in
+    x's dtype: a pre-LN layer's residual stream, which the layer norm reads and the next
+    residual adds to. One kernel writes both, and the backward kernel adds h's own
+    cotangent to the layer norm's gradient of h, so the pre-LN residual needs no XLA select,
+    mask kernel or gradient add of its own. The layer norm normalizes h in f32, before h is
+    rounded to x's dtype. Internal to jaxsub's layers."""
+    return _bdrln_op(x, bias, residual, scale, ln_bias, rate=rate, key=key,
+                     eps=eps, deterministic=deterministic, kernel_config=kernel_config, outputs="yh")
+
+
+def _bdrln_op(x, bias, residual, scale, ln_bias, *, rate, key, eps, deterministic, kernel_config, outputs):
     op = "bias_dropout_residual_layer_norm"
     x = _check_activation(op, "x", x)
     residual = jnp.asarray(residual)
@@ -288,5 +333,8 @@ def _bdrln_op(x, bias, residual, scale, ln_bias, *, rate, key, eps, deterministi
         _ffi.fallback(op, reason)
         keep = dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 else None
         y = reference_bdrln(x, bias, residual, scale, ln_bias, keep=keep, rate=rate, eps=eps)
-        return y if copies == 1 else (y, y)
-    return _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, copies)
+        if outputs == "yh":
+            h = residual.astype(_F32) + dropout.apply_reference(x.astype(_F32) + bias.astype(_F32), keep, rate)
+            return y, h.astype(x.dtype)
+        return {"y": y, "yy": (y, y)}[outputs]
+    return _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, outputs)
