@@ -21,8 +21,8 @@ from jaxsub import ops
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout
 from jaxsub.ops import norm as _norm
-from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Copies, Match, NearMiss, consumers,
-                                     private_violation, shapes, split_vec, strip_row, strip_vec)
+from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Copies, Match, NearMiss, Rebound, consumers,
+                                     private_violation, read_after, shapes, split_vec, strip_row, strip_vec)
 
 LN = "layer_norm"
 BDRLN = "bias_dropout_residual_layer_norm"
@@ -312,11 +312,17 @@ def _extend(g, anchor, ln, options):
                                    key=("drop", id(c.drop.bernoulli))))
             continue
         roles = {**ln.roles, **{n: "residual sum" for n in c.nodes}}
-        why = private_violation(g, ln.nodes + c.nodes, anchor, roles)
-        if why is not None:
+        nodes = ln.nodes + c.nodes
+        why = private_violation(g, nodes, anchor, roles)
+        # The residual sum h read again after the layer norm (a pre-LN layer's residual
+        # stream): the fused op hands it on (ops.norm.bdrln_and_sum).
+        h = c.nodes[0].outs[0]
+        with_sum = (why is not None and private_violation(g, nodes, anchor, roles, exempt=(h,)) is None
+                    and bool(read_after(g, h, anchor, nodes) or g.is_output(h)))
+        if why is not None and not with_sum:
             misses.append(NearMiss(BDRLN, anchor, why, key=("bdrln", id(c.nodes[0]))))
             continue
-        return _bdrln_match(g, anchor, ln, c), misses
+        return _bdrln_match(g, anchor, ln, c, with_sum), misses
     return None, misses
 
 
@@ -329,17 +335,20 @@ def _describe(ln, x, extra=""):
     return ", ".join(parts) + extra
 
 
-def _bdrln_match(g, anchor, ln, c):
+def _bdrln_match(g, anchor, ln, c, with_sum=False):
     rate = c.drop.rate if c.drop is not None else 0.0
     # Read by two or more nodes (a post-LN layer's h: the next matmul and the next
     # residual): two outputs, so the backward kernel adds their cotangents itself.
-    pair = consumers(g, anchor.outs[0]) >= 2
+    pair = consumers(g, anchor.outs[0]) >= 2 and not with_sum
 
     def build(read):
         key = read(c.drop.key) if c.drop is not None else None
         x = read(c.x)
         args = (x, read(c.bias) if c.bias is not None else None, read(c.residual),
                 _param(read, ln.scale, x), _param(read, ln.bias, x))
+        if with_sum:  # the later readers of the residual sum get the kernel's h
+            y, h = _norm.bdrln_and_sum(*args, rate=rate, key=key, eps=ln.eps)
+            return Rebound([y], {c.nodes[0].outs[0]: h})
         if pair:
             return [Copies(_norm.bdrln_pair(*args, rate=rate, key=key, eps=ln.eps))]
         return [ops.bias_dropout_residual_layer_norm(*args, rate=rate, key=key, eps=ln.eps)]
@@ -349,6 +358,9 @@ def _bdrln_match(g, anchor, ln, c):
     extra = f", dropout rate={rate:g}{c.drop.note}" if c.drop is not None else ", no dropout"
     if pair:
         extra += ", output returned twice for its consumers (their gradients added in the kernel)"
+    if with_sum:
+        extra += (", the residual sum written too for its later readers (pre-LN; their gradient added "
+                  "in the kernel)")
     return Match(BDRLN, anchor, ln.nodes + c.nodes, inputs, build, _describe(ln, c.x, extra))
 
 
@@ -366,9 +378,19 @@ def match_layer_norm(g, anchor, options):
         bdrln.near_misses = misses
         return bdrln
 
+    # x read again after the layer norm (a pre-LN layer's input, also its first residual):
+    # the later readers get x from the fused op (ops.norm.layer_norm_and_input), whose
+    # backward adds their gradient to dx.
+    again = bool(read_after(g, ln.x, anchor, ln.nodes))
+
     def build(read):
         x = read(ln.x)
-        return [ops.layer_norm(x, _param(read, ln.scale, x), _param(read, ln.bias, x), eps=ln.eps)]
+        scale, bias = _param(read, ln.scale, x), _param(read, ln.bias, x)
+        if again:
+            y, copy = _norm.layer_norm_and_input(x, scale, bias, eps=ln.eps)
+            return Rebound([y], {ln.x: copy})
+        return [ops.layer_norm(x, scale, bias, eps=ln.eps)]
 
+    extra = ", x handed on to its later readers (their gradient added in the kernel)" if again else ""
     return Match(LN, anchor, ln.nodes, dict(x=ln.x, scale=ln.scale, bias=ln.bias), build,
-                 _describe(ln, ln.x), near_misses=misses)
+                 _describe(ln, ln.x, extra), near_misses=misses)

@@ -134,9 +134,10 @@ def plan(g: G.Graph, options: Options) -> Plan:
 # Helpers shared by matchers.
 
 
-def private_violation(g: G.Graph, nodes, anchor, roles=None):
-    """None when every value produced inside `nodes` (the anchor's outputs excepted) is used
-    only inside `nodes`; else the reason the rewrite would change the program."""
+def private_violation(g: G.Graph, nodes, anchor, roles=None, exempt=()):
+    """None when every value produced inside `nodes` (the anchor's outputs and the refs in
+    `exempt` excepted) is used only inside `nodes`; else the reason the rewrite would
+    change the program."""
     members = set(nodes)
     inside = {}
     for n in members:
@@ -146,12 +147,24 @@ def private_violation(g: G.Graph, nodes, anchor, roles=None):
         if n is anchor:
             continue
         for r in n.outs:
-            if g.uses[r] == inside.get(r, 0):
+            if g.uses[r] == inside.get(r, 0) or any(r is e for e in exempt):
                 continue
             role = (roles or {}).get(n, "intermediate")
             where = "returned as an output" if g.is_output(r) else "also used elsewhere"
             return f"{role} {r.dtype}{list(r.shape)} ({n.prim}) is {where}"
     return None
+
+
+def read_after(g: G.Graph, ref, anchor, nodes=()) -> list:
+    """The nodes outside `nodes` that read `ref`: [] when there are none, None when one of
+    them comes before `anchor` in the graph (it would be evaluated before a match at the
+    anchor could hand it a value)."""
+    members = set(nodes)
+    where = {n: i for i, n in enumerate(g.nodes)}
+    readers = [n for n in g.nodes if n not in members and any(r is ref for r in n.ins)]
+    if any(where[n] < where[anchor] for n in readers):
+        return None
+    return readers
 
 
 def narrow(dtype) -> bool:
