@@ -488,7 +488,7 @@ def test_near_misses_are_left_alone_and_reported():
     def residual_read_first(x, b, r, s, lb):
         h = r + (x + b)
         z = h * 3.0  # read before the layer norm: a fused op there would come too late for it
-        return ln_two_pass(h, s, lb), z
+        return ln_two_pass(h, s, lb), z, h  # (also an output, which alone could be handed on)
 
     x, s, b = _normal(0, (6, N)), _normal(1, (N,)), _normal(2, (N,))
     cases = [(other_axis, (x,), "axes (0,)"), (normalized_escapes, (x, s, b), "returned as an output"),

@@ -317,8 +317,9 @@ def _extend(g, anchor, ln, options):
         # The residual sum h read again after the layer norm (a pre-LN layer's residual
         # stream): the fused op hands it on (ops.norm.bdrln_and_sum).
         h = c.nodes[0].outs[0]
-        with_sum = (why is not None and private_violation(g, nodes, anchor, roles, exempt=(h,)) is None
-                    and bool(read_after(g, h, anchor, nodes) or g.is_output(h)))
+        after = read_after(g, h, anchor, nodes)
+        with_sum = (why is not None and after is not None and bool(after or g.is_output(h))
+                    and private_violation(g, nodes, anchor, roles, exempt=(h,)) is None)
         if why is not None and not with_sum:
             misses.append(NearMiss(BDRLN, anchor, why, key=("bdrln", id(c.nodes[0]))))
             continue
