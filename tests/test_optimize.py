@@ -294,6 +294,41 @@ def test_flax_linen_dropout_rewritten():
     assert "rate=0.25" in str(report)
 
 
+class FlaxPreLNBlock(nn.Module):
+    """GPT style: h = x + dropout(Dense(LN(x))), out = h + dropout(MLP(LN(h)))."""
+    rate: float = RATE
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        h = x + nn.Dropout(self.rate, deterministic=self.deterministic)(nn.Dense(N)(nn.LayerNorm()(x)))
+        m = nn.gelu(nn.Dense(2 * N)(nn.LayerNorm()(h)), approximate=False)
+        return h + nn.Dropout(self.rate, deterministic=self.deterministic)(nn.Dense(N)(m))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_flax_linen_pre_ln_block(deterministic):
+    """Both layer norms fused and handing on what they read (the block input, the residual
+    sum) to the residual adds after them."""
+    m = FlaxPreLNBlock(deterministic=deterministic)
+    x = _normal(0, (8, N))
+    params = m.init(jax.random.key(0), x)
+
+    def f(params, x, key):
+        return m.apply(params, x, rngs={"dropout": key})
+
+    args = (params, x, jax.random.key(1))
+    _expect(f, args, layer_norm=1, bdrln=1, bias_gelu_dropout=1)
+    report = str(jaxsub.explain(f, *args))
+    assert "x handed on" in report and "residual sum written too" in report, report
+    if deterministic:
+        _assert_same(f, args, argnums=(0, 1))
+    else:
+        opt = jax.jit(jaxsub.optimize(f))
+        np.testing.assert_array_equal(opt(*args), opt(*args))
+        assert np.isfinite(np.asarray(opt(*args))).all()
+
+
 def test_rewrite_dropout_false_leaves_dropout_alone():
     f, args = _flax_dropout_block(8)
     opt = jaxsub.optimize(f, rewrite_dropout=False)
