@@ -118,6 +118,7 @@ FULL = Size(configs=_configs(
     Config("b96s128-bf16", 96, 128, dtype=jnp.bfloat16, **_BERT),
     Config("b96s128-fp16", 96, 128, dtype=jnp.float16, **_BERT),
     Config("stack24-b8s512-bf16", 8, 512, dtype=jnp.bfloat16, layers=24, **_BERT),
+    Config("preln-b8s512-bf16", 8, 512, dtype=jnp.bfloat16, pre_ln=True, **_BERT),
 ), steps=(10, 30), stack_steps=(2, 6), repeats=10, warmup=2, matmul_n=8192)
 # The same code paths at sizes that keep a CPU run to a couple of minutes (compilation
 # dominates). f32 is included because on CPU it shows what the pass fuses at full width.
@@ -125,6 +126,7 @@ SMALL = Size(configs=_configs(
     Config("small-b2s64-bf16", 2, 64, dtype=jnp.bfloat16, **_SMALL),
     Config("small-b2s64-f32", 2, 64, dtype=jnp.float32, **_SMALL),
     Config("small-stack2-b2s64-bf16", 2, 64, dtype=jnp.bfloat16, layers=2, **_SMALL),
+    Config("small-preln-b2s64-bf16", 2, 64, dtype=jnp.bfloat16, pre_ln=True, **_SMALL),
 ), steps=(1, 3), stack_steps=(1, 3), repeats=3, warmup=1, matmul_n=512)
 
 

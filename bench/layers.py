@@ -4,6 +4,11 @@ All forms compute the same post-LN layer (BERT):
 
     h = LN(x + dropout(Attn(x) W_o + b_o));   y = LN(h + dropout(dropout(GELU(h W_1 + b_1)) W_2 + b_2))
 
+or, for a config with `pre_ln` (GPT style; single layers only), the pre-LN layer with the
+same parameters (LN₁ = "attention_norm", LN₂ = "mlp_norm"):
+
+    h = x + dropout(Attn(LN₁(x)) W_o + b_o);   y = h + dropout(dropout(GELU(LN₂(h) W_1 + b_1)) W_2 + b_2)
+
 with dropout on the attention probabilities too, exact (erf) GELU, LN epsilon 1e-5 (the
 default of jaxsub's ops and layers; BERT's 1e-12 changes nothing measured here).
 
@@ -49,13 +54,14 @@ class Config:
     rate: float = 0.1
     eps: float = 1e-5
     layouts: str = "none"    # jaxsub rows' layouts= (issue #6): "none", "heuristic" or "auto"
+    pre_ln: bool = False     # GPT's pre-LN layer instead of BERT's post-LN one (single layers)
 
     @property
     def stack(self) -> bool:
         return self.layers > 1
 
     def describe(self) -> str:
-        what = f"{self.layers}-layer stack" if self.stack else "layer"
+        what = f"{self.layers}-layer stack" if self.stack else ("pre-LN layer" if self.pre_ln else "layer")
         return (f"{what} B={self.batch} S={self.seq} E={self.hidden} H={self.heads} F={self.ffn} "
                 f"{jnp.dtype(self.dtype).name}")
 
@@ -71,7 +77,7 @@ class Config:
 
 def _module_fields(cfg: Config) -> dict:
     return dict(num_heads=cfg.heads, mlp_dim=cfg.ffn, dropout_rate=cfg.rate, attention_dropout_rate=cfg.rate,
-                epsilon=cfg.eps, dtype=cfg.dtype, param_dtype=cfg.dtype)
+                epsilon=cfg.eps, dtype=cfg.dtype, param_dtype=cfg.dtype, pre_layer_norm=cfg.pre_ln)
 
 
 def init_params(cfg: Config, seed: int):
@@ -119,7 +125,11 @@ def jnp_layer(p, x, key, *, cfg: Config, deterministic: bool, attention: str = "
     def drop(y, k):
         return dropout(y, rate, k) if rate else y
 
-    qkv = jnp.einsum("bse,ethd->bsthd", x, p["qkv"]["kernel"]) + p["qkv"]["bias"]
+    def norm(name, a):
+        return layer_norm(a, p[name]["scale"], p[name]["bias"], cfg.eps)
+
+    a_in = norm("attention_norm", x) if cfg.pre_ln else x
+    qkv = jnp.einsum("bse,ethd->bsthd", a_in, p["qkv"]["kernel"]) + p["qkv"]["bias"]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if attention == "cudnn":
         a = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
@@ -128,12 +138,13 @@ def jnp_layer(p, x, key, *, cfg: Config, deterministic: bool, attention: str = "
         probs = drop(jax.nn.softmax(scores.astype(_F32), axis=-1).astype(x.dtype), keys[0])
         a = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     proj = jnp.einsum("bshd,hde->bse", a, p["out"]["kernel"])
-    h = layer_norm(x + drop(proj + p["out"]["bias"], keys[1]), p["attention_norm"]["scale"],
-                   p["attention_norm"]["bias"], cfg.eps)
-    g = jax.nn.gelu(h @ p["mlp_in"]["kernel"] + p["mlp_in"]["bias"], approximate=False)
-    y = drop(g, keys[2]) @ p["mlp_out"]["kernel"]
-    return layer_norm(h + drop(y + p["mlp_out"]["bias"], keys[3]), p["mlp_norm"]["scale"],
-                      p["mlp_norm"]["bias"], cfg.eps)
+    h = x + drop(proj + p["out"]["bias"], keys[1])
+    if not cfg.pre_ln:
+        h = norm("attention_norm", h)
+    m_in = norm("mlp_norm", h) if cfg.pre_ln else h
+    g = jax.nn.gelu(m_in @ p["mlp_in"]["kernel"] + p["mlp_in"]["bias"], approximate=False)
+    y = h + drop(drop(g, keys[2]) @ p["mlp_out"]["kernel"] + p["mlp_out"]["bias"], keys[3])
+    return y if cfg.pre_ln else norm("mlp_norm", y)
 
 
 def jnp_stack(p, x, key, *, cfg: Config, deterministic: bool, attention: str = "xla"):
