@@ -29,7 +29,7 @@ struct NormPtrs {
   float* rstd;           // [R]
   float* workspace;      // [C, K, N] f32 (backward)
   const void* dy2 = nullptr;  // [R, N] T or null (BDRLN backward): a second cotangent of y, added to dy
-  void* h = nullptr;          // [R, N] T or null (BDRLN forward): the normalized row h, written too
+  void* h = nullptr;          // [R, N] T or null (BDRLN forward): h, the layer norm's input, written too
   const void* dh = nullptr;   // [R, N] T or null (backward): a cotangent of h itself (layer norm: of x),
                               // added to the layer norm's gradient of h
 };
@@ -427,8 +427,8 @@ ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float ke
 //   -> dx: [R, N]; dbias: [N]; dresidual: [R, N]; dscale, dln_bias: [N]; workspace: [C, 3, N].
 ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, int32_t block_threads,
                     int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer dh, ffi::AnyBuffer x,
-                    ffi::AnyBuffer bias,
-                    ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                    ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean,
+                    ffi::AnyBuffer rstd,
                     ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
                     ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dresidual,
                     ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dln_bias,

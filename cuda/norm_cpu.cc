@@ -278,8 +278,8 @@ ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, int32_t 
 //      workspace: f32[C, 3, N] (unused on CPU).
 ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threads, int32_t max_elems,
                        ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer dh, ffi::AnyBuffer x,
-                       ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                       ffi::AnyBuffer seed,
+                       ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean,
+                       ffi::AnyBuffer rstd, ffi::AnyBuffer seed,
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
                        ffi::Result<ffi::AnyBuffer> dresidual, ffi::Result<ffi::AnyBuffer> dscale,
                        ffi::Result<ffi::AnyBuffer> dln_bias, ffi::Result<ffi::AnyBuffer> /*workspace*/) {

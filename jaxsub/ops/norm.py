@@ -140,7 +140,7 @@ def _layer_norm_bwd(eps, kernel, with_input, residuals, ct):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-# `outputs`: "y" (y alone), "yy" (y twice) or "yh" (y and h, the normalized sum). Separate
+# `outputs`: "y" (y alone), "yy" (y twice) or "yh" (y and h, the sum the layer norm reads). Separate
 # outputs reach the backward as separate cotangents, and the kernel adds them as it reads
 # them (dy2 for the second y, dh after the layer norm's gradient of h), instead of XLA
 # adding them in a kernel of its own first (bdrln_pair, bdrln_and_sum).
