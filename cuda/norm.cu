@@ -428,8 +428,7 @@ ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float ke
 ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, int32_t block_threads,
                     int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer dy2, ffi::AnyBuffer dh, ffi::AnyBuffer x,
                     ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer mean,
-                    ffi::AnyBuffer rstd,
-                    ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
+                    ffi::AnyBuffer rstd, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
                     ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dresidual,
                     ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dln_bias,
                     ffi::Result<ffi::AnyBuffer> workspace) {
@@ -437,17 +436,13 @@ ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, i
   const Rows rc = as_rows(x);
   if (auto e = check_rows(op, rc, {&dy, &residual}, {&bias, &scale}); e.failure()) return e;
   if (bias.element_type() != scale.element_type()) return invalid(op, "dtype mismatch");
-  const bool has_dy2 = dy2.element_count() != 0;
-  if (has_dy2) {
-    if (auto e = check_rows(op, rc, {&dy2}, {}); e.failure()) return e;
-    if (dy2.element_type() != dy.element_type()) return invalid(op, "dy2 must have the dtype of dy");
-  }
+  if (auto e = check_optional_rows(op, "dy2", rc, x.element_type(), dy2); e.failure()) return e;
+  if (auto e = check_optional_rows(op, "dh", rc, x.element_type(), dh); e.failure()) return e;
   NormArgs<true> a{op, x.element_type(), scale.element_type(), rc.rows, rc.cols};
   a.p = NormPtrs{dy.untyped_data(), x.untyped_data(), bias.untyped_data(), residual.untyped_data(),
                  scale.untyped_data(), nullptr, seed.typed_data(), dx->untyped_data(), dresidual->untyped_data(),
                  data<float>(mean), data<float>(rstd), data<float>(workspace),
-                 has_dy2 ? dy2.untyped_data() : nullptr};
-  if (auto e = check_optional_rows(op, "dh", rc, x.element_type(), dh); e.failure()) return e;
+                 optional_data(dy2)};
   a.p.dh = optional_data(dh);
   a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = {block_threads, max_elems};
   a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;

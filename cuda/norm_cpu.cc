@@ -295,34 +295,31 @@ ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threa
       e.failure()) {
     return e;
   }
-  const bool has_dy2 = dy2.element_count() != 0;
-  if (has_dy2) {
-    if (auto e = check(op, {{"dy2", dy2, s.t, s.count}}); e.failure()) return e;
-  }
   return dispatch_norm(op, s, [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
     using P = typename decltype(pt)::type;
+    const T *dy2_in, *dh_in;
+    if (auto e = optional_rows(op, "dy2", dy2, s.t, s.count, dy2_in); e.failure()) return e;
+    if (auto e = optional_rows(op, "dh", dh, s.t, s.count, dh_in); e.failure()) return e;
     const uint32_t* key = data<uint32_t>(seed);
     const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), key, threshold, keep_scale,
                               static_cast<int64_t>(s.cols)};
     T* dxs = data<T>(dx);
     T* dres = data<T>(dresidual);
     std::vector<double> dbias_acc(s.cols, 0.0);
-    // dx = dropout(dh) with the forward's mask; dbias sums dx before it is rounded.
-    auto store = [&](int64_t row, const float* dh) {
+    // dx = dropout(grad) with the forward's mask, grad the gradient of h; dbias sums dx
+    // before it is rounded.
+    auto store = [&](int64_t row, const float* grad) {
       for (size_t c = 0; c < s.cols; ++c) {
         const uint64_t i = row * s.cols + c;
-        const float g = dropout_keep(key, i, threshold) ? dh[c] * keep_scale : 0.0f;
-        dres[i] = from_float<T>(dh[c]);
+        const float g = dropout_keep(key, i, threshold) ? grad[c] * keep_scale : 0.0f;
+        dres[i] = from_float<T>(grad[c]);
         dxs[i] = from_float<T>(g);
         dbias_acc[c] += g;
       }
     };
-    const T* dh_in;
-    if (auto e = optional_rows(op, "dh", dh, s.t, s.count, dh_in); e.failure()) return e;
-    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), has_dy2 ? data<T>(dy2) : nullptr, dh_in,
-                              data<P>(scale),
-                              data<float>(mean), data<float>(rstd), store, data<P>(dscale), data<P>(dln_bias));
+    layer_norm_bwd_rows<T, P>(s.rows, s.cols, load, data<T>(dy), dy2_in, dh_in, data<P>(scale), data<float>(mean),
+                              data<float>(rstd), store, data<P>(dscale), data<P>(dln_bias));
     P* db = data<P>(dbias);
     for (size_t c = 0; c < s.cols; ++c) db[c] = from_float<P>(static_cast<float>(dbias_acc[c]));
     return ffi::Error::Success();

@@ -155,7 +155,7 @@ def private_violation(g: G.Graph, nodes, anchor, roles=None, exempt=()):
     return None
 
 
-def read_after(g: G.Graph, ref, anchor, nodes=()) -> list:
+def read_after(g: G.Graph, ref, anchor, nodes=()) -> list | None:
     """The nodes outside `nodes` that read `ref`: [] when there are none, None when one of
     them comes before `anchor` in the graph (it would be evaluated before a match at the
     anchor could hand it a value)."""
