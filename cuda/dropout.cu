@@ -5,16 +5,24 @@
 namespace jaxsub {
 namespace {
 
-// One thread per group of eight elements (one Philox call).
+// One thread per group of eight elements (one Philox call). A whole group's eight bools
+// leave as one 8-byte store when the mask starts on 8 bytes (XLA's buffers do); byte
+// stores otherwise and for the last, partial group.
 __global__ void dropout_mask_kernel(const uint32_t* __restrict__ seed, uint32_t threshold, bool* __restrict__ out,
-                                    uint64_t n) {
+                                    uint64_t n, bool words) {
   const uint32_t s[2] = {seed[0], seed[1]};
   for (uint64_t q = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; q * 8 < n;
        q += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    U32x4 w = dropout_words(s, q);
+    const U32x4 w = dropout_words(s, q);
+    uint64_t packed = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      if (q * 8 + i < n) out[q * 8 + i] = threshold == 0 || lane16(w, i) >= threshold;
+      packed |= static_cast<uint64_t>(threshold == 0 || lane16(w, i) >= threshold) << (8 * i);
+    if (words && q * 8 + 8 <= n) {
+      *reinterpret_cast<uint64_t*>(out + q * 8) = packed;  // bool is one byte, 0 or 1: little-endian lanes
+    } else {
+      for (int i = 0; i < 8 && q * 8 + i < n; ++i) out[q * 8 + i] = (packed >> (8 * i)) & 1;
+    }
   }
 }
 
@@ -28,7 +36,9 @@ ffi::Error DropoutMaskCuda(cudaStream_t stream, uint32_t threshold, ffi::Buffer<
   const uint64_t groups = (n + 7) / 8;
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<uint64_t>((groups + threads - 1) / threads, 65535));
-  dropout_mask_kernel<<<blocks, threads, 0, stream>>>(seed.typed_data(), threshold, data<bool>(mask), n);
+  bool* out = data<bool>(mask);
+  const bool words = reinterpret_cast<uintptr_t>(out) % 8 == 0;
+  dropout_mask_kernel<<<blocks, threads, 0, stream>>>(seed.typed_data(), threshold, out, n, words);
   return launch_status("dropout_mask");
 }
 

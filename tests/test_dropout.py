@@ -178,8 +178,10 @@ def test_bad_seed_words_raise(words):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
-def test_gpu_mask_bit_identical_to_cpu():
-    shape, rate = (8, 16, 512, 512), 0.1
+@pytest.mark.parametrize("shape,rate", [((8, 16, 512, 512), 0.1), ((3, 7, 131), 0.3), ((5,), 0.5), ((2, 4095), 0.9)])
+def test_gpu_mask_bit_identical_to_cpu(shape, rate):
+    # Whole groups of eight leave as one 8-byte store; the sizes not a multiple of 8 end
+    # in a partial group written byte by byte.
     key = jax.random.key(8)
     f = jax.jit(lambda k: jaxsub.ops.dropout_mask(k, shape, rate))
     cpu = f(jax.device_put(key, jax.devices("cpu")[0]))
