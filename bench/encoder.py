@@ -87,7 +87,7 @@ import numpy as np
 import jaxsub
 from bench import layers, report, timing
 from bench.layers import BASELINE, ROWS, Config
-from jaxsub import _timing, testing
+from jaxsub import _ffi, _timing, testing
 
 H200_MATMUL_FLOPS_PER_S = 707e12
 DEFAULT_JSON = pathlib.Path(__file__).parent / "results" / "encoder.json"
@@ -442,6 +442,9 @@ def main(argv=None) -> int:
         "configs": {c.name: {**dataclasses.asdict(c), "dtype": jnp.dtype(c.dtype).name} for c in configs},
         "rows_legend": {n: f"{ROWS[n].letter}: {ROWS[n].label}" for n in args.rows},
         "method": __doc__, "rows": rows,
+        # The GEMM algorithms jaxsub's rows timed and picked in this process (empty without
+        # a GPU): what to compare first when two runs of the same code differ.
+        "gemm_tunings": _ffi.gemm_tunings(),
     }
     report.write_json(args.json, result)
     plot(rows, args.plot or args.json.with_suffix(".png"), timing.describe_device())
@@ -453,6 +456,11 @@ def main(argv=None) -> int:
     if any(c.stack for c in configs):
         print("note: XLA GB of the stacks counts the scanned layer body once (XLA's cost analysis "
               "ignores trip counts)")
+    tunings = result["gemm_tunings"]
+    if tunings:
+        moved = sum(t["index"] > 0 for t in tunings)
+        print(f"gemm algorithms: {len(tunings)} shapes timed, {moved} picked other than cuBLASLt's first "
+              f"(the picks are in the JSON)")
     failed = [f"{r['config']} {r['row']}" for r in rows if r["check"].startswith("FAILED")]
     errors = [f"{r['config']} {r['row']}" for r in rows if r["ms"] is None and not r["optional"]]
     if failed:

@@ -99,7 +99,21 @@ def gemm_tune(dtype: str, m: int, n: int, k: int, trans_a: bool, trans_b: bool, 
     if not cuda_available():
         return -1, ()
     index, times = _C.gemm_tune(dtype, m, n, k, trans_a, trans_b, bias, c, workspace_bytes)
-    return int(index), tuple(float(t) for t in times)
+    result = int(index), tuple(float(t) for t in times)
+    _TUNINGS[(dtype, m, n, k, trans_a, trans_b, bias, c)] = result
+    return result
+
+
+_TUNINGS: dict[tuple, tuple[int, tuple[float, ...]]] = {}
+
+
+def gemm_tunings() -> list[dict]:
+    """Every shape `gemm_tune` has timed in this process, in the order first timed: the
+    shape, the pick (index in cuBLASLt's heuristic order) and each candidate's µs. The
+    encoder benchmark writes them into its JSON, so that two runs' picks can be compared."""
+    names = ("dtype", "m", "n", "k", "trans_a", "trans_b", "bias", "c")
+    return [{**dict(zip(names, key)), "index": index, "times_us": list(times)}
+            for key, (index, times) in _TUNINGS.items()]
 
 
 @functools.cache

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxsub import _ffi
 
 from bench import attention as bench_attention
 from bench import encoder as bench_encoder
@@ -334,6 +335,10 @@ def test_encoder_small_run_checks_and_times_every_row(tmp_path, capsys):
     assert rows["jaxsub"]["xla_bytes"] < rows["xla"]["xla_bytes"]
     assert "a xla" in printed and "d opt-jnp" in printed
     assert gpu or "CPU timings say nothing" in printed
+    # The GEMM picks of the process (bf16/f16 projections run the gemm target on a GPU;
+    # none on CPU).
+    assert result["gemm_tunings"] == _ffi.gemm_tunings()
+    assert gpu or result["gemm_tunings"] == []
 
 
 def test_encoder_times_each_row_in_its_own_block_both_orders(monkeypatch):

@@ -238,6 +238,35 @@ def test_zero_size_falls_back(monkeypatch):
     assert ("dense", "zero-size input") in calls
 
 
+def test_gemm_tunings_record_each_timed_shape(monkeypatch):
+    """`_ffi.gemm_tunings` lists what `gemm_tune` timed (the encoder benchmark writes it to
+    its JSON): the shape, the pick and each candidate's time, once per shape."""
+    class FakeC:
+        calls = 0
+
+        @staticmethod
+        def gemm_tune(*args):
+            FakeC.calls += 1
+            return 2, [3.0, 2.5, 1.0]
+
+    monkeypatch.setattr(_ffi, "cuda_available", lambda: True)
+    monkeypatch.setattr(_ffi, "_C", FakeC)
+    monkeypatch.setattr(_ffi, "_TUNINGS", {})
+    _ffi.gemm_tune.cache_clear()
+    try:
+        for _ in range(2):
+            assert _ffi.gemm_tune("bfloat16", 64, 32, 16, False, True, True, False, 1024) == (2, (3.0, 2.5, 1.0))
+        _ffi.gemm_tune("float16", 8, 8, 8, True, False, False, True, 1024)
+        assert FakeC.calls == 2
+        assert _ffi.gemm_tunings() == [
+            {"dtype": "bfloat16", "m": 64, "n": 32, "k": 16, "trans_a": False, "trans_b": True, "bias": True,
+             "c": False, "index": 2, "times_us": [3.0, 2.5, 1.0]},
+            {"dtype": "float16", "m": 8, "n": 8, "k": 8, "trans_a": True, "trans_b": False, "bias": False,
+             "c": True, "index": 2, "times_us": [3.0, 2.5, 1.0]}]
+    finally:
+        _ffi.gemm_tune.cache_clear()  # the fake's results must not outlive the test
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 class TestCuda:
