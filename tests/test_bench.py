@@ -219,6 +219,28 @@ def test_gpu_timing_tools_import_and_refuse_cpu(name):
         _tool(name).main([])
 
 
+def test_compare_runs_lines_up_rows_and_gemm_picks(tmp_path, capsys):
+    def result(ms_jaxsub, pick):
+        return {"rows": [{"config": "b8s512-bf16", "row": "xla", "ms": 1.35},
+                         {"config": "b8s512-bf16", "row": "jaxsub", "ms": ms_jaxsub},
+                         {"config": "b8s512-bf16", "row": "opt-flax", "ms": None}],
+                "gemm_tunings": [{"dtype": "bfloat16", "m": 4096, "n": 4096, "k": 1024, "trans_a": False,
+                                  "trans_b": False, "bias": True, "c": False, "index": pick,
+                                  "times_us": [51.2, 51.7, 48.8]},
+                                 {"dtype": "bfloat16", "m": 4096, "n": 1024, "k": 1024, "trans_a": False,
+                                  "trans_b": False, "bias": True, "c": False, "index": 0,
+                                  "times_us": [14.0, 15.0]}]}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, r in zip(paths, (result(0.717, 2), result(0.786, 0))):
+        path.write_text(json.dumps(r))
+    assert _tool("compare_runs").main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "jaxsub" in out and "1.096" in out and "1.000" in out  # 0.786 / 0.717, xla / xla
+    assert "gemm shapes timed in both: 2; picks that differ: 1" in out
+    assert "m=4096 n=4096 k=1024" in out and "pick 2 (48.8 us) -> 0 (51.2 us)" in out
+    assert "m=4096 n=1024" not in out
+
+
 def test_profile_layer_groups_kernels():
     profile_layer = _tool("profile_layer")
     assert profile_layer.category("void jaxsub::(anonymous namespace)::norm_fwd_kernel<...>") == "jaxsub"
