@@ -210,8 +210,7 @@ ffi::Error LayerNormFwdCpu(float eps, int32_t block_threads, int32_t max_elems, 
 // dy: T[R, N]; dh: T[R, N] or T[0] (a cotangent of x itself, added to dx); x: T[R, N]; scale: P[N];
 // mean, rstd: f32[R] -> dx: T[R, N]; dscale, dbias: P[N]; workspace: f32[C, 2, N] (unused on CPU).
 ffi::Error LayerNormBwdCpu(int32_t block_threads, int32_t max_elems, ffi::AnyBuffer dy, ffi::AnyBuffer dh,
-                           ffi::AnyBuffer x,
-                           ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                           ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> /*workspace*/) {
   constexpr const char* op = "layer_norm_bwd";

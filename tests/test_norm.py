@@ -465,6 +465,18 @@ def test_second_output_and_its_cotangent(which, lead, n, dtype, pdtype):
 
 
 @pytest.mark.parametrize("which", list(SECOND_OUTPUT))
+def test_second_output_wide_rows_fall_back_to_the_reference(which):
+    """Rows wider than the kernels take: the reference, with the second output too."""
+    inp = _inputs(_seed("second-fallback", which), (2, _ffi.MAX_COLS + 1), jnp.bfloat16, jnp.float32)
+    make, _ = SECOND_OUTPUT[which]
+    fused, reference, args = make(inp)
+    assert "jaxsub_" + ("bdrln" if which == "bdrln_and_sum" else "layer_norm") not in _hlo(fused, *args)
+    (y, h), (y_ref, h_ref) = fused(*args), reference(*args)
+    assert_close(y, y_ref, jnp.bfloat16, reduction=_ffi.MAX_COLS, what=f"{which} y")
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h_ref, np.float32))
+
+
+@pytest.mark.parametrize("which", list(SECOND_OUTPUT))
 def test_second_output_needs_no_add_of_the_cotangents(which):
     """No [R, N] add before the backward kernel; the same outputs from the plain op (y, and
     h or x as jnp values beside it) have one, so the check can fail."""

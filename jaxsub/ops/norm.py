@@ -53,11 +53,15 @@ def reference_layer_norm(x, scale, bias, *, eps=1e-5):
 def reference_bdrln(x, bias, residual, scale, ln_bias, *, keep, rate, eps=1e-5):
     """y = layer_norm(residual + dropout(x + bias)); `keep` is the boolean keep-mask of
     x's shape (None: no dropout), kept values are scaled by 1 / (1 - rate)."""
+    return _normalize(_reference_sum(x, bias, residual, keep, rate), scale, ln_bias, eps).astype(x.dtype)
+
+
+def _reference_sum(x, bias, residual, keep, rate):
+    """h = residual + dropout(x + bias) in f32, the layer norm's input in BDRLN."""
     v = x.astype(_F32)
     if bias is not None:
         v = v + bias.astype(_F32)
-    h = residual.astype(_F32) + dropout.apply_reference(v, keep, rate)
-    return _normalize(h, scale, ln_bias, eps).astype(x.dtype)
+    return residual.astype(_F32) + dropout.apply_reference(v, keep, rate)
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,7 +338,6 @@ def _bdrln_op(x, bias, residual, scale, ln_bias, *, rate, key, eps, deterministi
         keep = dropout.dropout_mask(key, x.shape, rate) if rate > 0.0 else None
         y = reference_bdrln(x, bias, residual, scale, ln_bias, keep=keep, rate=rate, eps=eps)
         if outputs == "yh":
-            h = residual.astype(_F32) + dropout.apply_reference(x.astype(_F32) + bias.astype(_F32), keep, rate)
-            return y, h.astype(x.dtype)
+            return y, _reference_sum(x, bias, residual, keep, rate).astype(x.dtype)
         return {"y": y, "yy": (y, y)}[outputs]
     return _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, outputs)
