@@ -1,6 +1,8 @@
-// Bias + GELU + dropout (the paper's BRD forward and BDRB backward), CUDA. Contract:
-// ABI.md; launch shapes and the fused bias-gradient reduction: rows.cuh. The backward
-// recomputes v = x + bias and regenerates the mask, so the forward writes only y.
+// Bias + GELU + dropout (the paper's BRD forward and BDRB backward), CUDA, and the same
+// kernel without the GELU for the pre-LN residual, residual + dropout(x + bias), whose
+// backward is dropout(dy) and its column sums. Contract: ABI.md; launch shapes and the
+// fused bias-gradient reduction: rows.cuh. The backward recomputes v = x + bias and
+// regenerates the mask, so the forward writes only y.
 #include "common.h"
 #include "gelu_math.h"
 #include "philox.h"
@@ -17,14 +19,18 @@ struct GeluPtrs {
   void* out;             // [R, N] T: y (forward) or dx (backward)
   float* workspace;      // [C, 1, N] f32 (backward)
   void* y = nullptr;     // [R, N] T or null (backward): the forward's y, recomputed
+  const void* residual = nullptr;  // [R, N] T (identity forward): added after the dropout
 };
 
 // kStoreY (backward): also write the forward's y to p.y, for callers that keep x rather
-// than y (a scanned stack need not store y then).
-template <typename T, int VEC, int NV, bool kBackward, bool kStoreY = false>
+// than y (a scanned stack need not store y then). kIdentity: no GELU; the forward writes
+// residual + dropout(x + bias), the backward dropout(dy) and its column sums, reading
+// neither x nor the bias.
+template <typename T, int VEC, int NV, bool kBackward, bool kStoreY = false, bool kIdentity = false>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     gelu_kernel(GeluPtrs p, bool pf32, int64_t rows, int64_t n, bool approximate, uint32_t threshold,
                 float keep_scale) {
+  constexpr bool kMaskOnly = kBackward && kIdentity;  // dx = dropout(dy)
   extern __shared__ float smem[];
   Tile<VEC, NV> acc[1];
 #pragma unroll
@@ -33,14 +39,15 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     for (int e = 0; e < VEC; ++e) acc[0].v[v][e] = 0.f;
   const uint32_t seed[2] = {p.seed[0], p.seed[1]};
   Tile<VEC, NV> b;  // the thread's columns of the bias, for every row it visits
-  load_param<T, VEC, NV>(p.bias, pf32, n, b);
+  if constexpr (!kMaskOnly) load_param<T, VEC, NV>(p.bias, pf32, n, b);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
        base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const int64_t r = base + threadIdx.y;
     if (r >= rows) continue;  // no barriers inside the loop
     Tile<VEC, NV> t, d;
-    load_tile<T, VEC, NV>(static_cast<const T*>(p.x) + r * n, n, true, t);
-    if constexpr (kBackward) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, true, d);
+    load_tile<T, VEC, NV>(static_cast<const T*>(kMaskOnly ? p.dy : p.x) + r * n, n, true, t);
+    if constexpr (kBackward && !kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, true, d);
+    if constexpr (!kBackward && kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, true, d);
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
       const int64_t c = tile_col(v, VEC);
@@ -49,8 +56,15 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
       keep_scales<VEC>(seed, threshold, keep_scale, static_cast<uint64_t>(r) * n + c, m);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
+        if constexpr (kMaskOnly) {
+          t.v[v][e] *= m[e];
+          acc[0].v[v][e] += t.v[v][e];
+          continue;
+        }
         const float u = t.v[v][e] + b.v[v][e];
-        if constexpr (kBackward) {
+        if constexpr (kIdentity) {
+          t.v[v][e] = fmaf(u, m[e], d.v[v][e]);
+        } else if constexpr (kBackward) {
           float y;
           t.v[v][e] = d.v[v][e] * m[e] * gelu_and_grad(u, approximate, y);
           if constexpr (kStoreY) d.v[v][e] = y * m[e];  // dy is spent: d now holds the forward's y
@@ -69,14 +83,14 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
 template <bool kBackward>
 ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi::DataType prm, const Rows& rc,
                        const GeluPtrs& p, bool approximate, uint32_t threshold, float keep_scale,
-                       const KernelConfig& kernel, int64_t workspace_rows, void* dbias) {
+                       const KernelConfig& kernel, int64_t workspace_rows, void* dbias, bool identity = false) {
   if (auto e = check_kernel_config(op, kernel); e.failure()) return e;
   if (rc.rows == 0 || rc.cols == 0) return ffi::Error::Success();
   if (prm != t && prm != ffi::DataType::F32) return invalid(op, "bias must have the activation dtype or float32");
   const bool pf32 = prm == ffi::DataType::F32;
   return dispatch_float<DeviceTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
-    const bool aligned = aligned16(p.x) && aligned16(p.bias) && aligned16(p.out) &&
+    const bool aligned = aligned16(p.x) && aligned16(p.bias) && aligned16(p.out) && aligned16(p.residual) &&
                          (!kBackward || (aligned16(p.dy) && (p.y == nullptr || aligned16(p.y))));
     // Defaults. No row reductions here: forward up to 16 elements per thread, backward 8
     // (16-bit) / 16 (f32), since the column partials stay live beside x and dy.
@@ -89,7 +103,9 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
       if constexpr (kBackward) {
         const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
-        auto kernel = p.y != nullptr ? gelu_kernel<T, VEC, NV, true, true> : gelu_kernel<T, VEC, NV, true>;
+        auto kernel = identity       ? gelu_kernel<T, VEC, NV, true, false, true>
+                      : p.y != nullptr ? gelu_kernel<T, VEC, NV, true, true>
+                                       : gelu_kernel<T, VEC, NV, true>;
         const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
         kernel<<<blocks, block, smem, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
         status = launch_check(op, "gelu_kernel<bwd>", c, blocks, smem);
@@ -100,7 +116,7 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
       } else {
         // One wave of blocks, each walking many rows: a block that did one row spent ~15%
         // of its instructions on its prologue (the bias, the seed, the indices).
-        auto kernel = gelu_kernel<T, VEC, NV, false>;
+        auto kernel = identity ? gelu_kernel<T, VEC, NV, false, false, true> : gelu_kernel<T, VEC, NV, false>;
         const int blocks = partial_blocks(kernel, rc.rows, c, 0, rc.rows);
         kernel<<<blocks, block, 0, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
         status = launch_check(op, "gelu_kernel<fwd>", c, blocks, 0);
@@ -142,6 +158,38 @@ ffi::Error BiasGeluDropoutBwd(cudaStream_t stream, bool approximate, uint32_t th
                            keep_scale, {block_threads, max_elems}, ws_rows, dbias->untyped_data());
 }
 
+// y: [R, N]; bias: [N]; residual: [R, N]; seed: [2] -> out: [R, N] = residual + dropout(y + bias).
+ffi::Error BiasDropoutResidualFwd(cudaStream_t stream, uint32_t threshold, float keep_scale, int32_t block_threads,
+                                  int32_t max_elems, ffi::AnyBuffer y, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+                                  ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out) {
+  const char* op = "bias_dropout_residual_fwd";
+  const Rows rc = as_rows(y);
+  if (static_cast<int64_t>(bias.element_count()) != rc.cols) return invalid(op, "bias length != last dim");
+  if (residual.element_count() != y.element_count() || residual.element_type() != y.element_type())
+    return invalid(op, "residual must match y in dtype and size");
+  GeluPtrs p{nullptr, y.untyped_data(), bias.untyped_data(), seed.typed_data(), out->untyped_data(), nullptr};
+  p.residual = residual.untyped_data();
+  return launch_gelu<false>(stream, op, y.element_type(), bias.element_type(), rc, p, false, threshold, keep_scale,
+                            {block_threads, max_elems}, 0, nullptr, true);
+}
+
+// dy: [R, N]; seed: [2] -> dx: [R, N] = dropout(dy); dbias: [N] (its column sums);
+// workspace: [C, 1, N].
+ffi::Error BiasDropoutBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, int32_t block_threads,
+                          int32_t max_elems, ffi::AnyBuffer dy, ffi::Buffer<ffi::U32> seed,
+                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
+                          ffi::Result<ffi::AnyBuffer> workspace) {
+  const char* op = "bias_dropout_bwd";
+  const Rows rc = as_rows(dy);
+  if (static_cast<int64_t>(dbias->element_count()) != rc.cols) return invalid(op, "dbias length != last dim");
+  if (dx->element_count() != dy.element_count() || dx->element_type() != dy.element_type())
+    return invalid(op, "dx must match dy in dtype and size");
+  GeluPtrs p{dy.untyped_data(), nullptr, nullptr, seed.typed_data(), dx->untyped_data(), data<float>(workspace)};
+  const int64_t ws_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
+  return launch_gelu<true>(stream, op, dy.element_type(), dbias->element_type(), rc, p, false, threshold, keep_scale,
+                           {block_threads, max_elems}, ws_rows, dbias->untyped_data(), true);
+}
+
 }  // namespace
 }  // namespace jaxsub
 
@@ -177,4 +225,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bias_gelu_dropout_bwd, jaxsub::BiasGelu
                                   .Ret<ffi::AnyBuffer>()   // dbias
                                   .Ret<ffi::AnyBuffer>()   // workspace
                                   .Ret<ffi::AnyBuffer>(),  // y, or empty
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bias_dropout_residual_fwd, jaxsub::BiasDropoutResidualFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
+                                  .Arg<ffi::AnyBuffer>()   // y
+                                  .Arg<ffi::AnyBuffer>()   // bias
+                                  .Arg<ffi::AnyBuffer>()   // residual
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>(),  // out
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_bias_dropout_bwd, jaxsub::BiasDropoutBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
+                                  .Arg<ffi::AnyBuffer>()   // dy
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()   // dx
+                                  .Ret<ffi::AnyBuffer>()   // dbias
+                                  .Ret<ffi::AnyBuffer>(),  // workspace
                               {ffi::Traits::kCmdBufferCompatible});

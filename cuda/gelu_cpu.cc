@@ -1,6 +1,7 @@
-// CPU handlers for bias + GELU + dropout (ABI.md: bias_gelu_dropout_fwd / _bwd). Plain
-// loops: they define the results the CUDA kernels are compared against on any machine.
-// GELU itself (gelu_math.h) is the same code as in the kernels.
+// CPU handlers for bias + GELU + dropout (ABI.md: bias_gelu_dropout_fwd / _bwd) and for
+// the same without the GELU, the pre-LN residual (bias_dropout_residual_fwd,
+// bias_dropout_bwd). Plain loops: they define the results the CUDA kernels are compared
+// against on any machine. GELU itself (gelu_math.h) is the same code as in the kernels.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -146,6 +147,58 @@ ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBu
   });
 }
 
+// y: T[R, N]; bias: P[N]; residual: T[R, N]; seed: u32[2];
+// out: T[R, N] = residual + dropout(y + bias), in f32, rounded once.
+ffi::Error BiasDropoutResidualFwdCpu(ffi::AnyBuffer y, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+                                     ffi::Buffer<ffi::U32> seed, uint32_t threshold, float keep_scale,
+                                     int32_t block_threads, int32_t max_elems, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* op = "bias_dropout_residual_fwd";
+  if (auto e = check_kernel_config(op, {block_threads, max_elems}); e.failure()) return e;
+  if (auto e = check_common(op, y, bias, seed); e.failure()) return e;
+  if (auto e = check_like(op, "residual", residual, "y", y); e.failure()) return e;
+  if (auto e = check_like(op, "out", *out, "y", y); e.failure()) return e;
+  return dispatch_act_param(op, y.element_type(), bias.element_type(), [&](auto tt, auto pt) {
+    using T = typename decltype(tt)::type;
+    using P = typename decltype(pt)::type;
+    const T* ys = data<T>(y);
+    const T* rs = data<T>(residual);
+    const P* bs = data<P>(bias);
+    T* os = data<T>(out);
+    for_each_element(as_rows(y), seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+      const float v = to_float(ys[i]) + to_float(bs[c]);
+      os[i] = from_float<T>(std::fma(v, kept ? keep_scale : 0.f, to_float(rs[i])));
+    });
+    return ffi::Error::Success();
+  });
+}
+
+// dy: T[R, N]; seed: u32[2]; dx: T[R, N] = dropout(dy); dbias: P[N], the column sums of
+// dx before rounding; workspace: f32[C, 1, N] (GPU scratch, untouched here).
+ffi::Error BiasDropoutBwdCpu(ffi::AnyBuffer dy, ffi::Buffer<ffi::U32> seed, uint32_t threshold, float keep_scale,
+                             int32_t block_threads, int32_t max_elems, ffi::Result<ffi::AnyBuffer> dx,
+                             ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
+  constexpr const char* op = "bias_dropout_bwd";
+  if (auto e = check_kernel_config(op, {block_threads, max_elems}); e.failure()) return e;
+  if (auto e = check_common(op, dy, *dbias, seed); e.failure()) return e;
+  if (auto e = check_like(op, "dx", *dx, "dy", dy); e.failure()) return e;
+  const Rows d = as_rows(dy);
+  return dispatch_act_param(op, dy.element_type(), dbias->element_type(), [&](auto tt, auto pt) {
+    using T = typename decltype(tt)::type;
+    using P = typename decltype(pt)::type;
+    const T* dys = data<T>(dy);
+    T* dxs = data<T>(dx);
+    std::vector<double> acc(static_cast<size_t>(d.cols), 0.0);  // fixed order, as the GELU backward
+    for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+      const float v = kept ? to_float(dys[i]) * keep_scale : 0.f;
+      dxs[i] = from_float<T>(v);
+      acc[c] += v;
+    });
+    P* dbs = data<P>(dbias);
+    for (int64_t c = 0; c < d.cols; ++c) dbs[c] = from_float<P>(static_cast<float>(acc[c]));
+    return ffi::Error::Success();
+  });
+}
+
 // x: T[m, k]; w: T[k, n]; bias: T[n]; seed: u32[2]; y, h: T[m, n] (ABI.md:
 // dense_gelu_fwd). h = x · w with f32 sums over k in order, rounded once (the gemm
 // target's CPU arithmetic); y = bias_gelu_dropout of that h.
@@ -222,3 +275,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_dense_gelu_fwd, jaxsub::DenseGeluFwdCpu,
                                   .Attr<float>("keep_scale")
                                   .Ret<xla::ffi::AnyBuffer>()                 // y
                                   .Ret<xla::ffi::AnyBuffer>());               // h
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_dropout_residual_fwd, jaxsub::BiasDropoutResidualFwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // y
+                                  .Arg<xla::ffi::AnyBuffer>()                 // bias
+                                  .Arg<xla::ffi::AnyBuffer>()                 // residual
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()     // seed
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
+                                  .Ret<xla::ffi::AnyBuffer>());               // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_bias_dropout_bwd, jaxsub::BiasDropoutBwdCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // dy
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()     // seed
+                                  .Attr<uint32_t>("threshold")
+                                  .Attr<float>("keep_scale")
+                                  .Attr<int32_t>("block_threads")
+                                  .Attr<int32_t>("max_elems")
+                                  .Ret<xla::ffi::AnyBuffer>()                 // dx
+                                  .Ret<xla::ffi::AnyBuffer>()                 // dbias
+                                  .Ret<xla::ffi::AnyBuffer>());               // workspace

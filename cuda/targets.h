@@ -11,6 +11,8 @@
   X(bdrln_bwd)             \
   X(bias_gelu_dropout_fwd) \
   X(bias_gelu_dropout_bwd) \
+  X(bias_dropout_residual_fwd) \
+  X(bias_dropout_bwd)      \
   X(softmax_dropout_fwd)   \
   X(softmax_dropout_bwd)   \
   X(attention_fwd)         \

@@ -116,6 +116,14 @@ def gemm_tunings() -> list[dict]:
             for key, (index, times) in _TUNINGS.items()]
 
 
+def platform_of(x) -> str:
+    """The platform an operand lives on ("cpu", "gpu", ...): its device's for a concrete
+    jax.Array, the default backend's for a tracer or a host (NumPy) value."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return next(iter(x.devices())).platform
+    return jax.default_backend()
+
+
 @functools.cache
 def _warn_once(key: str, message: str) -> None:
     log.warning(message)

@@ -20,3 +20,13 @@ def fresh_layout(tmp_path, monkeypatch):
     layout.clear_memo()
     yield
     layout.clear_memo()
+
+
+@pytest.fixture
+def fallback_log(monkeypatch):
+    """The (op, reason) of each fallback log line during the test, in order."""
+    from jaxsub import _ffi
+
+    calls = []
+    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, **_: calls.append((op_name, reason)))
+    return calls

@@ -351,13 +351,6 @@ def test_zero_size_gives_zeros():
     assert dk.shape == (2, 0, 1, 8) and dv.shape == (2, 0, 1, 8)
 
 
-@pytest.fixture
-def fallback_log(monkeypatch):
-    calls = []
-    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, **_: calls.append((op_name, reason)))
-    return calls
-
-
 @pytest.mark.parametrize("has_kernel,dtype,d,why", [
     (False, BF16, 64, "no fused attention kernel"),
     (True, F32, 64, "float32"),

@@ -181,13 +181,6 @@ def test_bad_inputs_raise_naming_op_and_argument(name, kwargs, exc, arg):
     assert arg in str(info.value)
 
 
-@pytest.fixture
-def fallback_log(monkeypatch):
-    calls = []
-    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, **_: calls.append((op_name, reason)))
-    return calls
-
-
 @pytest.mark.parametrize("lead,bias_shape", [((0,), (16,)), ((3,), (0,)), ((2, 0), (4, 5))])
 def test_zero_size_falls_back(lead, bias_shape, fallback_log):
     x, bias, dy = inputs(111, lead, bias_shape, F32, F32)

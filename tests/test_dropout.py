@@ -7,12 +7,14 @@ import math
 
 import jax
 import jax.ad_checkpoint
+from jax.test_util import check_grads
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxsub
 from jaxsub.ops.dropout import seed_from_key, threshold
+from jaxsub.testing import assert_close, assert_vmap_matches_loop
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
@@ -204,38 +206,123 @@ def saved_residuals(f, *args):
     return out.getvalue()
 
 
-@pytest.mark.parametrize("dtype,shape", [(jnp.float32, (3, 7, 5)), (jnp.bfloat16, (2, 130))])
-def test_residual_add_regenerates_its_mask(dtype, shape):
-    """The pre-LN residual x + dropout(y + bias) of jaxsub's layers: the values and
-    gradients of the jnp formula with dropout_mask, bit for bit, and no boolean mask kept
-    for the backward (the formula keeps one)."""
+def residual_inputs(seed, shape, dtype, bias_dtype):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    x, y = (jax.random.normal(k, shape).astype(dtype) for k in ks[:2])
+    return x, y, jax.random.normal(ks[2], shape[-1:]).astype(bias_dtype), ks[3]
+
+
+def residual_vjp(fn, x, y, bias, seed_w=5):
+    """fn's value and the gradients of a weighted sum of it for x, y and bias (jit)."""
+    w = jax.random.normal(jax.random.key(seed_w), y.shape)
+    loss = lambda *a: (fn(*a).astype(jnp.float32) * w).sum()
+    return jax.jit(fn)(x, y, bias), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, y, bias)
+
+
+def check_residual(got, want, dtype, bias_dtype, rows):
+    for g, v, what in zip(got, want, ("out", "dx", "dy", "dbias")):
+        assert_close(g, v, bias_dtype if what == "dbias" else dtype, reduction=rows if what == "dbias" else 1,
+                     grad=what != "out", what=what)
+
+
+@pytest.mark.parametrize("dtype,bias_dtype,shape", [
+    (jnp.float32, jnp.float32, (3, 7, 5)), (jnp.bfloat16, jnp.bfloat16, (2, 130)),
+    (jnp.float16, jnp.float32, (4, 1000)), (jnp.bfloat16, jnp.float32, (1, 1))])
+def test_residual_add_matches_reference(dtype, bias_dtype, shape):
+    """The pre-LN residual x + dropout(y + bias) of jaxsub's layers, one kernel each way
+    (jaxsub_bias_dropout_residual_fwd, jaxsub_bias_dropout_bwd): value and gradients as the
+    reference with dropout_mask's mask, and no boolean mask kept for the backward (the jnp
+    formula keeps one)."""
+    from jaxsub.ops.dropout import reference_residual_add, residual_add
+
+    x, y, bias, key = residual_inputs(11, shape, dtype, bias_dtype)
+    rate = 0.3
+    keep = jaxsub.ops.dropout_mask(key, y.shape, rate)
+    fused = lambda x, y, b: residual_add(x, y, b, rate=rate, key=key)
+    got = residual_vjp(fused, x, y, bias)
+    want = residual_vjp(lambda x, y, b: reference_residual_add(x, y, b, keep=keep, rate=rate), x, y, bias)
+    check_residual(got, want, dtype, bias_dtype, math.prod(shape[:-1]))
+    # Dropped elements get exactly zero gradient; x's gradient is the cotangent itself.
+    assert not np.asarray(got[2], np.float32)[~np.asarray(keep)].any()
+    w = jax.random.normal(jax.random.key(5), y.shape)
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(w.astype(dtype), np.float32))
+    loss = lambda x, y, b: fused(x, y, b).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, y, bias).as_text()
+    assert "jaxsub_bias_dropout_residual_fwd" in hlo and "jaxsub_bias_dropout_bwd" in hlo
+    assert "jaxsub_dropout_mask" not in hlo
+    assert "bool" not in saved_residuals(loss, x, y, bias)
+    # No key or rate 0: the plain sum.
+    for k, r in ((None, rate), (key, 0.0)):
+        np.testing.assert_array_equal(np.asarray(residual_add(x, y, bias, rate=r, key=k), np.float32),
+                                      np.asarray(x + (y + bias), np.float32))
+
+
+def test_residual_add_check_grads():
     from jaxsub.ops.dropout import residual_add
 
-    ks = jax.random.split(jax.random.key(11), 4)
-    x, y = (jax.random.normal(k, shape).astype(dtype) for k in ks[:2])
-    bias = jax.random.normal(ks[2], shape[-1:]).astype(dtype)
-    key, rate = ks[3], 0.3
+    x, y, bias, key = residual_inputs(13, (3, 9), jnp.float32, jnp.float32)
+    check_grads(lambda x, y, b: residual_add(x, y, b, rate=0.2, key=key), (x, y, bias), order=1,
+                              modes=("rev",))
+
+
+def test_residual_add_vmap_over_keys_matches_loop():
+    from jaxsub.ops.dropout import residual_add
+
+    x, y, bias, _ = residual_inputs(17, (5, 24), jnp.bfloat16, jnp.bfloat16)
+
+    def f(key):
+        out, vjp = jax.vjp(lambda x, y, b: residual_add(x, y, b, rate=0.25, key=key), x, y, bias)
+        return (out, *vjp(jnp.ones_like(out)))
+
+    assert_vmap_matches_loop(f, jax.random.split(jax.random.key(18), 3))
+
+
+@pytest.mark.parametrize("what", ["mixed dtypes", "wide rows", "zero size"])
+def test_residual_add_falls_back_to_the_formula(what, fallback_log):
+    """Operands the kernels do not take run the jnp formula with dropout_mask's mask, bit
+    for bit, and say so."""
+    from jaxsub.ops.dropout import residual_add
+
+    dtype, shape = jnp.bfloat16, {"wide rows": (2, 16385), "zero size": (0, 8)}.get(what, (3, 40))
+    x, y, bias, key = residual_inputs(19, shape, dtype, dtype)
+    if what == "mixed dtypes":
+        x = x.astype(jnp.float32)
+    rate = 0.3
 
     def formula(x, y, bias):
         v = y + bias
         keep = jaxsub.ops.dropout_mask(key, v.shape, rate)
         return x + jnp.where(keep, v / jnp.asarray(1.0 - rate, v.dtype), jnp.zeros((), v.dtype))
 
-    def fused(x, y, bias):
-        return residual_add(x, y, bias, rate=rate, key=key)
-
-    def loss(fn):
-        w = jax.random.normal(jax.random.key(5), shape)
-        return jax.jit(lambda *a: (fn(*a).astype(jnp.float32) * w).sum())
-
-    np.testing.assert_array_equal(np.asarray(fused(x, y, bias), np.float32), np.asarray(formula(x, y, bias), np.float32))
-    got = jax.grad(loss(fused), argnums=(0, 1, 2))(x, y, bias)
-    want = jax.grad(loss(formula), argnums=(0, 1, 2))(x, y, bias)
+    got = residual_vjp(lambda x, y, b: residual_add(x, y, b, rate=rate, key=key), x, y, bias)
+    want = residual_vjp(formula, x, y, bias)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    assert "bool" in saved_residuals(loss(formula), x, y, bias)
-    assert "bool" not in saved_residuals(loss(fused), x, y, bias)
-    # No key or rate 0: the plain sum.
-    for k, r in ((None, rate), (key, 0.0)):
-        np.testing.assert_array_equal(np.asarray(residual_add(x, y, bias, rate=r, key=k), np.float32),
-                                      np.asarray(x + (y + bias), np.float32))
+    assert fallback_log and fallback_log[0][0] == "residual_add"
+    assert {"mixed dtypes": "dtypes", "wide rows": "16385", "zero size": "zero-size"}[what] in fallback_log[0][1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+@pytest.mark.parametrize("dtype,bias_dtype,shape", [
+    (jnp.bfloat16, jnp.bfloat16, (8, 512, 1024)), (jnp.float16, jnp.float32, (3, 7, 131)),
+    (jnp.float32, jnp.float32, (5, 4095)), (jnp.bfloat16, jnp.float32, (2, 16384)), (jnp.bfloat16, jnp.bfloat16, (1, 3))])
+def test_residual_add_cuda_matches_cpu(dtype, bias_dtype, shape):
+    """The CUDA kernels against the CPU handlers (the same mask, so the same dropped
+    elements): the vectorized path, odd widths on the general path, the widest row."""
+    from jaxsub.ops.dropout import residual_add
+
+    x, y, bias, key = residual_inputs(23, shape, dtype, bias_dtype)
+    fn = lambda x, y, b, k: residual_add(x, y, b, rate=0.1, key=k)
+
+    def run(device):
+        args = jax.device_put((x, y, bias, key), device)
+        w = jax.device_put(jax.random.normal(jax.random.key(5), shape), device)
+        loss = lambda x, y, b, k: (fn(x, y, b, k).astype(jnp.float32) * w).sum()
+        return (jax.jit(fn)(*args), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args))
+
+    hlo = jax.jit(fn).lower(*jax.device_put((x, y, bias, key), jax.devices()[0])).compile().as_text()
+    assert "jaxsub_bias_dropout_residual_fwd" in hlo
+    got, want = run(jax.devices()[0]), run(jax.devices("cpu")[0])
+    check_residual(got, want, dtype, bias_dtype, math.prod(shape[:-1]))
+    np.testing.assert_array_equal(np.asarray(got[2], np.float32) == 0, np.asarray(want[2], np.float32) == 0)

@@ -221,13 +221,6 @@ def test_traced_rate_is_a_type_error():
         jax.jit(lambda r: op(x, bias, rate=r, key=jax.random.key(0)))(0.1)
 
 
-@pytest.fixture
-def fallback_log(monkeypatch):
-    calls = []
-    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, **_: calls.append((op_name, reason)))
-    return calls
-
-
 def test_wide_rows_fall_back_to_reference(fallback_log):
     x, bias, dy = inputs(101, (2, 32769), BF16, F32)
     key = jax.random.key(102)

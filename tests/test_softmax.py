@@ -320,13 +320,6 @@ def test_traced_static_argument_is_a_type_error(name):
         jax.jit(lambda v: op(scores, key=jax.random.key(0), **{name: v}))(0.1)
 
 
-@pytest.fixture
-def fallback_log(monkeypatch):
-    calls = []
-    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, **_: calls.append((op_name, reason)))
-    return calls
-
-
 def test_wide_rows_fall_back_to_reference(fallback_log):
     shape = (2, 3, _ffi.MAX_COLS + 1)
     scores, dy = normal(131, shape, BF16), normal(132, shape, BF16)

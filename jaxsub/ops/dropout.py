@@ -120,9 +120,21 @@ def apply_reference(v: jax.Array, keep, rate: float) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------
-# The pre-LN residual, x + dropout(y + bias), for jaxsub's own layers (internal). Written
-# in jnp, autodiff would keep the boolean mask as a residual of the backward's select; here
-# the backward draws it again from the seed, as the fused kernels do.
+# The pre-LN residual, x + dropout(y + bias), for jaxsub's own layers (internal). One
+# kernel each way (cuda/gelu.cu: the GELU kernel without the GELU): the forward reads y, x
+# and the bias and writes the sum; the backward writes dropout(g) and its column sums, the
+# bias gradient, drawing the mask again from the seed. Written in jnp, autodiff would keep
+# the boolean mask as a residual of the backward's select; the jnp formula below is the
+# fallback (and the same arithmetic up to rounding: the kernels round once, from f32).
+
+_RESIDUAL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def reference_residual_add(x, y, bias, *, keep, rate):
+    """Pure-JAX x + dropout(y + bias), the kernels' arithmetic: f32, rounded once to y's
+    dtype. `keep` is the keep-mask of y's shape (None = no dropout)."""
+    v = y.astype(jnp.float32) + bias.astype(jnp.float32)
+    return (x.astype(jnp.float32) + apply_reference(v, keep, rate)).astype(y.dtype)
 
 
 def _drop_bias(y, bias, keep, rate):
@@ -131,17 +143,17 @@ def _drop_bias(y, bias, keep, rate):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _residual_add(x, y, bias, seed, rate):
+def _residual_add_jnp(x, y, bias, seed, rate):
     return x + _drop_bias(y, bias, _mask(seed, y.shape, rate), rate)
 
 
-def _residual_add_fwd(x, y, bias, seed, rate):
+def _residual_add_jnp_fwd(x, y, bias, seed, rate):
     # Zero-size slices of x and y carry their dtypes and y's shape to the backward without
     # their values.
-    return _residual_add(x, y, bias, seed, rate), (bias, seed, x[..., :0], y[..., :0])
+    return _residual_add_jnp(x, y, bias, seed, rate), (bias, seed, x[..., :0], y[..., :0])
 
 
-def _residual_add_bwd(rate, res, g):
+def _residual_add_jnp_bwd(rate, res, g):
     bias, seed, x0, y0 = res
     shape = y0.shape[:-1] + (bias.shape[-1],)
     keep = _mask(seed, shape, rate)
@@ -152,15 +164,67 @@ def _residual_add_bwd(rate, res, g):
     return g.astype(x0.dtype), dy, dbias, None
 
 
-_residual_add.defvjp(_residual_add_fwd, _residual_add_bwd)
+_residual_add_jnp.defvjp(_residual_add_jnp_fwd, _residual_add_jnp_bwd)
+
+_NO_CONFIG = {"block_threads": np.int32(0), "max_elems": np.int32(0)}  # the kernels' defaults
+
+
+def _residual_fwd_call(x, y, bias, seed, rate):
+    return _ffi.call("jaxsub_bias_dropout_residual_fwd", jax.ShapeDtypeStruct(y.shape, y.dtype), y, bias, x, seed,
+                     **attrs(rate), **_NO_CONFIG)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _residual_add_fused(x, y, bias, seed, rate):
+    return _residual_fwd_call(x, y, bias, seed, rate)
+
+
+def _residual_add_fused_fwd(x, y, bias, seed, rate):
+    # bias[:0] carries the bias dtype; its length is g's last axis.
+    return _residual_fwd_call(x, y, bias, seed, rate), (seed, bias[:0])
+
+
+def _residual_add_fused_bwd(rate, res, g):
+    seed, bias0 = res
+    dy, dbias, _ = _ffi.call(
+        "jaxsub_bias_dropout_bwd",
+        (jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(g.shape[-1:], bias0.dtype), _ffi.workspace(g, 1)),
+        g, seed, **attrs(rate), **_NO_CONFIG)
+    return g, dy, dbias, None
+
+
+_residual_add_fused.defvjp(_residual_add_fused_fwd, _residual_add_fused_bwd)
+
+
+def _residual_unsupported(x, y, bias) -> str | None:
+    """Why the kernels cannot take these operands (None: they can)."""
+    if y.size == 0:
+        return "zero-size input"
+    if y.shape[-1] > _ffi.MAX_COLS:
+        return f"last dimension {y.shape[-1]} > {_ffi.MAX_COLS}"
+    if x.dtype != y.dtype or y.dtype not in _RESIDUAL_DTYPES or bias.dtype not in (y.dtype, jnp.float32):
+        return f"dtypes x {x.dtype}, y {y.dtype}, bias {bias.dtype} (the kernels take x and y of one float dtype)"
+    platform = _ffi.platform_of(y)
+    if platform == "gpu" and not _ffi.has_cuda_target("jaxsub_bias_dropout_residual_fwd"):
+        return "no CUDA target for it in this build (staged: JAXSUB_STAGED_CUDA=1)"
+    if platform not in ("cpu", "gpu"):
+        return f"no target for platform {platform!r}"
+    return None
 
 
 def residual_add(x, y, bias, *, rate, key):
     """x + dropout(y + bias), the keep-mask `dropout_mask(key, y.shape, rate)` (no dropout
-    when key is None or rate is 0), in y's dtype before the add. The backward regenerates
-    the mask instead of keeping it. x and y have one shape; bias is y's last axis."""
+    when key is None or rate is 0). x and y have one shape; bias is y's last axis. The
+    backward regenerates the mask instead of keeping it. Operands the kernels do not take
+    (mixed dtypes, rows longer than 16384, no CUDA target) run the jnp formula, in y's
+    dtype before the add, with a log line."""
     if key is None or rate == 0.0:
         return x + (y + bias)
     if x.shape != y.shape or bias.shape != y.shape[-1:]:
         raise ValueError(f"jaxsub.residual_add: x {x.shape}, y {y.shape} and bias {bias.shape} do not fit")
-    return _residual_add(x, y, bias, seed_from_key("residual_add", key), check_rate("residual_add", rate))
+    seed, rate = seed_from_key("residual_add", key), check_rate("residual_add", rate)
+    reason = _residual_unsupported(x, y, bias)
+    if reason is not None:
+        _ffi.fallback("residual_add", reason, instead="the jnp formula")
+        return _residual_add_jnp(x, y, bias, seed, rate)
+    return _residual_add_fused(x, y, bias, seed, rate)

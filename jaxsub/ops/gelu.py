@@ -197,7 +197,7 @@ def _dense_gelu_unsupported(x, kernel, bias) -> str | None:
     "" : off on this GPU, by default, which is not logged)."""
     if x.size == 0 or kernel.size == 0:
         return "zero-size input"
-    platform = jax.default_backend() if isinstance(x, jax.core.Tracer) else next(iter(x.devices())).platform
+    platform = _ffi.platform_of(x)
     if platform == "cpu":
         return None
     if platform == "gpu" and os.environ.get("JAXSUB_DENSE_GELU") != "1":

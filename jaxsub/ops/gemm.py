@@ -190,7 +190,7 @@ def supported(x, kernel) -> bool:
 def _unsupported(x, kernel) -> str | None:
     if x.size == 0 or kernel.size == 0:
         return "zero-size input"
-    platform = jax.default_backend() if isinstance(x, jax.core.Tracer) else next(iter(x.devices())).platform
+    platform = _ffi.platform_of(x)
     if platform == "gpu" and not _ffi.has_cuda_target(_TARGET):
         return "no CUDA gemm target in this build"
     if platform not in ("cpu", "gpu"):
