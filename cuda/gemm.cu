@@ -237,6 +237,23 @@ lt::Status describe(Descriptors& ds, ffi::DataType t, int64_t m, int64_t n, int6
 // Up to kCandidates algorithms for the key's shape and alignments, the heuristic's order.
 constexpr int kCandidates = 8;
 
+// Whether algorithms that take no workspace are asked for first (JAXSUB_GEMM_WORKSPACE=1
+// in the environment: not, for comparisons). With a workspace, every candidate for the
+// layer's products with results of 12.6 M elements or more zeroes 4 bytes of it before
+// its kernel: a Memset node in XLA's command buffer, followed by 3-7 us of idle in a
+// layer's step. Asked for without one, the heuristic offers the same algorithms (ID,
+// tile, stages, cluster) with no memset, and they were no slower (bench/NOTES.md,
+// thirtieth session).
+bool no_workspace_first() {
+  const char* e = std::getenv("JAXSUB_GEMM_WORKSPACE");
+  return e == nullptr || std::string(e) != "1";
+}
+
+// The workspace a call of `h`'s algorithm is given: none when it needs none (the buffer
+// would let cuBLASLt use it, and zero a counter in it first), else all of it.
+void* workspace_for(const lt::Heuristic& h, void* workspace) { return h.workspace_size ? workspace : nullptr; }
+size_t workspace_bytes_for(const lt::Heuristic& h, size_t bytes) { return h.workspace_size ? bytes : 0; }
+
 lt::Status candidates(lt::Handle handle, Descriptors& ds, const Key& key, size_t workspace_bytes,
                       lt::Heuristic* out, int* found) {
   const lt::Api& f = lt::api();
@@ -251,6 +268,14 @@ lt::Status candidates(lt::Handle handle, Descriptors& ds, const Key& key, size_t
       (s = f.pref_set(ds.pref, lt::kPrefAlignD, &al[3], sizeof(uint32_t))))
     return s;
   *found = 0;
+  if (workspace_bytes > 0 && no_workspace_first()) {  // those without a workspace, if any
+    const uint64_t none = 0;
+    if ((s = f.pref_set(ds.pref, lt::kPrefMaxWorkspace, &none, sizeof(none)))) return s;
+    if (f.heuristic(handle, ds.desc, ds.a, ds.b, ds.d, ds.d, ds.pref, kCandidates, out, found) == 0 && *found > 0)
+      return 0;
+    *found = 0;
+    if ((s = f.pref_set(ds.pref, lt::kPrefMaxWorkspace, &max_ws, sizeof(max_ws)))) return s;
+  }
   return f.heuristic(handle, ds.desc, ds.a, ds.b, ds.d, ds.d, ds.pref, kCandidates, out, found);
 }
 
@@ -322,7 +347,8 @@ int fastest(lt::Handle handle, ffi::DataType t, int64_t m, int64_t n, int64_t k,
   bool usable[kCandidates];
   for (int i = 0; i < count; ++i) {  // one untimed run each: a candidate that fails is dropped
     usable[i] = f.matmul(handle, ds.desc, &alpha, sc.p[1], ds.a, sc.p[0], ds.b, &beta, sc.p[2], ds.d, sc.p[2], ds.d,
-                         &cand[i].algo, sc.p[4], workspace_bytes, sc.stream) == 0;
+                         &cand[i].algo, workspace_for(cand[i], sc.p[4]), workspace_bytes_for(cand[i], workspace_bytes),
+                         sc.stream) == 0;
     best[i] = 1e30f;
   }
   if (!usable[0] || cudaStreamSynchronize(sc.stream) != cudaSuccess) return 0;
@@ -332,7 +358,8 @@ int fastest(lt::Handle handle, ffi::DataType t, int64_t m, int64_t n, int64_t k,
       cudaEventRecord(sc.ev[0], sc.stream);
       for (int r = 0; r < 3; ++r)
         f.matmul(handle, ds.desc, &alpha, sc.p[1], ds.a, sc.p[0], ds.b, &beta, sc.p[2], ds.d, sc.p[2], ds.d,
-                 &cand[i].algo, sc.p[4], workspace_bytes, sc.stream);
+                 &cand[i].algo, workspace_for(cand[i], sc.p[4]), workspace_bytes_for(cand[i], workspace_bytes),
+                 sc.stream);
       cudaEventRecord(sc.ev[1], sc.stream);
       float ms = 0.f;
       if (cudaEventSynchronize(sc.ev[1]) != cudaSuccess || cudaEventElapsedTime(&ms, sc.ev[0], sc.ev[1]) != cudaSuccess)
@@ -425,7 +452,7 @@ ffi::Error run(cudaStream_t stream, ffi::DataType t, const void* a, const void* 
   if ((s = describe(ds, t, m, n, k, ta, tb, epilogue_bias ? bias : nullptr))) return lt_error("matmul descriptors", s);
   const float alpha = 1.f, beta = c != nullptr ? 1.f : 0.f;
   s = f.matmul(handle, ds.desc, &alpha, b, ds.a, a, ds.b, &beta, c != nullptr ? c : d, ds.d, d, ds.d, &choice.algo,
-               workspace, workspace_bytes, stream);
+               workspace_for(choice, workspace), workspace_bytes_for(choice, workspace_bytes), stream);
   if (s) return lt_error("cublasLtMatmul", s);
   return bias != nullptr && !epilogue_bias ? bias_kernel(stream, t, d, bias, m, n) : ffi::Error::Success();
 }

@@ -6,7 +6,7 @@
 // tokens, the operand order of cuda/gemm.cu. Without JAX; cuBLASLt is loaded by path.
 // bench/NOTES.md, twenty-ninth session. On a GPU machine:
 //   nvcc -O2 -gencode=arch=compute_90,code=sm_90 -o /tmp/probe tools/gemm_memset_probe.cu -ldl
-//   /tmp/probe <path of libcublasLt.so.13 (pip's nvidia/cu13/lib)> [2]   # 2: the second part only
+//   /tmp/probe <path of libcublasLt.so.13 (pip's nvidia/cu13/lib)> [1|2|3]   # the part to run (default 1)
 #include <dlfcn.h>
 #include <library_types.h>
 #include <cuda_runtime.h>
@@ -102,9 +102,18 @@ int main(int argc, char** argv) {
   float t_zk_g = time_graph([&] { depk(); zero4<<<1, 1, 0, st>>>(flag); }, 20);
   printf("dep kernel alone: graph %.2f stream %.2f us; +memset node %.2f; +zero kernel %.2f\n", t_dep_g, t_dep_s,
          t_ms_g, t_zk_g);
-  const bool part1 = !(argc > 2 && argv[2][0] == '2');
+  const char part = argc > 2 ? argv[2][0] : '1';
+  // Part 1 (and 3): each candidate of the heuristic for a workspace limit. Part 3 sweeps the
+  // limit on the products whose candidates all have the memset at 32 MiB: a counter in the
+  // workspace is what a memset of 4 bytes would zero, so a smaller limit may leave only
+  // algorithms without it.
+  const size_t limits3[] = {0, 4 << 10, 256 << 10, 1 << 20, 4 << 20, WS};
+  const size_t* limits = part == '3' ? limits3 : limits3 + 5;
+  const int nlimits = part == '3' ? 6 : 1;
+  for (int li = 0; li < nlimits && part != '2'; ++li)
   for (const Shape& s : shapes) {
-    if (!part1) break;
+    if (part == '3' && s.m * s.n < 12000000) continue;
+    const size_t lim = limits[li];
     Desc desc; desc_create(&desc, 68, CUDA_R_32F);
     int32_t opa = s.tb ? 1 : 0, opb = s.ta ? 1 : 0; uint32_t epi = 1;
     desc_set(desc, 3, &opa, 4); desc_set(desc, 4, &opb, 4); desc_set(desc, 7, &epi, 4);
@@ -112,15 +121,16 @@ int main(int argc, char** argv) {
     lay_create(&la, CUDA_R_16BF, s.tb ? s.k : s.n, s.tb ? s.n : s.k, s.tb ? s.k : s.n);
     lay_create(&lb, CUDA_R_16BF, s.ta ? s.m : s.k, s.ta ? s.k : s.m, s.ta ? s.m : s.k);
     lay_create(&ld, CUDA_R_16BF, s.n, s.m, s.n);
-    Pref pf; pref_create(&pf); uint64_t w = WS; pref_set(pf, 1, &w, 8);
+    Pref pf; pref_create(&pf); uint64_t w = lim; pref_set(pf, 1, &w, 8);
     Heur c[64]; int found = 0;
     Status hs = heur(h, desc, la, lb, ld, ld, pf, 64, c, &found);
-    printf("\n== %s: %d candidates (status %d)\n", s.name, found, hs);
-    printf("  #  algo tile stages splitk red swz cust clus | nodes(k/memset/other) | stream us | graph us (gemm only, after dep)\n");
+    printf("\n== %s, workspace limit %zu: %d candidates (status %d)\n", s.name, lim, found, hs);
+    printf("  #  algo tile stages splitk red swz cust clus  ws_needed | nodes(k/memset/other) | stream us | graph us (gemm only, after dep)\n");
     const float alpha = 1.f, beta = 0.f;
     for (int i = 0; i < found; ++i) {
-      auto gemm = [&] { mm(h, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, &c[i].algo, ws, WS, st); };
-      if (mm(h, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, &c[i].algo, ws, WS, st)) { printf("  %2d failed\n", i); continue; }
+      void* wsp = lim ? ws : nullptr;
+      auto gemm = [&] { mm(h, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, &c[i].algo, wsp, lim, st); };
+      if (mm(h, desc, &alpha, B, la, A, lb, &beta, D, ld, D, ld, &c[i].algo, wsp, lim, st)) { printf("  %2d failed\n", i); continue; }
       if (cudaStreamSynchronize(st) != cudaSuccess) { printf("  %2d error\n", i); cudaGetLastError(); continue; }
       int cfg[8] = {}; size_t wr;
       const int attrs[8] = {0, 1, 6, 2, 3, 4, 5, 8};  // ID TILE STAGES SPLITK RED SWIZZ CUSTOM CLUSTER
@@ -134,11 +144,12 @@ int main(int argc, char** argv) {
       float ts = time_stream(gemm, 10);
       float tg = time_graph([&] { depk(); gemm(); }, 10) - t_dep_g;
       float tgs = time_stream([&] { depk(); gemm(); }, 10) - t_dep_s;
-      printf("  %2d %4d %4d %5d %4d %3d %3d %4d %4d | %d/%d/%d | %7.1f | %7.1f (stream after dep %7.1f)\n", i, cfg[0], cfg[1], cfg[2],
-             cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], nk, nm, no, ts, tg, tgs);
+      printf("  %2d %4d %4d %5d %4d %3d %3d %4d %4d %10zu | %d/%d/%d | %7.1f | %7.1f (stream after dep %7.1f)\n", i, cfg[0], cfg[1],
+             cfg[2], cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], c[i].ws, nk, nm, no, ts, tg, tgs);
     }
   }
 
+  if (part != '2') return 0;
   // Part 2: for the shapes with a memset, the heuristic's first candidate as one GEMM, as
   // two GEMMs of m/2 rows (outputs below the memset's size), and both as child graphs
   // (how a command buffer holds a traced custom call), each after the dependent kernel.
