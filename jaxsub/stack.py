@@ -84,6 +84,7 @@ class _Plan:
     same: tuple = ()
     fixed: tuple = ()  # (j, value): residual j is a constant (value), not stored
     views: tuple = ()  # (j, k, make): residual j is make(leaf k of x), not stored
+    unroll: int = 1  # steps per iteration of both loops (lax.scan's unroll)
 
     @property
     def held(self) -> tuple:
@@ -310,7 +311,8 @@ def _same(producer, stored_vars) -> tuple:
     return tuple(pairs)
 
 
-def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = None, reverse: bool = False):
+def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = None, reverse: bool = False,
+         unroll: int = 1):
     """`lax.scan(lambda h, x: body(consts, h, x), init, xs, length, reverse)`, whose
     gradient keeps each step's residuals in buffers allocated once (module docstring).
 
@@ -324,18 +326,25 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
         per-layer dropout keys; None or empty with `length`.
       consts: a pytree every step reads, e.g. an attention mask.
       length, reverse: as lax.scan's.
+      unroll: steps per iteration of the forward and backward loops, as lax.scan's
+        (an int >= 1). Each iteration of a loop costs a little besides its steps: on a
+        GPU, XLA increments the loop's counter in a kernel of its own and the host reads
+        the loop's condition before it launches the next iteration.
 
     Returns (the last carry, the steps' ys stacked), differentiable with respect to
     consts, init and xs (their floating-point leaves).
     """
     length = _length(xs, length)
-    plan = _plan(body, consts, init, xs, length, reverse)
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+        raise ValueError(f"{_OP}: `unroll` must be an int >= 1, got {unroll!r}")
+    plan = dataclasses.replace(_plan(body, consts, init, xs, length, reverse), unroll=unroll)
     return _scan(body, plan, consts, init, xs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _scan(body, plan, consts, init, xs):
-    return lax.scan(lambda h, x: body(consts, h, x), init, xs, length=plan.length, reverse=plan.reverse)
+    return lax.scan(lambda h, x: body(consts, h, x), init, xs, length=plan.length, reverse=plan.reverse,
+                    unroll=plan.unroll)
 
 
 def _empty_stack(length, a):
@@ -464,7 +473,8 @@ def _scan_fwd(body, plan, consts, init, xs):
         ys = jax.tree.map(lambda b, r: lax.dynamic_update_index_in_dim(b, r, at, 0), ys, y)
         return (i + 1, free, inputs, buffers, ys), None
 
-    (_, free, inputs, buffers, ys), _ = lax.scan(step, (jnp.int32(0), free, inputs, buffers, ys), None, length=n)
+    (_, free, inputs, buffers, ys), _ = lax.scan(step, (jnp.int32(0), free, inputs, buffers, ys), None, length=n,
+                                                 unroll=plan.unroll)
     last = 0 if plan.reverse else n  # the slot of the last layer's output
     carry = jax.tree.unflatten(carry_tree, [
         lax.dynamic_index_in_dim(inputs[held.index(j)], last, 0, keepdims=False) if j in held else a
@@ -513,7 +523,7 @@ def _scan_bwd(body, plan, residuals, cotangents):
         return (i + 1, dh, dconsts, grads), None
 
     state = (jnp.int32(0), dcarry, dconsts, grads)
-    (_, dinit, dconsts, grads), _ = lax.scan(step, state, None, length=n)
+    (_, dinit, dconsts, grads), _ = lax.scan(step, state, None, length=n, unroll=plan.unroll)
     return dconsts, dinit, jax.tree.unflatten(x_tree, grads)
 
 

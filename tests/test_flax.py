@@ -195,16 +195,16 @@ def test_encoder_dropout_uses_the_rng():
     assert np.isfinite(np.asarray(a)).all()
 
 
-@pytest.mark.parametrize("rates", [(0.2, 0.3), (0.2, 0.0), (0.0, 0.3)])
-def test_scanned_encoder_draws_each_layers_dropout_keys_as_the_layer_would(rates):
+@pytest.mark.parametrize("rates,unroll", [((0.2, 0.3), 1), ((0.2, 0.0), 1), ((0.0, 0.3), 1), ((0.2, 0.3), 2)])
+def test_scanned_encoder_draws_each_layers_dropout_keys_as_the_layer_would(rates, unroll):
     """The scanned Encoder draws every layer's dropout keys before its loop
     (EncoderLayer.dropout_keys on the layer's key split from the 'dropout' stream) and
     passes them in, as one row of seed words per layer: layer i drops what EncoderLayer
     drops when applied alone with that key, forward and backward, whichever dropouts are
-    on."""
+    on; also with two layers per iteration of the stack's loops (scan_unroll)."""
     x = jnp.asarray(np.random.default_rng(5).standard_normal((B, S, E)), jnp.float32)
     rate, attention_rate = rates
-    module = _encoder(dropout_rate=rate, attention_dropout_rate=attention_rate)
+    module = _encoder(dropout_rate=rate, attention_dropout_rate=attention_rate, scan_unroll=unroll)
     params = module.init(jax.random.key(1), x)["params"]
     key = jax.random.key(7)
     layer = EncoderLayer(num_heads=H, mlp_dim=F, dropout_rate=rate, attention_dropout_rate=attention_rate,

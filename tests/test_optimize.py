@@ -480,15 +480,17 @@ def test_lax_scan_pre_ln_stack():
     _expect(f, (ws, x), layer_norm=1, bdrln=1)
 
 
-def test_lax_scan_stack():
-    ws = {"w1": _normal(1, (2, N, 2 * N)) / 6, "b1": _normal(2, (2, 2 * N)), "w2": _normal(3, (2, 2 * N, N)) / 8,
-          "b2": _normal(4, (2, N)), "s": _normal(5, (2, N)), "lb": _normal(6, (2, N))}
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_lax_scan_stack(unroll):
+    """Also a scan with two steps per loop iteration, which the pass keeps."""
+    ws = {"w1": _normal(1, (3, N, 2 * N)) / 6, "b1": _normal(2, (3, 2 * N)), "w2": _normal(3, (3, 2 * N, N)) / 8,
+          "b2": _normal(4, (3, N)), "s": _normal(5, (3, N)), "lb": _normal(6, (3, N))}
 
     def f(ws, x):
         def layer(h, w):
             a = ffn_block(h, w["w1"], w["b1"], None, rate=0.0, approximate=False)
             return bdrln_block(a @ w["w2"], w["b2"], h, w["s"], w["lb"], None, rate=0.0), None
-        return jax.lax.scan(jax.checkpoint(layer), x, ws)[0]
+        return jax.lax.scan(jax.checkpoint(layer), x, ws, unroll=unroll)[0]
 
     x = _normal(0, (8, N))
     _assert_same(f, (ws, x), argnums=(0, 1))
@@ -500,6 +502,8 @@ def test_lax_scan_stack():
     assert "@AllocateBuffer" in text
     assert "@AllocateBuffer" not in jax.jit(jax.grad(lambda ws, x: jnp.sum(f(ws, x)))).trace(ws, x).lower(
         lowering_platforms=("cuda",)).as_text()
+    scans = [e for e in jax.make_jaxpr(grad)(ws, x).eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    assert scans and all(e.params["unroll"] == unroll for e in scans)
 
 
 # ---------------------------------------------------------------------------------------

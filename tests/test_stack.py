@@ -41,8 +41,8 @@ def _loss(scan_fn):
     return loss
 
 
-def _pair(reverse):
-    ours = lambda c, h, xs: stack.scan(_body, h, xs, c, reverse=reverse)  # noqa: E731
+def _pair(reverse, unroll=1):
+    ours = lambda c, h, xs: stack.scan(_body, h, xs, c, reverse=reverse, unroll=unroll)  # noqa: E731
     ref = lambda c, h, xs: lax.scan(lambda h, x: _body(c, h, x), h, xs, reverse=reverse)  # noqa: E731
     return ours, ref
 
@@ -69,10 +69,13 @@ def _assert_matches_lax_scan(body, c, h, xs, loss_of):
     _assert_tree_close(got[1], want[1], "grad", grad=True)
 
 
+@pytest.mark.parametrize("unroll", [1, 2, 5])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-def test_values_and_gradients_match_lax_scan(reverse):
+def test_values_and_gradients_match_lax_scan(reverse, unroll):
+    """Also with several steps per loop iteration (L = 5: two of 2 and a remainder, or
+    all five in one)."""
     c, h, xs = _inputs(seed=3 + reverse)
-    ours, ref = _pair(reverse)
+    ours, ref = _pair(reverse, unroll)
     _assert_tree_close(jax.jit(ours)(c, h, xs), ref(c, h, xs), "value")
     grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2), allow_int=True))  # noqa: E731
     got, want = grad(ours)(c, h, xs), grad(ref)(c, h, xs)
@@ -237,6 +240,9 @@ def test_bad_input():
         stack.scan(_body, h, {**xs, "b": xs["b"][:2]}, c)
     with pytest.raises(ValueError, match="jaxsub.stack.scan.*length"):
         stack.scan(lambda c, h, x: (h, None), h, None, c)
+    for unroll in (0, 1.5, True):
+        with pytest.raises(ValueError, match="jaxsub.stack.scan.*unroll"):
+            stack.scan(_body, h, xs, c, unroll=unroll)
 
 
 def test_small_residuals_share_a_buffer(monkeypatch):
@@ -334,11 +340,12 @@ def test_none_and_integer_leaves_anywhere_in_xs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
-def test_fused_results_written_in_place_on_gpu():
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_fused_results_written_in_place_on_gpu(unroll):
     """On the GPU, XLA's dynamic-slice fusion writes the GEMM's and the GELU's results
     (2 MiB per layer each, stored alone) straight into their residual stacks: each
     target's call sits inside a fusion together with a dynamic-update-slice, and the
-    gradients match lax.scan's."""
+    gradients match lax.scan's; also with two layers per loop iteration."""
     bf = jnp.bfloat16
     r = np.random.default_rng(12)
     n, f, rows = 256, 1024, 1024
@@ -350,7 +357,7 @@ def test_fused_results_written_in_place_on_gpu():
     def loss(scan_fn):
         return lambda h, xs: jnp.sum(scan_fn(c, h, xs)[0].astype(jnp.float32) ** 2)
 
-    ours = lambda c, h, xs: stack.scan(_fused_body, h, xs, c)  # noqa: E731
+    ours = lambda c, h, xs: stack.scan(_fused_body, h, xs, c, unroll=unroll)  # noqa: E731
     ref = lambda c, h, xs: lax.scan(lambda h, x: _fused_body(c, h, x), h, xs)  # noqa: E731
     step = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))
     got, want = step(h, xs), jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(h, xs)

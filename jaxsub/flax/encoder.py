@@ -366,6 +366,8 @@ class Encoder(_LayerFields):
         4 s against 71 s; NOTES, seventeenth session).
       remat: rematerialize each layer's activations in the backward pass (jax.checkpoint
         of each layer; nn.remat without scan).
+      scan_unroll: with scan_layers, layers per iteration of the stack's loops
+        (`jaxsub.stack.scan`'s unroll); the compiled body holds that many layers.
       layouts: as EncoderLayer's; every layer has the same shapes, so one selection
         (one tuning) serves the whole stack.
 
@@ -378,6 +380,7 @@ class Encoder(_LayerFields):
     num_layers: int = dataclasses.field(kw_only=True)
     scan_layers: bool = True
     remat: bool = False
+    scan_unroll: int = 1
     layouts: Any = "auto"
 
     @nn.compact
@@ -443,4 +446,5 @@ class Encoder(_LayerFields):
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)  # the loop already keeps XLA from merging layers
-        return stack.scan(lambda mask, h, xs: (body(mask, h, xs), None), x, (params, seeds), mask)[0]
+        return stack.scan(lambda mask, h, xs: (body(mask, h, xs), None), x, (params, seeds), mask,
+                          unroll=self.scan_unroll)[0]

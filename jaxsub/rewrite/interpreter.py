@@ -29,8 +29,8 @@ def _fuses(plan: P.Plan) -> bool:
 
 def _scan(node, plan, vals):
     """A scan whose body runs fused ops goes through stack.scan (residuals in buffers
-    allocated once, none zero-filled); any other keeps lax.scan, and with it forward-mode
-    differentiation."""
+    allocated once, none zero-filled), with the scan's unroll; any other keeps lax.scan,
+    and with it forward-mode differentiation."""
     p = node.params
     nc, nk = G.scan_counts(p)
     consts, init, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
@@ -39,8 +39,10 @@ def _scan(node, plan, vals):
         outs = run(node.body, plan, [*consts, *carry, *x])
         return outs[:nk], outs[nk:]
 
-    if _fuses(plan) and p["unroll"] == 1:
-        carry, ys = stack.scan(body, list(init), list(xs), list(consts), length=p["length"], reverse=p["reverse"])
+    unroll = int(p["unroll"])  # lax.scan's unroll=True is the length in the jaxpr
+    if _fuses(plan) and unroll >= 1:
+        carry, ys = stack.scan(body, list(init), list(xs), list(consts), length=p["length"], reverse=p["reverse"],
+                               unroll=unroll)
     else:
         carry, ys = jax.lax.scan(lambda carry, x: body(consts, carry, x), list(init), list(xs), length=p["length"],
                                  reverse=p["reverse"], unroll=p["unroll"])
