@@ -3,25 +3,25 @@
 // (handler JaxsubCuda_NAME). Every op family defines both handlers for its entries.
 #pragma once
 
-#define JAXSUB_TARGETS(X)  \
-  X(dropout_mask)          \
-  X(layer_norm_fwd)        \
-  X(layer_norm_bwd)        \
-  X(bdrln_fwd)             \
-  X(bdrln_bwd)             \
-  X(bias_gelu_dropout_fwd) \
-  X(bias_gelu_dropout_bwd) \
-  X(bias_dropout_residual_fwd) \
-  X(bias_dropout_bwd)      \
-  X(softmax_dropout_fwd)   \
-  X(softmax_dropout_bwd)   \
-  X(attention_fwd)         \
-  X(attention_bwd)         \
-  X(attention_bwd_dqkv)    \
-  X(attention_qkv_fwd)     \
-  X(attention_qkv_bwd)     \
-  X(bias_grad)             \
-  X(gemm)                  \
+#define JAXSUB_TARGETS(X)       \
+  X(dropout_mask)               \
+  X(layer_norm_fwd)             \
+  X(layer_norm_bwd)             \
+  X(bdrln_fwd)                  \
+  X(bdrln_bwd)                  \
+  X(bias_gelu_dropout_fwd)      \
+  X(bias_gelu_dropout_bwd)      \
+  X(bias_dropout_residual_fwd)  \
+  X(bias_dropout_bwd)           \
+  X(softmax_dropout_fwd)        \
+  X(softmax_dropout_bwd)        \
+  X(attention_fwd)              \
+  X(attention_bwd)              \
+  X(attention_bwd_dqkv)         \
+  X(attention_qkv_fwd)          \
+  X(attention_qkv_bwd)          \
+  X(bias_grad)                  \
+  X(gemm)                       \
   X(dense_gelu_fwd)
 
 // Staged targets: always registered for "cpu"; their CUDA handlers are compiled and

@@ -1,6 +1,7 @@
-// The row kernels (layer norm, BDRLN, bias + GELU + dropout; forward and backward with the
-// column sums, BDRLN's backward also with a second cotangent, both backwards with a
-// cotangent of h and BDRLN's forward writing h; the bias gradient) launched
+// The row kernels (layer norm, BDRLN, bias + GELU + dropout, the pre-LN residual; forward
+// and backward with the column sums, BDRLN's backward also with a second cotangent, both
+// norm backwards with a cotangent of h, BDRLN's forward writing h and GELU's backward y;
+// the bias gradient) launched
 // straight from C++, without XLA, for compute-sanitizer: under the tool, runs through JAX
 // crashed while XLA compiled (bench/NOTES.md v4). Odd and vector-aligned row lengths,
 // misaligned pointers (the general path), parameters in the activation dtype and in
@@ -124,6 +125,25 @@ void run(DataType t, DataType prm, int64_t rows, int64_t cols, bool misalign, co
     check("bias_gelu_dropout_bwd",
           jaxsub::launch_gelu<true>(stream, "bias_gelu_dropout_bwd", t, prm, rc, g, approximate, threshold,
                                     keep_scale, k, ws_rows, dbias.p),
+          rows, cols, k);
+    g.y = y.p;  // the forward's output written again (dense_bias_gelu_dropout)
+    check("bias_gelu_dropout_bwd y",
+          jaxsub::launch_gelu<true>(stream, "bias_gelu_dropout_bwd", t, prm, rc, g, approximate, threshold,
+                                    keep_scale, k, ws_rows, dbias.p),
+          rows, cols, k);
+  }
+  {  // the pre-LN residual: residual + dropout(x + bias), and its backward from dy alone
+    const jaxsub::Rows rc{rows, cols};
+    jaxsub::GeluPtrs f{nullptr, x.p, bias.p, seed.as<uint32_t>(), y.p, nullptr};
+    f.residual = res.p;
+    check("bias_dropout_residual_fwd",
+          jaxsub::launch_gelu<false>(stream, "bias_dropout_residual_fwd", t, prm, rc, f, false, threshold,
+                                     keep_scale, k, 0, nullptr, true),
+          rows, cols, k);
+    jaxsub::GeluPtrs g{dy.p, nullptr, nullptr, seed.as<uint32_t>(), dx.p, workspace.as<float>()};
+    check("bias_dropout_bwd",
+          jaxsub::launch_gelu<true>(stream, "bias_dropout_bwd", t, prm, rc, g, false, threshold, keep_scale, k,
+                                    ws_rows, dbias.p, true),
           rows, cols, k);
   }
   if (k.block_threads == 0 && k.max_elems == 0) {  // the bias gradient has one launch shape
