@@ -39,8 +39,8 @@ def _scan(node, plan, vals):
         outs = run(node.body, plan, [*consts, *carry, *x])
         return outs[:nk], outs[nk:]
 
-    unroll = int(p["unroll"])  # lax.scan's unroll=True is the length in the jaxpr
-    if _fuses(plan) and unroll >= 1:
+    if _fuses(plan):
+        unroll = max(1, int(p["unroll"]))  # lax.scan's unroll=True is the length in the jaxpr
         carry, ys = stack.scan(body, list(init), list(xs), list(consts), length=p["length"], reverse=p["reverse"],
                                unroll=unroll)
     else:
