@@ -327,9 +327,9 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
       consts: a pytree every step reads, e.g. an attention mask.
       length, reverse: as lax.scan's.
       unroll: steps per iteration of the forward and backward loops, as lax.scan's
-        (an int >= 1). Each iteration of a loop costs a little besides its steps: on a
-        GPU, XLA increments the loop's counter in a kernel of its own and the host reads
-        the loop's condition before it launches the next iteration.
+        (an int >= 1). Each iteration of a loop costs a little besides its steps: on the
+        H200, XLA's counter increment (a kernel of its own) and 4-6 us of idle before the
+        next iteration's first kernel (bench/NOTES.md, thirtieth session).
 
     Returns (the last carry, the steps' ys stacked), differentiable with respect to
     consts, init and xs (their floating-point leaves).
