@@ -124,6 +124,17 @@ def platform_of(x) -> str:
     return jax.default_backend()
 
 
+def target_unsupported(x, target: str) -> str | None:
+    """Why `target` cannot run where x lives (None: it can): every target has a CPU
+    handler; on a GPU it needs its CUDA handler registered; no other platform has one."""
+    platform = platform_of(x)
+    if platform == "gpu" and not has_cuda_target(target):
+        return f"no CUDA {target} target in this build"
+    if platform not in ("cpu", "gpu"):
+        return f"no {target} target for platform {platform!r}"
+    return None
+
+
 @functools.cache
 def _warn_once(key: str, message: str) -> None:
     log.warning(message)

@@ -277,16 +277,20 @@ def test_residual_add_vmap_over_keys_matches_loop():
     assert_vmap_matches_loop(f, jax.random.split(jax.random.key(18), 3))
 
 
-@pytest.mark.parametrize("what", ["mixed dtypes", "wide rows", "zero size"])
-def test_residual_add_falls_back_to_the_formula(what, fallback_log):
-    """Operands the kernels do not take run the jnp formula with dropout_mask's mask, bit
-    for bit, and say so."""
+@pytest.mark.parametrize("what", ["mixed dtypes", "wide rows", "zero size", "no CUDA target"])
+def test_residual_add_falls_back_to_the_formula(what, fallback_log, monkeypatch):
+    """Operands the kernels do not take, or a GPU build without the target, run the jnp
+    formula with dropout_mask's mask, bit for bit, and say so."""
+    from jaxsub import _ffi
     from jaxsub.ops.dropout import residual_add
 
     dtype, shape = jnp.bfloat16, {"wide rows": (2, 16385), "zero size": (0, 8)}.get(what, (3, 40))
     x, y, bias, key = residual_inputs(19, shape, dtype, dtype)
     if what == "mixed dtypes":
         x = x.astype(jnp.float32)
+    if what == "no CUDA target":  # as if on a GPU whose build lacks the target
+        monkeypatch.setattr(_ffi, "platform_of", lambda a: "gpu")
+        monkeypatch.setattr(_ffi, "has_cuda_target", lambda name: False)
     rate = 0.3
 
     def formula(x, y, bias):
@@ -299,7 +303,8 @@ def test_residual_add_falls_back_to_the_formula(what, fallback_log):
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     assert fallback_log and fallback_log[0][0] == "residual_add"
-    assert {"mixed dtypes": "dtypes", "wide rows": "16385", "zero size": "zero-size"}[what] in fallback_log[0][1]
+    assert {"mixed dtypes": "dtypes", "wide rows": "16385", "zero size": "zero-size",
+            "no CUDA target": "no CUDA jaxsub_bias_dropout_residual_fwd target"}[what] in fallback_log[0][1]
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import _ffi
+from jaxsub.ops import config as _config
 
 
 def check_rate(op: str, rate, name: str = "rate") -> float:
@@ -166,12 +167,12 @@ def _residual_add_jnp_bwd(rate, res, g):
 
 _residual_add_jnp.defvjp(_residual_add_jnp_fwd, _residual_add_jnp_bwd)
 
-_NO_CONFIG = {"block_threads": np.int32(0), "max_elems": np.int32(0)}  # the kernels' defaults
+_DEFAULT_LAUNCH = _config.KernelConfig().attrs("fwd")  # the kernels' default launch shape (0, 0)
 
 
 def _residual_fwd_call(x, y, bias, seed, rate):
     return _ffi.call("jaxsub_bias_dropout_residual_fwd", jax.ShapeDtypeStruct(y.shape, y.dtype), y, bias, x, seed,
-                     **attrs(rate), **_NO_CONFIG)
+                     **attrs(rate), **_DEFAULT_LAUNCH)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -189,7 +190,7 @@ def _residual_add_fused_bwd(rate, res, g):
     dy, dbias, _ = _ffi.call(
         "jaxsub_bias_dropout_bwd",
         (jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(g.shape[-1:], bias0.dtype), _ffi.workspace(g, 1)),
-        g, seed, **attrs(rate), **_NO_CONFIG)
+        g, seed, **attrs(rate), **_DEFAULT_LAUNCH)
     return g, dy, dbias, None
 
 
@@ -204,12 +205,7 @@ def _residual_unsupported(x, y, bias) -> str | None:
         return f"last dimension {y.shape[-1]} > {_ffi.MAX_COLS}"
     if x.dtype != y.dtype or y.dtype not in _RESIDUAL_DTYPES or bias.dtype not in (y.dtype, jnp.float32):
         return f"dtypes x {x.dtype}, y {y.dtype}, bias {bias.dtype} (the kernels take x and y of one float dtype)"
-    platform = _ffi.platform_of(y)
-    if platform == "gpu" and not _ffi.has_cuda_target("jaxsub_bias_dropout_residual_fwd"):
-        return "no CUDA target for it in this build (staged: JAXSUB_STAGED_CUDA=1)"
-    if platform not in ("cpu", "gpu"):
-        return f"no target for platform {platform!r}"
-    return None
+    return _ffi.target_unsupported(y, "jaxsub_bias_dropout_residual_fwd")
 
 
 def residual_add(x, y, bias, *, rate, key):

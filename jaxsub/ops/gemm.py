@@ -190,12 +190,7 @@ def supported(x, kernel) -> bool:
 def _unsupported(x, kernel) -> str | None:
     if x.size == 0 or kernel.size == 0:
         return "zero-size input"
-    platform = _ffi.platform_of(x)
-    if platform == "gpu" and not _ffi.has_cuda_target(_TARGET):
-        return "no CUDA gemm target in this build"
-    if platform not in ("cpu", "gpu"):
-        return f"no gemm target for platform {platform!r}"
-    return None
+    return _ffi.target_unsupported(x, _TARGET)
 
 
 def dense(x, kernel, bias=None, *, axes=1):
