@@ -148,8 +148,11 @@ class EncoderLayer(_LayerFields):
     recompute_gelu: in the backward pass, have the GELU kernel write its output again
       for the feed-forward output weight's gradient instead of keeping it from the
       forward (`ops.bias_gelu_dropout_dense`; row-major feed-forward layouts only). It
-      saves a [B, S, F] residual for one more [B, S, F] write: `Encoder` sets it for its
-      scanned stack, where a kept value is copied into the stack and back out.
+      saves a [B, S, F] residual (memory) for one more [B, S, F] write (time). `Encoder`
+      set it for its scanned stack until the stack's custom calls wrote their residuals
+      in place; keeping the output now measures faster there too (24 BERT-large layers
+      at b8 x s512 bf16 on the H200: 18.76 against 18.89 ms per step; bench/NOTES.md,
+      thirty-first session).
 
     library_products: run the four projections (where their layouts are row-major) and
       their gradients through `ops.dense`, jaxsub's cuBLASLt call with its algorithm
@@ -355,12 +358,11 @@ class Encoder(_LayerFields):
         keys are one per layer, split from the 'dropout' stream, and each layer's four
         keys are drawn from its key before the loop (what the layer would draw applied
         alone with that key). Without scan, layer i's
-        parameters are params[f"layers_{i}"]["layer"]. The scan compiles fast but copies
-        each layer's residuals into and out of its stacked buffers, so its layers keep
-        the feed-forward input rather than the GELU output (EncoderLayer's
-        recompute_gelu) and, on GPU, run their projections through jaxsub's GEMM, which
-        reads the stacked weights and residuals in place (EncoderLayer's
-        library_products). On the H200, 24 layers at batch 8 x 512 bf16 took 25.8 ms per
+        parameters are params[f"layers_{i}"]["layer"]. The scan compiles fast; XLA would
+        copy the slices of the stacked weights and residuals its own GEMMs read, so on
+        GPU the layers run their projections through jaxsub's GEMM, which reads them in
+        place (EncoderLayer's library_products), as jaxsub's other custom calls read and
+        write theirs. On the H200, 24 layers at batch 8 x 512 bf16 took 25.8 ms per
         training step under nn.scan, 23.6 ms with stack.scan (NOTES, eighteenth session)
         and 21.8 ms now (nineteenth); 21.6 ms as 24 layers unrolled before either (compile
         4 s against 71 s; NOTES, seventeenth session).
@@ -417,7 +419,7 @@ class Encoder(_LayerFields):
             raise ValueError("jaxsub.flax.Encoder: with scan_layers=True the parameters need the stacked "
                              "layers under params['layers']['layer'] (as Encoder.init makes them)")
         # jaxsub's GEMM where it reads the stacks in place: on GPU (on CPU XLA's dot is faster).
-        module = EncoderLayer(**layer, recompute_gelu=True, library_products=None)
+        module = EncoderLayer(**layer, library_products=None)
         rates = (self.dropout_rate, self.attention_dropout_rate)
         seeds = None
         if not deterministic and any(r > 0.0 for r in rates):

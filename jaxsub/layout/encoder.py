@@ -382,8 +382,8 @@ class EncoderProblem(Problem):
 
         recompute_gelu: where bias_gelu_dropout and ffn_out are both row-major ([B, S, F]
         into [B, S, E]), run them as one `ops.bias_gelu_dropout_dense`, whose backward
-        writes the GELU output again rather than keeping it (what a scanned stack wants:
-        jaxsub.flax.Encoder).
+        writes the GELU output again rather than keeping it (one residual less, for
+        memory).
         library_products: the four projections, where row-major, through `ops.dense`
         (jaxsub's GEMM target, which XLA runs on slices of stacked parameters and
         residuals in place: also for a scanned stack), the q/k/v bias in its epilogue."""

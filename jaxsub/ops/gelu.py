@@ -103,9 +103,9 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 # The op followed by a product with a [N, E] weight. Autodiff of `y @ w` keeps y for w's
 # gradient; here the backward kernel writes y again instead (two more instructions per
-# element beside the derivative), so only x is kept. That pays where a kept value costs
-# more than writing it again: in a scanned stack, y (the size of x) is copied into the
-# residual stack and back out for the product (bench/NOTES.md, eighteenth session).
+# element beside the derivative), so only x is kept: memory for time. (It paid in scanned
+# stacks while kept values were copied into the stack and back out, eighteenth session;
+# since they are written in place, keeping y is faster there too, thirty-first session.)
 
 
 def _dense(y, w, library=False):
@@ -306,8 +306,9 @@ def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, de
       [..., E] in x's dtype: the same values as `jnp.einsum("...n,ne->...e",
       bias_gelu_dropout(x, bias, ...), kernel)` and the same gradients. The backward
       kernel writes the GELU output again for kernel's gradient (one more write of x's
-      size) instead of the forward keeping it: what a scanned stack of layers wants, where
-      every kept value is copied into the stack and back out.
+      size) instead of the forward keeping it: one [..., N] residual less, for memory.
+      (In a scanned stack it no longer saves time since the stack's custom calls write
+      their residuals in place: bench/NOTES.md, thirty-first session.)
     """
     x, bias, rate, approximate, seed, config, reason = _prepare(x, bias, rate, key, approximate, deterministic,
                                                                 kernel_config)
@@ -336,7 +337,7 @@ def dense_bias_gelu_dropout(x, kernel, bias, *, rate, key, approximate=False, de
         for the [..., F] product.
       out_kernel: None, or [F, E2] in x's dtype: the result is then multiplied by it, and
         the backward writes the GELU output again for out_kernel's gradient instead of
-        keeping it (as bias_gelu_dropout_dense: what a scanned stack wants).
+        keeping it (as bias_gelu_dropout_dense: one residual less).
       library_products: the backward's products (and the product with out_kernel) through
         jaxsub's GEMM target (`jaxsub.ops.dense`, for weights sliced from stacked layers in
         a scan) rather than XLA's.

@@ -1,19 +1,18 @@
 """Products in a scan's body (`patterns.plan` runs this on scan bodies only).
 
-- bias + GELU + dropout and the product that consumes it, as one op. Under `jax.grad` a
-  scanned layer keeps the GELU output for the following product's weight gradient, and a
-  kept value is copied into the scan's residual stack and back out (32 MB each way per
-  BERT-large layer at 8 x 512). `ops.bias_gelu_dropout_dense` keeps the GELU's input
-  instead and has the backward kernel write its output again.
-- On GPU, in a body that runs fused ops (and so goes through `jaxsub.stack.scan`), every
-  other plain bf16/f16 product x · w (x's last axes against w's first) as `ops.dense`: XLA reads a
-  custom call's operands in place when they are slices of the stacks (the layer's weights,
-  the residuals the backward's products read) and writes a weight gradient into its stack
-  in place, where it copies them for its own GEMMs (the scanned `jaxsub.flax.Encoder` does
-  the same: bench/NOTES.md, nineteenth session). A packed q/k/v product whose bias an
-  attention match adds takes the bias into the GEMM's epilogue (twentieth session).
+On GPU, in a body that runs fused ops (and so goes through `jaxsub.stack.scan`), every
+plain bf16/f16 product x · w (x's last axes against w's first) as `ops.dense`: XLA reads a
+custom call's operands in place when they are slices of the stacks (the layer's weights,
+the residuals the backward's products read) and writes a weight gradient into its stack
+in place, where it copies them for its own GEMMs (the scanned `jaxsub.flax.Encoder` does
+the same: bench/NOTES.md, nineteenth session). A packed q/k/v product whose bias an
+attention match adds takes the bias into the GEMM's epilogue (twentieth session).
 
-In a single layer nothing is copied, so neither pays there.
+In a single layer nothing is copied, so this does not pay there. (Until the thirty-first
+session a bias + GELU + dropout feeding a product also became one
+`ops.bias_gelu_dropout_dense`, whose backward writes the GELU output again rather than the
+scan keeping it. Since the custom calls write the scan's residuals into its stacks in
+place, keeping it measured faster: bench/NOTES.md, thirty-first session.)
 """
 
 from __future__ import annotations
@@ -64,48 +63,7 @@ def dense_axes(node) -> int | None:
     return k
 
 
-def _product(g: G.Graph, y) -> G.Node | None:
-    """The one node reading `y`, when it is y [..., N] @ w [N, E] (contracting y's last
-    axis with w's first, no batch axes, default precision, y's dtype throughout)."""
-    if P.consumers(g, y) != 1 or g.uses[y] != 1 or g.is_output(y):
-        return None
-    node = next(n for n in g.nodes if any(r is y for r in n.ins))
-    if node.prim != "dot_general" or node.ins[0] is not y or dense_axes(node) != 1 or len(node.ins[1].shape) != 2:
-        return None
-    return node
-
-
 def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
-    """`plan` with each bias_gelu_dropout match whose output feeds only such a product
-    replaced by one match of both, anchored at the product."""
-    at, fused = dict(plan.at), set()
-    for anchor, match in plan.at.items():
-        if match.pattern != "bias_gelu_dropout" or not match.attrs:
-            continue
-        node = _product(g, anchor.outs[0])
-        if node is None or node in plan.skip or node in at:
-            continue
-        x, bias, key = match.inputs["x"], match.inputs["bias"], match.inputs["key"]
-        w, attrs = node.ins[1], match.attrs
-
-        def build(read, x=x, bias=bias, key=key, w=w, attrs=attrs, library=_library()):
-            return [ops.bias_gelu_dropout_dense(read(x), read(bias), read(w), rate=attrs["rate"],
-                                                key=read(key) if key is not None else None,
-                                                approximate=attrs["approximate"], library_products=library)]
-
-        del at[anchor]
-        fused.add(anchor)
-        at[node] = dataclasses.replace(
-            match, anchor=node, nodes=[*match.nodes, node], inputs={**match.inputs, "w": w}, build=build,
-            description=f"{match.description}; with the product after it, whose backward writes the GELU "
-                        "output again rather than keeping it in the scan (ops.bias_gelu_dropout_dense)")
-    if fused:
-        # The GELU matches' old anchors are consumed nodes now; the products are anchors.
-        plan = dataclasses.replace(plan, at=at, skip=(plan.skip | fused) - set(at))
-    return _dense(g, plan)
-
-
-def _dense(g: G.Graph, plan: P.Plan) -> P.Plan:
     """`plan` with each product of `ops.dense`'s form that no match has claimed as an
     ops.dense match, on GPU and where the body runs fused ops already (a body that does
     not keeps lax.scan, and with it forward-mode differentiation). A packed q/k/v
