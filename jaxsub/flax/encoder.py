@@ -151,8 +151,8 @@ class EncoderLayer(_LayerFields):
       saves a [B, S, F] residual (memory) for one more [B, S, F] write (time). `Encoder`
       set it for its scanned stack until the stack's custom calls wrote their residuals
       in place; keeping the output now measures faster there too (24 BERT-large layers
-      at b8 x s512 bf16 on the H200: 18.76 against 18.89 ms per step; bench/NOTES.md,
-      thirty-first session).
+      at b8 x s512 bf16 on the H200: 18.76 against 18.89 ms per step, through a switch
+      with the same dataflow; bench/NOTES.md, thirty-first session).
 
     library_products: run the four projections (where their layouts are row-major) and
       their gradients through `ops.dense`, jaxsub's cuBLASLt call with its algorithm

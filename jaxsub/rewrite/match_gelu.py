@@ -183,5 +183,4 @@ def match_bias_gelu_dropout(g, anchor, options):
     kind = "tanh" if approximate else "exact"
     desc = f"x {shapes(x)}, {kind} GELU" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
     return Match(BGD, anchor, nodes if anchor in nodes else [anchor, *nodes],
-                 dict(x=x, bias=bias, key=drop.key if drop else None), build, desc,
-                 attrs=dict(rate=rate, approximate=approximate))
+                 dict(x=x, bias=bias, key=drop.key if drop else None), build, desc)

@@ -38,8 +38,8 @@ class Match:
     build: Callable
     description: str
     near_misses: list = dataclasses.field(default_factory=list)
-    # Static parameters of the fused op (rate, approximate, ...) for plan rewrites that
-    # build it another way (rewrite.scan_products).
+    # What plan rewrites that build the op another way need (rewrite.scan_products: an
+    # attention match's biased q/k/v product and its builder).
     attrs: dict = dataclasses.field(default_factory=dict)
 
 
