@@ -451,6 +451,27 @@ class TestCuda:
         self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused", dtype=dtype,
                           mask_kind=mask_kind, seed=sq * 1000 + sk + d)
 
+    @pytest.mark.parametrize("sq,sk", [(37, 45), (64, 64), (13, 7), (64, 33)])
+    def test_dropped_probabilities_are_dropout_mask(self, sq, sk, fwd_kernel):
+        """The forward and the backward kernels drop exactly `dropout_mask`'s elements (the
+        backward regenerates the same decisions). With v's first Sk columns the identity
+        (D = 64 >= Sk), out's zeros there are the dropped probabilities; with dout's first
+        Sq columns the identity (D >= Sq), dv[b, j, h, i] is the dropped probability
+        (b, h, i, j) times the keep scale, so dv's zeros are."""
+        b, h, d, rate = 2, 3, 64, 0.4
+        q, k, _, _ = qkv(171 + sq, b, sq, sk, h, d, BF16)
+        v = jnp.broadcast_to(jnp.eye(sk, d, dtype=BF16)[None, :, None, :], (b, sk, h, d))
+        dout = jnp.broadcast_to(jnp.eye(sq, d, dtype=BF16)[None, :, None, :], (b, sq, h, d))
+        key = jax.random.key(172 + sk)
+        run = jax.jit(lambda q, k, v, dout: (lambda out, vjp: (out, vjp(dout)[2]))(
+            *jax.vjp(lambda q, k, v: op(q, k, v, dropout_rate=rate, key=key, implementation="fused"), q, k, v)))
+        assert "jaxsub_attention_fwd" in run.lower(q, k, v, dout).as_text()
+        out, dv = (np.asarray(x.astype(jnp.float32)) for x in run(q, k, v, dout))
+        mask = np.asarray(jaxsub.ops.dropout_mask(key, (b, h, sq, sk), rate))
+        assert mask.any() and (~mask).any()
+        np.testing.assert_array_equal(np.transpose(out[..., :sk], (0, 2, 1, 3)) != 0, mask, err_msg="forward")
+        np.testing.assert_array_equal(np.transpose(dv[..., :sq], (0, 2, 3, 1)) != 0, mask, err_msg="backward")
+
     def test_bert_large_dropout_matches_cpu_mma_kernels(self, monkeypatch):
         # test_bert_large_dropout_matches_cpu runs the default (sm90 where built) kernels.
         monkeypatch.setenv("JAXSUB_ATTENTION_SM90", "0")
