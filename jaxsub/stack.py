@@ -329,7 +329,11 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
       unroll: steps per iteration of the forward and backward loops, as lax.scan's
         (an int >= 1). Each iteration of a loop costs a little besides its steps: on the
         H200, XLA's counter increment (a kernel of its own) and 4-6 us of idle before the
-        next iteration's first kernel (bench/NOTES.md, thirtieth session).
+        next iteration's first kernel (bench/NOTES.md, thirtieth session). But with
+        several steps per iteration XLA makes the stack writes of every step but the
+        last asynchronous copies, which jaxsub's custom calls cannot write in place:
+        there, 2 ran the 24-layer BERT-large step 3.6-5.3% slower than 1 (thirty-first and
+        thirty-third sessions).
 
     Returns (the last carry, the steps' ys stacked), differentiable with respect to
     consts, init and xs (their floating-point leaves).

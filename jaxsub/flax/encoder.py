@@ -371,7 +371,8 @@ class Encoder(_LayerFields):
       scan_unroll: with scan_layers, layers per iteration of the stack's loops
         (`jaxsub.stack.scan`'s unroll); the compiled body holds that many layers. On the
         H200, 2 made the 24-layer BERT-large step 3.6% slower than 1 (NOTES, thirtieth
-        session).
+        session): XLA copies the results of every layer but an iteration's last into
+        their stacks (NOTES, thirty-third session).
       layouts: as EncoderLayer's; every layer has the same shapes, so one selection
         (one tuning) serves the whole stack.
 
