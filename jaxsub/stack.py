@@ -332,8 +332,8 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
         next iteration's first kernel (bench/NOTES.md, thirtieth session). But with
         several steps per iteration XLA makes the stack writes of every step but the
         last asynchronous copies, which jaxsub's custom calls cannot write in place:
-        there, 2 ran the 24-layer BERT-large step 3.6-5.3% slower than 1 (thirty-first and
-        thirty-third sessions).
+        there, 2 ran the 24-layer BERT-large step 3.6% slower than 1 (thirty-first
+        session; the cause: thirty-third).
 
     Returns (the last carry, the steps' ys stacked), differentiable with respect to
     consts, init and xs (their floating-point leaves).

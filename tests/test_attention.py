@@ -275,12 +275,12 @@ def test_fused_and_unfused_agree_with_dropout(dtype):
         assert_close(f, u, dtype, reduction=sk, grad=name != "out", what=name)
 
 
-def kept_probabilities(q, k, key, rate, implementation):
-    """Which probabilities the forward and the backward keep, each as [B, H, Sq, Sk]
-    booleans, and the step's lowered HLO. With v's first Sk columns the identity (D >= Sk),
-    out[b, i, h, j] is the dropped-out probability (b, h, i, j); with dout's first Sq
-    columns the identity (D >= Sq), dv[b, j, h, i] is that probability times the keep
-    scale. So the zeros of each are the elements that pass dropped."""
+def assert_kept_probabilities_are_dropout_mask(q, k, key, rate, implementation):
+    """Asserts that the forward and the backward keep exactly `dropout_mask`'s elements
+    ([B, H, Sq, Sk]); returns the step's lowered HLO. With v's first Sk columns the
+    identity (D >= Sk), out[b, i, h, j] is the dropped-out probability (b, h, i, j); with
+    dout's first Sq columns the identity (D >= Sq), dv[b, j, h, i] is that probability
+    times the keep scale. So the zeros of each are the elements that pass dropped."""
     (b, sq, h, d), sk = q.shape, k.shape[1]
     v = jnp.broadcast_to(jnp.eye(sk, d, dtype=q.dtype)[None, :, None, :], (b, sk, h, d))
     dout = jnp.broadcast_to(jnp.eye(sq, d, dtype=q.dtype)[None, :, None, :], (b, sq, h, d))
@@ -294,7 +294,11 @@ def kept_probabilities(q, k, key, rate, implementation):
     out, dv = (np.asarray(x.astype(F32)) for x in run(q, k, v, dout))
     kept_fwd = np.transpose(out[..., :sk], (0, 2, 1, 3)) != 0
     kept_bwd = np.transpose(dv[..., :sq], (0, 2, 3, 1)) != 0
-    return kept_fwd, kept_bwd, run.lower(q, k, v, dout).as_text()
+    mask = np.asarray(jaxsub.ops.dropout_mask(key, (b, h, sq, sk), rate))
+    assert mask.any() and (~mask).any()
+    np.testing.assert_array_equal(kept_fwd, mask, err_msg="forward")
+    np.testing.assert_array_equal(kept_bwd, mask, err_msg="backward")
+    return run.lower(q, k, v, dout).as_text()
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -302,11 +306,7 @@ def test_dropped_probabilities_are_dropout_mask(implementation):
     b, sq, sk, h, rate = 2, 7, 16, 3, 0.4
     q, k, _, _ = qkv(61, b, sq, sk, h, sk, F32)
     key = jax.random.key(62)
-    kept_fwd, kept_bwd, _ = kept_probabilities(q, k, key, rate, implementation)
-    mask = np.asarray(jaxsub.ops.dropout_mask(key, (b, h, sq, sk), rate))
-    assert mask.any() and (~mask).any()
-    np.testing.assert_array_equal(kept_fwd, mask, err_msg="forward")
-    np.testing.assert_array_equal(kept_bwd, mask, err_msg="backward")
+    assert_kept_probabilities_are_dropout_mask(q, k, key, rate, implementation)
 
 
 def test_same_key_same_output_new_key_different():
@@ -473,16 +473,11 @@ class TestCuda:
     @pytest.mark.parametrize("sq,sk", [(37, 45), (64, 64), (13, 7), (64, 33)])
     def test_dropped_probabilities_are_dropout_mask(self, sq, sk, fwd_kernel):
         """The forward and the backward kernels drop exactly `dropout_mask`'s elements (the
-        backward regenerates the same decisions): kept_probabilities at D = 64."""
+        backward regenerates the same decisions), at D = 64."""
         b, h, d, rate = 2, 3, 64, 0.4
         q, k, _, _ = qkv(171 + sq, b, sq, sk, h, d, BF16)
-        key = jax.random.key(172 + sk)
-        kept_fwd, kept_bwd, hlo = kept_probabilities(q, k, key, rate, "fused")
+        hlo = assert_kept_probabilities_are_dropout_mask(q, k, jax.random.key(172 + sk), rate, "fused")
         assert "jaxsub_attention_fwd" in hlo and "jaxsub_attention_bwd" in hlo, "fused kernel did not run"
-        mask = np.asarray(jaxsub.ops.dropout_mask(key, (b, h, sq, sk), rate))
-        assert mask.any() and (~mask).any()
-        np.testing.assert_array_equal(kept_fwd, mask, err_msg="forward")
-        np.testing.assert_array_equal(kept_bwd, mask, err_msg="backward")
 
     def test_bert_large_dropout_matches_cpu_mma_kernels(self, monkeypatch):
         # test_bert_large_dropout_matches_cpu runs the default (sm90 where built) kernels.
