@@ -259,6 +259,20 @@ def test_profile_layer_runs_on_a_small_config(capsys):
         assert "no device events" in printed
 
 
+def test_profile_layer_profiles_the_benchmarks_layouts(monkeypatch):
+    """Without --layouts the tool profiles the step the encoder benchmark times (its
+    default layouts), not the config's own default, which runs the unfused attention."""
+    from bench import encoder
+
+    profile_layer = _tool("profile_layer")
+    seen = []
+    monkeypatch.setattr(profile_layer, "profile", lambda config, rows, top, layouts: seen.append(layouts))
+    assert profile_layer.main(["--config", "small-b2s64-bf16", "--rows", "jaxsub"]) == 0
+    assert profile_layer.main(["--config", "small-b2s64-bf16", "--rows", "jaxsub", "--layouts", "none"]) == 0
+    assert seen == [encoder.parse_args([]).layouts, "none"]
+    assert seen[0] != encoder.SMALL.configs["small-b2s64-bf16"].layouts
+
+
 def test_host_cost_runs_on_a_small_config(capsys):
     assert _tool("host_cost").main(["--config", "small-b2s64-bf16"]) == 0
     lines = capsys.readouterr().out.splitlines()

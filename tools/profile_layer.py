@@ -7,7 +7,9 @@ the largest kernels, the largest idle stretches between kernels (launch gaps) an
 device's idle time between steps (the 10 traced steps are dispatched back to back).
 
 Usage: python3 tools/profile_layer.py [--config b8s512-bf16] [--rows xla,jaxsub]
-[--layouts none|heuristic|auto] [--top 14]; config and rows as bench.encoder's. The small
+[--layouts none|heuristic|auto] [--top 14]; config and rows as bench.encoder's, and its
+layouts by default ("heuristic", the main job's; a config's own default, "none", runs the
+unfused attention and would profile a step the benchmark does not time). The small
 configs run on CPU, where the trace holds no device events and nothing more is printed.
 """
 
@@ -36,11 +38,9 @@ def category(kernel: str) -> str:
     return "xla"
 
 
-def profile(config_name: str, row_names: list[str], top: int, layouts: str | None = None) -> None:
+def profile(config_name: str, row_names: list[str], top: int, layouts: str = "heuristic") -> None:
     sizes = {**encoder.FULL.configs, **encoder.SMALL.configs}
-    cfg = sizes[config_name]
-    if layouts is not None:
-        cfg = dataclasses.replace(cfg, layouts=layouts)
+    cfg = dataclasses.replace(sizes[config_name], layouts=layouts)
     params, x, dy, key = encoder.make_inputs(cfg, seed=0)
     for name in row_names:
         impl = ROWS[name]
@@ -98,8 +98,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="b8s512-bf16", help="a bench.encoder config name")
     p.add_argument("--rows", default="xla,jaxsub", help="bench.encoder rows, comma-separated")
-    p.add_argument("--layouts", choices=("none", "heuristic", "auto"), default=None,
-                   help="the jaxsub rows' layouts= (default: the config's)")
+    p.add_argument("--layouts", choices=("none", "heuristic", "auto"), default="heuristic",
+                   help="the jaxsub rows' layouts= (default: 'heuristic', as bench.encoder's)")
     p.add_argument("--top", type=int, default=14, help="lines of kernels and of gaps per row")
     a = p.parse_args(argv)
     profile(a.config, a.rows.split(","), a.top, a.layouts)
