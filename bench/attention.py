@@ -10,6 +10,9 @@ Cases, q/k/v [B, S, H, D] bf16, scale 1/sqrt(D), self-attention (Sq = Sk = S):
 - bert-pad: the same with a key-padding mask [B, S]: key j of sequence b is visible when
   j < length[b], lengths drawn in [S/2, S] with the first sequence full.
 - causal: B=2, S=2048, H=16, D=128, causal.
+- `--shape B,S,H,D[,causal|padded]` (repeatable) adds a case of that shape, named after it
+  (e.g. `--shape 2,2048,16,64` is case b2s2048h16d64); given without `--cases`, only the
+  given shapes run.
 
 Rows, each forward ("fwd") and forward + backward ("fwd+bwd": `jax.vjp` with a random
 cotangent; the output and all of dq, dk, dv are returned):
@@ -447,11 +450,28 @@ def format_table(rows: list[dict]) -> str:
     return report.format_table(header, lines, text_columns=4)
 
 
+def parse_shape(text: str) -> Case:
+    """argparse type of --shape: "B,S,H,D" with an optional ",causal" or ",padded"."""
+    parts = [t.strip() for t in text.split(",")]
+    flag = parts.pop() if parts and parts[-1] in ("causal", "padded") else ""
+    try:
+        b, s, h, d = (int(t) for t in parts)
+    except ValueError:
+        b = s = h = d = 0
+    if min(b, s, h, d) <= 0:
+        raise argparse.ArgumentTypeError(f"expected B,S,H,D (positive integers) and optionally ,causal or "
+                                         f",padded; got {text!r}")
+    name = f"b{b}s{s}h{h}d{d}" + {"causal": "-causal", "padded": "-pad", "": ""}[flag]
+    return Case(name, b, s, h, d, causal=flag == "causal", padded=flag == "padded")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke run; its timings mean nothing")
-    p.add_argument("--cases", type=report.csv_choices(FULL.cases), default=list(FULL.cases),
-                   help=f"comma-separated subset of {','.join(FULL.cases)}")
+    p.add_argument("--cases", type=report.csv_choices(FULL.cases), default=None,
+                   help=f"comma-separated subset of {','.join(FULL.cases)} (default: all, or none with --shape)")
+    p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="B,S,H,D[,causal|padded]",
+                   help="an extra case of that shape, q/k/v [B, S, H, D] (repeatable)")
     p.add_argument("--impls", type=report.csv_choices(IMPLS), default=list(IMPLS),
                    help=f"comma-separated subset of {','.join(IMPLS)} (ratios need xla and cudnn)")
     p.add_argument("--no-softmax", action="store_true", help="skip the softmax_dropout rows")
@@ -475,9 +495,11 @@ def main(argv=None) -> int:
     bandwidth, copy = report.measure_copy_bandwidth(size.copy_buffer_bytes, size.copy_k1, size.copy_k2,
                                                     repeats=repeats, seed=args.seed)
 
+    names = args.cases if args.cases is not None else ([] if args.shape else list(size.cases))
+    cases = [size.cases[n] for n in names] + args.shape
     rows = []
-    for name in args.cases:
-        rows += bench_case(size.cases[name], size, args.impls, repeats, args.seed)
+    for case in cases:
+        rows += bench_case(case, size, args.impls, repeats, args.seed)
     if not args.no_softmax:
         rows += bench_softmax(size, bandwidth, repeats, args.seed)
 
@@ -485,7 +507,7 @@ def main(argv=None) -> int:
         **report.run_metadata(backend, args.small, repeats), "dtype": jnp.dtype(DTYPE).name, "rate": RATE,
         "cuda_fused_attention_target": has_fused, "bwd_flops_per_fwd": BWD_FLOPS_PER_FWD,
         "copy_bandwidth_bytes_per_s": bandwidth, "copy_timing": copy.as_dict(),
-        "cases": {n: dataclasses.asdict(size.cases[n]) for n in args.cases},
+        "cases": {c.name: dataclasses.asdict(c) for c in cases},
         "floors": computed_floors(size, bandwidth), "method": __doc__, "rows": rows,
     }
     report.write_json(args.json, result)

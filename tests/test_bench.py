@@ -118,6 +118,30 @@ def test_attention_small_run_writes_every_row_with_positive_times(tmp_path):
             3.5 * rows[(case, "fwd", "fused")]["flops"])
 
 
+def test_attention_shape_option_runs_only_the_given_shapes(tmp_path):
+    out = tmp_path / "attention.json"
+    argv = ["--small", "--shape", "1,24,2,32,padded", "--impls", "fused", "--no-softmax", "--repeats", "1",
+            "--json", str(out)]
+    assert bench_attention.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["cases"] == {"b1s24h2d32-pad": {"name": "b1s24h2d32-pad", "b": 1, "s": 24, "h": 2, "d": 32,
+                                                  "causal": False, "padded": True}}
+    assert {(r["case"], r["pass"], r["impl"]) for r in result["rows"]} == {
+        ("b1s24h2d32-pad", p, "fused") for p in bench_attention.PASSES}
+    assert all(r["check"] == "ok" and r["flops"] > 0 for r in result["rows"])
+    # with --cases, the named cases run too, before the given shapes
+    args = bench_attention.parse_args(["--small", "--cases", "short", "--shape", "2,16,1,64,causal"])
+    assert args.cases == ["short"] and [c.name for c in args.shape] == ["b2s16h1d64-causal"]
+    assert args.shape[0].causal and not args.shape[0].padded
+
+
+@pytest.mark.parametrize("text", ["2,16,1", "2,16,1,64,sliding", "0,16,1,64", "a,16,1,64"])
+def test_attention_shape_option_rejects_bad_shapes(text, capsys):
+    with pytest.raises(SystemExit):
+        bench_attention.parse_args(["--shape", text])
+    assert "--shape" in capsys.readouterr().err
+
+
 def test_attention_floors_match_hand_counts():
     full = bench_attention.FULL.cases
     bert, causal = full["bert"], full["causal"]
