@@ -455,12 +455,13 @@ def parse_shape(text: str) -> Case:
     parts = [t.strip() for t in text.split(",")]
     flag = parts.pop() if parts and parts[-1] in ("causal", "padded") else ""
     try:
-        b, s, h, d = (int(t) for t in parts)
+        dims = [int(t) for t in parts]
     except ValueError:
-        b = s = h = d = 0
-    if min(b, s, h, d) <= 0:
+        dims = []
+    if len(dims) != 4 or min(dims) <= 0:
         raise argparse.ArgumentTypeError(f"expected B,S,H,D (positive integers) and optionally ,causal or "
                                          f",padded; got {text!r}")
+    b, s, h, d = dims
     name = f"b{b}s{s}h{h}d{d}" + {"causal": "-causal", "padded": "-pad", "": ""}[flag]
     return Case(name, b, s, h, d, causal=flag == "causal", padded=flag == "padded")
 

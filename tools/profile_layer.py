@@ -38,7 +38,7 @@ def category(kernel: str) -> str:
     return "xla"
 
 
-def profile(config_name: str, row_names: list[str], top: int, layouts: str = "heuristic") -> None:
+def profile(config_name: str, row_names: list[str], top: int, layouts: str) -> None:
     sizes = {**encoder.FULL.configs, **encoder.SMALL.configs}
     cfg = dataclasses.replace(sizes[config_name], layouts=layouts)
     params, x, dy, key = encoder.make_inputs(cfg, seed=0)
