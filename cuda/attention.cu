@@ -30,7 +30,7 @@ namespace jaxsub {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// Forward. grid (ceil(Sq / 64), B * H), block 128.
+// Forward. grid (ceil(Sq / 64), B * H: for_head_chunks), block 128.
 //
 // Key order inside a tile: the score mma's column c (n-block c / 8, thread c % 8 / 2 of a
 // quad) holds key  key_of(c) = (c % 8 / 2) * 16 + (c / 8) * 2 + c % 2,  so thread tq of a
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
   FwdSmem<T, D>& sm = *reinterpret_cast<FwdSmem<T, D>*>(smem_raw);
   constexpr int kRow = D + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
-  const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
+  const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile + warp * 16;  // warp's first query row
   const int64_t row_stride = a.qkv_row;
   const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
@@ -165,9 +165,9 @@ struct BwdSmem {
   uint16_t keep[kWarps][kTile];         // per warp and query: keep bits of the warp's 16 keys
 };
 
-// grid (ceil(Sk / 64), B * H), block 128; each warp owns 16 keys. dK, dV accumulate in
-// registers; dQ for the tile's 64 queries is computed once per block from the block's dSᵀ
-// in shared memory (warp w: queries 16 w .. 16 w + 15) and added to the f32 workspace.
+// grid (ceil(Sk / 64), B * H: for_head_chunks), block 128; each warp owns 16 keys. dK, dV
+// accumulate in registers; dQ for the tile's 64 queries is computed once per block from the
+// block's dSᵀ in shared memory (warp w: queries 16 w .. 16 w + 15) and added to the f32 workspace.
 // K and V fragments are read from shared memory per query tile (holding them in
 // registers cost a block per multiprocessor).
 template <typename T, int D, int kMode>
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   constexpr int kRow = D + kPad, kDsRow = kTile + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
-  const int64_t bh = blockIdx.y, bb = bh / a.h, hh = bh % a.h;
+  const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t k0 = kblock + warp * 16;  // warp's first key
   const int64_t row_stride = a.qkv_row, out_row = a.h * D;  // dout and dq_acc: plain [B, Sq, H, D]
@@ -344,15 +344,15 @@ ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
   return dispatch_attention(op, t, d, [&](auto tt, auto dd) {
     using T = typename decltype(tt)::type;
     constexpr int D = decltype(dd)::value;
-    const dim3 grid(static_cast<unsigned>((a.sq + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
+    const auto tiles = static_cast<unsigned>((a.sq + kTile - 1) / kTile);
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
         if (use_sm90(a, D))
-          return launch_tile_kernel<attention_fwd_sm90_kernel<T, D, kMode>>(op, grid, sm90_fwd_smem<D>() + 1024,
+          return launch_tile_kernel<attention_fwd_sm90_kernel<T, D, kMode>>(op, tiles, sm90_fwd_smem<D>() + 1024,
                                                                              stream, a);
       }
-      return launch_tile_kernel<attention_fwd_kernel<T, D, kMode>>(op, grid, sizeof(FwdSmem<T, D>), stream, a);
+      return launch_tile_kernel<attention_fwd_kernel<T, D, kMode>>(op, tiles, sizeof(FwdSmem<T, D>), stream, a);
     });
     if (e.failure()) return e;
     return launch_status(op);
@@ -413,7 +413,7 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     constexpr int D = decltype(dd)::value;
     const int64_t rows = a.b * a.sq * a.h;
     constexpr int kLanes = D * static_cast<int>(sizeof(T)) / 16;
-    const dim3 grid(static_cast<unsigned>((a.sk + kTile - 1) / kTile), static_cast<unsigned>(a.b * a.h));
+    const auto tiles = static_cast<unsigned>((a.sk + kTile - 1) / kTile);
     const unsigned delta_blocks = static_cast<unsigned>((rows * kLanes + kThreads - 1) / kThreads);
     if constexpr (D >= 64) {
       if (use_sm90(a, D) && use_cluster_dq(a)) {
@@ -422,12 +422,17 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
           constexpr int kMode = decltype(mode)::value;
           constexpr auto kernel = attention_bwd_sm90_kernel<T, D, kMode, true>;
           if (auto e = smem_opt_in<kernel>(op, sm90_bwd_smem<D>() + 1024); e.failure()) return e;
-          ClusterLaunch l(grid, sm90_bwd_smem<D>() + 1024, stream);
+          const auto heads = static_cast<unsigned>(a.b * a.h < kMaxGridY ? a.b * a.h : kMaxGridY);
+          ClusterLaunch l(dim3(tiles, heads), sm90_bwd_smem<D>() + 1024, stream);
           if (!cluster_fits<kernel>(l)) return ffi::Error::Success();  // the accumulator path below
           AttnArgs no_acc = a;
           no_acc.dq_acc = nullptr;  // the delta kernel leaves the accumulator alone
           attention_delta_kernel<T, D><<<delta_blocks, kThreads, 0, stream>>>(no_acc);
-          launched = cudaLaunchKernelEx(&l.config, kernel, a) == cudaSuccess;
+          launched = true;
+          for_head_chunks(a, [&](const AttnArgs& c, unsigned n) {
+            l.config.gridDim.y = n;
+            launched = launched && cudaLaunchKernelEx(&l.config, kernel, c) == cudaSuccess;
+          });
           return ffi::Error::Success();
         });
         if (e.failure()) return e;
@@ -441,9 +446,9 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
       if constexpr (D >= 64) {
         if (use_sm90(a, D))
           return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false>>(
-              op, grid, sm90_bwd_smem<D>() + 1024, stream, a);
+              op, tiles, sm90_bwd_smem<D>() + 1024, stream, a);
       }
-      return launch_tile_kernel<attention_bwd_kernel<T, D, kMode>>(op, grid, sizeof(BwdSmem<T, D>), stream, a);
+      return launch_tile_kernel<attention_bwd_kernel<T, D, kMode>>(op, tiles, sizeof(BwdSmem<T, D>), stream, a);
     });
     if (e.failure()) return e;
     const int64_t n = rows * D, hd = a.h * D;

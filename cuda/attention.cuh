@@ -42,6 +42,7 @@ struct AttnArgs {
   float* delta;          // [B, H, Sq] workspace (backward): rowsum(dout * out)
   float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
   int64_t b, h, sq, sk;
+  int64_t bh0 = 0;  // the launch's first (b, h): blockIdx.y + bh0 (for_head_chunks)
   int64_t qkv_row, q_batch, kv_batch;  // the views' strides, in elements
   int64_t grad_row, dq_batch, dkv_batch;  // the gradient views' strides (backward)
   int64_t bm, hm, sqm, skm;
@@ -450,10 +451,26 @@ ffi::Error by_mask_mode(const AttnArgs& a, F&& f) {
     default: return f(std::integral_constant<int, kNoMask>{});
   }
 }
+// A grid has at most 65535 blocks along y, where the tile kernels put the B * H heads:
+// more heads are launched in chunks, each kernel adding its chunk's first head (bh0) to
+// blockIdx.y. Calls launch(args, heads) per chunk.
+constexpr int64_t kMaxGridY = 65535;
+template <typename F>
+void for_head_chunks(const AttnArgs& a, F&& launch) {
+  const int64_t heads = a.b * a.h;
+  for (int64_t bh0 = 0; bh0 < heads; bh0 += kMaxGridY) {
+    AttnArgs c = a;
+    c.bh0 = bh0;
+    launch(c, static_cast<unsigned>(heads - bh0 < kMaxGridY ? heads - bh0 : kMaxGridY));
+  }
+}
+// Kernel over `tiles` row tiles (grid x) of every head (grid y, in chunks).
 template <auto Kernel>
-ffi::Error launch_tile_kernel(const char* op, dim3 grid, size_t smem, cudaStream_t stream, const AttnArgs& a) {
+ffi::Error launch_tile_kernel(const char* op, unsigned tiles, size_t smem, cudaStream_t stream, const AttnArgs& a) {
   if (auto e = smem_opt_in<Kernel>(op, smem); e.failure()) return e;
-  Kernel<<<grid, kThreads, smem, stream>>>(a);
+  for_head_chunks(a, [&](const AttnArgs& c, unsigned heads) {
+    Kernel<<<dim3(tiles, heads), kThreads, smem, stream>>>(c);
+  });
   return ffi::Error::Success();
 }
 

@@ -529,6 +529,14 @@ class TestCuda:
             np.testing.assert_array_equal(x, y, err_msg=name)
         assert_close(cluster[1], acc[1], BF16, reduction=sk, grad=True, what="dq")
 
+    @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (32, True)])
+    def test_more_heads_than_a_grid_holds(self, d, causal):
+        """B * H = 65552 (b, h) pairs, past the 65535 blocks a grid holds along y: the tile
+        kernels launch in chunks of heads (the cluster-reduced backward at D 64 without the
+        causal mask, the accumulator with it; the mma.sync kernels at D 32)."""
+        self._cuda_vs_cpu(4097, 8, 8, 16, d, causal=causal, rate=0.1, implementation="fused",
+                          dtype=F16 if d == 32 else BF16, seed=171 + d)
+
     @pytest.mark.parametrize("d", [64, 128])
     def test_fused_matches_unfused_on_gpu(self, d):
         b, s, h = 4, 512, 8
