@@ -35,17 +35,22 @@ struct NormPtrs {
 };
 
 // BDRLN: h = residual + dropout(x + bias) for row r, in place of the x tile (layer norm:
-// h = x, nothing to do). Parameters are re-read per row (a few KB, L1/L2-resident) instead
-// of held in registers for the whole kernel, which would cost occupancy at 32 elements per
-// thread.
+// h = x, nothing to do). The bias is `bias` where the caller holds it (the backward at up
+// to 8 elements per thread), else re-read per row (a few KB, L1/L2-resident): holding it
+// for the whole kernel would cost occupancy at 16-32 elements per thread.
 template <typename T, int VEC, int NV, bool kResidual>
 __device__ __forceinline__ void add_residual(const NormPtrs& p, bool pf32, int64_t r, int64_t n, uint32_t threshold,
                                              float keep_scale, const uint32_t (&seed)[2],
-                                             const Tile<VEC, NV>& res, Tile<VEC, NV>& h, uint32_t& keep) {
+                                             const Tile<VEC, NV>& res, Tile<VEC, NV>& h, uint32_t& keep,
+                                             const Tile<VEC, NV>* bias = nullptr) {
   keep = 0xffffffffu;
   if constexpr (kResidual) {
     Tile<VEC, NV> xb;
-    load_param<T, VEC, NV>(p.bias, pf32, n, xb);
+    if (bias != nullptr) {
+      xb = *bias;
+    } else {
+      load_param<T, VEC, NV>(p.bias, pf32, n, xb);
+    }
     keep = keep_bits<VEC, NV>(seed, threshold, r, n);
 #pragma unroll
     for (int v = 0; v < NV; ++v)
@@ -228,6 +233,15 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   const float inv_n = 1.f / static_cast<float>(n);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   constexpr bool kPrefetch = kResidual;
+  // BDRLN at up to 8 elements per thread (the default) holds the bias and the scale for
+  // every row it visits: one 512-thread block per SM either way, where reloading them per
+  // row cost two dependent loads and their conversions in each row's chain.
+  constexpr bool kHoldParams = kResidual && VEC * NV <= 8;
+  Tile<VEC, NV> held_bias, held_scale;
+  if constexpr (kHoldParams) {
+    load_param<T, VEC, NV>(p.bias, pf32, n, held_bias);
+    load_param<T, VEC, NV>(p.scale, pf32, n, held_scale);
+  }
   BwdRow<T, VEC, NV, kResidual, kDh> row;
   if constexpr (kPrefetch) row.load(p, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, rows, n);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
@@ -242,8 +256,13 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     const float mean = row.mean, rstd = row.rstd;
     if constexpr (kPrefetch) row.load(p, r + stride, rows, n);
     uint32_t keep;
-    add_residual<T, VEC, NV, kResidual>(p, pf32, r, n, threshold, keep_scale, seed, res, h, keep);
-    load_param<T, VEC, NV>(p.scale, pf32, n, g);
+    add_residual<T, VEC, NV, kResidual>(p, pf32, r, n, threshold, keep_scale, seed, res, h, keep,
+                                        kHoldParams ? &held_bias : nullptr);
+    if constexpr (kHoldParams) {
+      g = held_scale;
+    } else {
+      load_param<T, VEC, NV>(p.scale, pf32, n, g);
+    }
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
     for (int v = 0; v < NV; ++v)
