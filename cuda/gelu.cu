@@ -43,15 +43,14 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
        base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const int64_t r = base + threadIdx.y;
-    if (r >= rows) continue;  // no barriers inside the loop
+    const bool valid = r < rows;  // predicated, so that the loop body stays convergent
     Tile<VEC, NV> t, d;
-    load_tile<T, VEC, NV>(static_cast<const T*>(kMaskOnly ? p.dy : p.x) + r * n, n, true, t);
-    if constexpr (kBackward && !kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, true, d);
-    if constexpr (!kBackward && kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, true, d);
+    load_tile<T, VEC, NV>(static_cast<const T*>(kMaskOnly ? p.dy : p.x) + r * n, n, valid, t);
+    if constexpr (kBackward && !kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, d);
+    if constexpr (!kBackward && kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, d);
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
       const int64_t c = tile_col(v, VEC);
-      if (c >= n) continue;  // zeros, never stored or summed
       float m[VEC];
       keep_scales<VEC>(seed, threshold, keep_scale, static_cast<uint64_t>(r) * n + c, m);
 #pragma unroll
@@ -74,8 +73,8 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
         }
       }
     }
-    store_tile<T, VEC, NV>(static_cast<T*>(p.out) + r * n, n, true, t);
-    if constexpr (kStoreY) store_tile<T, VEC, NV>(static_cast<T*>(p.y) + r * n, n, true, d);
+    store_tile<T, VEC, NV>(static_cast<T*>(p.out) + r * n, n, valid, t);
+    if constexpr (kStoreY) store_tile<T, VEC, NV>(static_cast<T*>(p.y) + r * n, n, valid, d);
   }
   if constexpr (kBackward) write_partials<1, VEC, NV>(acc, smem, p.workspace, n);
 }

@@ -158,6 +158,10 @@ __device__ __forceinline__ void store_tile(T* row, int64_t n, bool valid, const 
 // Keep bits for the thread's elements of row r (bit v * VEC + e). On the fast path every
 // vector's first index is a multiple of VEC (N is), so a vector of 8 takes one Philox call
 // and a vector of 4 takes half of one; the general path takes one call per element.
+// Vectors past the row's end get bits too, which no caller uses (their values are zeros
+// or never stored): skipping them made the loop body divergent, and ptxas then kept the
+// Philox key schedule in vector registers instead of uniform ones (bench/NOTES.md,
+// thirty-sixth session).
 template <int VEC, int NV>
 __device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t threshold, int64_t r, int64_t n) {
   static_assert(VEC * NV <= 32, "keep bits must fit in 32 bits");
@@ -167,7 +171,6 @@ __device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t thr
 #pragma unroll
   for (int v = 0; v < NV; ++v) {
     const int64_t c = tile_col(v, VEC);
-    if (c >= n) continue;
     const uint64_t base = static_cast<uint64_t>(r) * n + c;
     if constexpr (VEC % 8 == 0) {
 #pragma unroll
