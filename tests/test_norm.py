@@ -573,6 +573,31 @@ class TestCuda:
             reduction = 1024 if name in ACTIVATIONS else self.ROWS
             assert_close(g, g_ref, jnp.bfloat16, reduction=reduction, grad=True, what=f"bdrln_pair d{name}")
 
+    @pytest.mark.parametrize("dtype,n", [(jnp.bfloat16, 64), (jnp.bfloat16, 200), (jnp.float32, 64),
+                                         (jnp.float32, 1024)], ids=lambda v: getattr(v, "__name__", str(v)))
+    @pytest.mark.parametrize("pair", [False, True], ids=["dy", "dy_dy2"])
+    def test_bdrln_bwd_many_rows_per_group(self, dtype, n, pair):
+        """Enough rows that every row group of the one-wave backward walks ~10 of them (the
+        other GPU tests give most groups a few): one warp per row (64, 200: 200 leaves lanes
+        past the row's end) and several (f32 1024), with and without the second cotangent."""
+        rows = 20011
+        inp = _inputs(_seed("gpu-many", jnp.dtype(dtype).name, n, pair), (rows, n), dtype, jnp.float32)
+        cts = (inp["dy"], _second_cotangent(_seed("gpu-many-dy2", n), inp["dy"]))
+        out = {}
+        for platform in ("gpu", "cpu"):
+            on = jax.device_put((inp, cts), jax.devices(platform)[0])
+            if pair:
+                fused, _, args = _pair_and_reference(on[0])
+                [out[platform]] = _values_and_vjps([fused], args, on[1])
+            else:
+                fused, _, args, _ = _fused_and_reference(BDRLN, on[0])
+                [out[platform]] = _values_and_vjps([fused], args, on[1][0])
+        names = ("x", "bias", "residual", "scale", "ln_bias")
+        for name, g, g_ref in zip(names, out["gpu"][1], out["cpu"][1]):
+            assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+            reduction = n if name in ACTIVATIONS else rows
+            assert_close(g, g_ref, g.dtype, reduction=reduction, grad=True, what=f"bdrln d{name}")
+
     @pytest.mark.parametrize("which", list(SECOND_OUTPUT))
     def test_second_output_cuda_matches_cpu(self, which):
         """bdrln_and_sum's h and both kernels' extra cotangent operand, against the CPU."""
