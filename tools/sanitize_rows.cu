@@ -163,7 +163,7 @@ int main() {
     return 2;
   }
   // The last two: enough rows that every row group of the backwards walks several, with
-  // one warp per row and with four.
+  // one warp per row and (at the default configuration) with two or four.
   const int64_t shapes[][2] = {{1, 1},    {3, 7},    {5, 130},    {7, 1000},  {33, 1024},
                                {9, 4096}, {3, 4104}, {2, 16384}, {9000, 64}, {2000, 1024}};
   const KernelConfig configs[] = {{0, 0}, {1024, 4}, {32, 32}};
