@@ -213,6 +213,36 @@ __device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&s
   return bits;
 }
 
+// keep16 of rows i and i + di (di > 0): where both are in bounds and aligned, their four
+// Philox calls side by side with one key schedule (philox4x32_10_n).
+__device__ __forceinline__ void keep16_pair(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+                                            int di, int64_t j0, uint32_t (&bits)[2]) {
+  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
+  const uint64_t step = static_cast<uint64_t>(di) * static_cast<uint64_t>(a.sk);
+  if (i + di < a.sq && (idx & 7) == 0 && (step & 7) == 0 && j0 + 16 <= a.sk) {
+    U32x4 w[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint64_t q = ((idx + (c < 2 ? 0 : step)) >> 3) + (c & 1);
+      w[c] = U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
+    }
+    philox4x32_10_n<4>(w, seed[0], seed[1]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      uint32_t b = 0;
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        b |= static_cast<uint32_t>(lane16(w[2 * r], t) >= a.threshold) << t;
+        b |= static_cast<uint32_t>(lane16(w[2 * r + 1], t) >= a.threshold) << (t + 8);
+      }
+      bits[r] = b;
+    }
+  } else {
+    bits[0] = keep16(a, seed, bh, i, j0);
+    bits[1] = keep16(a, seed, bh, i + di, j0);
+  }
+}
+
 // The forward's two ways to hold a thread's keep decisions for its rows r = 0, 1 (query
 // qrow + 8 r) and 16 keys: KeepBits, bit t of bits[r] for key t (the mma.sync kernel: two
 // registers across the score products); KeepMasks, per pair n of keys 2n, 2n + 1 a mask
@@ -248,6 +278,35 @@ __device__ __forceinline__ void keep_masks16(const AttnArgs& a, const uint32_t (
 #pragma unroll
     for (int n = 0; n < 8; ++n)
       mask[n] = ((bits >> (2 * n)) & 1u ? 0xffffu : 0u) | ((bits >> (2 * n + 1)) & 1u ? 0xffff0000u : 0u);
+  }
+}
+
+// Both rows of KeepMasks (queries i and i + 8, keys j0 .. j0 + 15): where both rows are
+// in bounds and aligned, their four Philox calls side by side with one key schedule;
+// otherwise keep_masks16 per row.
+__device__ __forceinline__ void keep_masks32(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+                                             int64_t j0, uint32_t (&mask)[2][8]) {
+  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
+  if (i + 8 < a.sq && (idx & 7) == 0 && j0 + 16 <= a.sk) {
+    const uint64_t q0 = idx >> 3, q1 = (idx + 8 * static_cast<uint64_t>(a.sk)) >> 3;
+    U32x4 w[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint64_t q = (c < 2 ? q0 : q1) + (c & 1);
+      w[c] = U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
+    }
+    philox4x32_10_n<4>(w, seed[0], seed[1]);
+    const uint32_t t2 = a.threshold * 0x10001u;  // lane k kept when its 16 bits >= threshold
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        mask[r][n] = __vcmpgeu2(word_at(w[2 * r], n), t2);
+        mask[r][n + 4] = __vcmpgeu2(word_at(w[2 * r + 1], n), t2);
+      }
+  } else {
+    keep_masks16(a, seed, bh, i, j0, mask[0]);
+    keep_masks16(a, seed, bh, i + 8, j0, mask[1]);
   }
 }
 

@@ -143,8 +143,10 @@ __device__ __forceinline__ void bwd_tile_lse(const AttnArgs& a, int64_t qb, floa
 __device__ __forceinline__ void bwd_keep_words(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
                                                int64_t k0, uint16_t* keep, int lane) {
   if (a.threshold != 0) {
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) keep[lane + 32 * h2] = keep16(a, seed, bh, qb + lane + 32 * h2, k0);
+    uint32_t bits[2];
+    keep16_pair(a, seed, bh, qb + lane, 32, k0, bits);
+    keep[lane] = static_cast<uint16_t>(bits[0]);
+    keep[lane + 32] = static_cast<uint16_t>(bits[1]);
   }
 }
 // Both, as the tile's rows need them.

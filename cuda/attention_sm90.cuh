@@ -5,9 +5,10 @@
 // 128-byte-swizzled shared memory (wgmma.cuh) and the other A operands from registers, in
 // the layout of the mma.sync kernels' fragments, so the element-wise steps are shared
 // (attention.cuh, attention_bwd.cuh).
-// Forward: Q stays in registers; the keep masks of a tile are computed once its scores are
-// multiplied, and O += P V of one tile runs under the next tile's copies and scores. Three
-// shared-memory stages: tile t + 2 is copied once P V of tile t - 1 has read its stage.
+// Forward: Q stays in registers; the keep masks of tile t are drawn while O += P V of tile
+// t - 1 runs on the tensor cores, and tile t + 2's copies are issued under tile t's score
+// product. Three shared-memory stages: tile t + 2 is copied once P V of tile t - 1 has
+// read its stage.
 // Backward: below, before its kernel.
 #pragma once
 
@@ -117,6 +118,18 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
   for (int t = 0; t < tiles; ++t) {
     const int64_t kb = static_cast<int64_t>(t) * kTile;
     const int st = t % kSm90Stages;
+    // Keep masks first, while P V of tile t - 1 runs on the tensor cores (the scores'
+    // registers are not live yet; pf, P V's operand, is).
+    KeepMasks keep;
+    if (a.threshold != 0) {
+      keep_masks32(a, seed, bh, q0 + quad, kb + tq * 16, keep.m);
+    } else {
+#pragma unroll
+      for (int n = 0; n < 8; ++n) keep.m[0][n] = keep.m[1][n] = 0xffffffffu;
+    }
+    wgmma_wait<0>();  // P V of the previous tile is done: pf and its stage are free
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) reg_fence(o[x]);
     cp_async_wait<1>();  // tile t landed (t + 1 may still be in flight)
     fence_proxy_async();
     __syncthreads();
@@ -129,23 +142,11 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
     for (int kc = 0; kc < D / 16; ++kc)
       wgmma_rs<T, 64, false>(s, qf[kc], wgmma_desc(kaddr + (kc / 4) * kPanelBytes + (kc % 4) * 32), kc > 0);
     wgmma_commit();
-    wgmma_wait<0>();  // S of this tile and P V of the previous one are done
+    // The stage P V of tile t - 1 read is free: copy tile t + 2 into it under the product.
+    load_kv(t + 2);
+    wgmma_wait<0>();  // S of this tile
 #pragma unroll
     for (int x = 0; x < 32; ++x) reg_fence(s[x]);
-#pragma unroll
-    for (int x = 0; x < D / 2; ++x) reg_fence(o[x]);
-    // The stage P V of tile t - 1 read is free: copy tile t + 2 into it.
-    load_kv(t + 2);
-    // Keep masks once the products are done (pf's registers are free then; as keep bits
-    // computed during the score product they cost a select per element and the packing).
-    KeepMasks keep;
-    if (a.threshold != 0) {
-      keep_masks16(a, seed, bh, q0 + quad, kb + tq * 16, keep.m[0]);
-      keep_masks16(a, seed, bh, q0 + quad + 8, kb + tq * 16, keep.m[1]);
-    } else {
-#pragma unroll
-      for (int n = 0; n < 8; ++n) keep.m[0][n] = keep.m[1][n] = 0xffffffffu;
-    }
 
     fwd_softmax_tile<T, kMode, D>(
         a, rc, [&](int n, int e) -> float& { return s[4 * n + e]; }, [&](int dn, int e) -> float& { return o[4 * dn + e]; },

@@ -49,6 +49,31 @@ JAXSUB_HD U32x4 philox4x32_10(U32x4 c, uint32_t k0, uint32_t k1) {
   return c;
 }
 
+// N independent Philox4x32-10 calls with one key schedule, their rounds side by side (the
+// same outputs as N calls of philox4x32_10): ptxas recomputes the round keys per call, and
+// independent chains in one block can interleave.
+template <int N>
+JAXSUB_HD void philox4x32_10_n(U32x4 (&c)[N], uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+    for (int i = 0; i < N; ++i) {
+      uint32_t hi0, lo0, hi1, lo1;
+      mulhilo32(kM0, c[i].x, hi0, lo0);
+      mulhilo32(kM1, c[i].z, hi1, lo1);
+      c[i] = U32x4{hi1 ^ c[i].y ^ k0, lo1, hi0 ^ c[i].w ^ k1, lo0};
+    }
+    k0 += kW0;
+    k1 += kW1;
+  }
+}
+
 // The random bits for elements 8*q .. 8*q+7 of a tensor.
 JAXSUB_HD U32x4 dropout_words(const uint32_t* seed, uint64_t q) {
   return philox4x32_10(U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u},
