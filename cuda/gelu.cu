@@ -48,11 +48,21 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     load_tile<T, VEC, NV>(static_cast<const T*>(kMaskOnly ? p.dy : p.x) + r * n, n, valid, t);
     if constexpr (kBackward && !kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, d);
     if constexpr (!kBackward && kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, d);
+    // 16-bit types: the row's Philox calls side by side (tile_words); f32 per vector.
+    constexpr bool kWords = VEC % 8 == 0;
+    U32x4 w[kWords ? NV * VEC / 8 : 1];
+    if constexpr (kWords) tile_words<VEC, NV>(seed, threshold, r, n, w);
+    const uint32_t thr_hi = threshold << 16;
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
       const int64_t c = tile_col(v, VEC);
       float m[VEC];
-      keep_scales<VEC>(seed, threshold, keep_scale, static_cast<uint64_t>(r) * n + c, m);
+      if constexpr (kWords) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) m[e] = lane_kept(w[(v * VEC + e) / 8], e % 8, thr_hi) ? keep_scale : 0.f;
+      } else {
+        keep_scales<VEC>(seed, threshold, keep_scale, static_cast<uint64_t>(r) * n + c, m);
+      }
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         if constexpr (kMaskOnly) {

@@ -155,6 +155,24 @@ __device__ __forceinline__ void store_tile(T* row, int64_t n, bool valid, const 
   }
 }
 
+// The Philox words of a thread's vectors in row r (VEC a multiple of 8: a call per 8
+// elements, word set v * VEC / 8 + e / 8 for elements e.. of vector v), every call side by
+// side with one key schedule (philox4x32_10_n). Where threshold is 0 the words stay
+// counters: lane_kept with thr_hi 0 keeps every lane.
+template <int VEC, int NV>
+__device__ __forceinline__ void tile_words(const uint32_t* seed, uint32_t threshold, int64_t r, int64_t n,
+                                           U32x4 (&w)[NV * VEC / 8]) {
+  static_assert(VEC % 8 == 0, "one Philox call per 8 elements");
+#pragma unroll
+  for (int v = 0; v < NV; ++v)
+#pragma unroll
+    for (int e = 0; e < VEC; e += 8) {
+      const uint64_t q = (static_cast<uint64_t>(r) * n + tile_col(v, VEC) + e) >> 3;
+      w[(v * VEC + e) / 8] = U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
+    }
+  if (threshold != 0) philox4x32_10_n<NV * VEC / 8>(w, seed[0], seed[1]);
+}
+
 // Keep bits for the thread's elements of row r (bit v * VEC + e). On the fast path every
 // vector's first index is a multiple of VEC (N is), so a vector of 8 takes one Philox call
 // and a vector of 4 takes half of one; the general path takes one call per element.
@@ -168,25 +186,27 @@ __device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t thr
   if (threshold == 0) return 0xffffffffu;
   const uint32_t thr_hi = threshold << 16;
   uint32_t bits = 0;
+  if constexpr (VEC % 8 == 0) {
+    U32x4 w[NV * VEC / 8];
+    tile_words<VEC, NV>(seed, threshold, r, n, w);
 #pragma unroll
-  for (int v = 0; v < NV; ++v) {
-    const int64_t c = tile_col(v, VEC);
-    const uint64_t base = static_cast<uint64_t>(r) * n + c;
-    if constexpr (VEC % 8 == 0) {
+    for (int c = 0; c < NV * VEC / 8; ++c)
 #pragma unroll
-      for (int e = 0; e < VEC; e += 8) {
-        const U32x4 w = dropout_words(seed, (base + e) >> 3);
+      for (int j = 0; j < 8; ++j) bits |= static_cast<uint32_t>(lane_kept(w[c], j, thr_hi)) << (8 * c + j);
+  } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) bits |= static_cast<uint32_t>(lane_kept(w, j, thr_hi)) << (v * VEC + e + j);
+    for (int v = 0; v < NV; ++v) {
+      const uint64_t base = static_cast<uint64_t>(r) * n + tile_col(v, VEC);
+      if constexpr (VEC == 4) {
+        const U32x4 w = dropout_words(seed, base >> 3);
+        const int off = static_cast<int>(base & 7);  // 0 or 4
+#pragma unroll
+        for (int j = 0; j < 4; ++j) bits |= static_cast<uint32_t>(lane_kept(w, off + j, thr_hi)) << (v * VEC + j);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+          bits |= static_cast<uint32_t>(dropout_keep(seed, base + e, threshold)) << (v * VEC + e);
       }
-    } else if constexpr (VEC == 4) {
-      const U32x4 w = dropout_words(seed, base >> 3);
-      const int off = static_cast<int>(base & 7);  // 0 or 4
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bits |= static_cast<uint32_t>(lane_kept(w, off + j, thr_hi)) << (v * VEC + j);
-    } else {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) bits |= static_cast<uint32_t>(dropout_keep(seed, base + e, threshold)) << (v * VEC + e);
     }
   }
   return bits;
