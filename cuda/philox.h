@@ -32,19 +32,27 @@ JAXSUB_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 #endif
 }
 
+namespace philox_detail {
+constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
+constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // key schedule increments
+}  // namespace philox_detail
+
+// One round with round keys k0, k1.
+JAXSUB_HD U32x4 philox_round(const U32x4& c, uint32_t k0, uint32_t k1) {
+  uint32_t hi0, lo0, hi1, lo1;
+  mulhilo32(philox_detail::kM0, c.x, hi0, lo0);
+  mulhilo32(philox_detail::kM1, c.z, hi1, lo1);
+  return U32x4{hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0};
+}
+
 JAXSUB_HD U32x4 philox4x32_10(U32x4 c, uint32_t k0, uint32_t k1) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
-  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
   for (int round = 0; round < 10; ++round) {
-    uint32_t hi0, lo0, hi1, lo1;
-    mulhilo32(kM0, c.x, hi0, lo0);
-    mulhilo32(kM1, c.z, hi1, lo1);
-    c = U32x4{hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0};
-    k0 += kW0;
-    k1 += kW1;
+    c = philox_round(c, k0, k1);
+    k0 += philox_detail::kW0;
+    k1 += philox_detail::kW1;
   }
   return c;
 }
@@ -54,8 +62,6 @@ JAXSUB_HD U32x4 philox4x32_10(U32x4 c, uint32_t k0, uint32_t k1) {
 // independent chains in one block can interleave.
 template <int N>
 JAXSUB_HD void philox4x32_10_n(U32x4 (&c)[N], uint32_t k0, uint32_t k1) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
-  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
@@ -63,14 +69,9 @@ JAXSUB_HD void philox4x32_10_n(U32x4 (&c)[N], uint32_t k0, uint32_t k1) {
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-    for (int i = 0; i < N; ++i) {
-      uint32_t hi0, lo0, hi1, lo1;
-      mulhilo32(kM0, c[i].x, hi0, lo0);
-      mulhilo32(kM1, c[i].z, hi1, lo1);
-      c[i] = U32x4{hi1 ^ c[i].y ^ k0, lo1, hi0 ^ c[i].w ^ k1, lo0};
-    }
-    k0 += kW0;
-    k1 += kW1;
+    for (int i = 0; i < N; ++i) c[i] = philox_round(c[i], k0, k1);
+    k0 += philox_detail::kW0;
+    k1 += philox_detail::kW1;
   }
 }
 

@@ -2,7 +2,10 @@
 is importable from every test module. The repository root is appended, not prepended, so
 the installed jaxsub (with its built extension) still wins over the source tree."""
 
+import os
 import pathlib
+import shutil
+import subprocess
 import sys
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
@@ -30,3 +33,27 @@ def fallback_log(monkeypatch):
     calls = []
     monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, **_: calls.append((op_name, reason)))
     return calls
+
+
+@pytest.fixture
+def host_check(tmp_path):
+    """Builds tests/NAME.cc with the host C++ compiler (cuda/ and the XLA FFI headers on the
+    include path), runs it and returns its output; a failed build or a non-zero exit fails
+    the test. For the header-only checks of CUDA code that also compiles as host code."""
+    import jax
+
+    here = pathlib.Path(__file__).resolve().parent
+
+    def run(name: str) -> str:
+        cxx = shutil.which(os.environ.get("CXX", "c++"))
+        assert cxx is not None, "no C++ compiler (CXX or c++)"
+        exe = tmp_path / name
+        build = subprocess.run([cxx, "-std=c++17", "-O2", "-Wno-return-type", "-I", str(here.parent / "cuda"),
+                                "-I", jax.ffi.include_dir(), str(here / f"{name}.cc"), "-o", str(exe)],
+                               capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr
+        out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    return run

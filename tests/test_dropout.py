@@ -4,10 +4,6 @@ is itself pinned to the published Random123 known-answer vectors."""
 import contextlib
 import io
 import math
-import os
-import pathlib
-import shutil
-import subprocess
 
 import jax
 import jax.ad_checkpoint
@@ -19,8 +15,6 @@ import pytest
 import jaxsub
 from jaxsub.ops.dropout import seed_from_key, threshold
 from jaxsub.testing import assert_close, assert_vmap_matches_loop
-
-HERE = pathlib.Path(__file__).resolve().parent
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
@@ -66,20 +60,10 @@ def test_numpy_philox_known_answers(ctr, key, expected):
     np.testing.assert_array_equal(philox4x32_10(np.array(ctr, np.uint32), key), np.array(expected, np.uint32))
 
 
-def test_philox_side_by_side_matches_single_calls(tmp_path):
-    """cuda/philox.h's philox4x32_10_n (the attention kernels' four calls with one key
-    schedule) against single calls and the known answers: philox_check.cc, built with the
-    host C++ compiler and run."""
-    cxx = shutil.which(os.environ.get("CXX", "c++"))
-    assert cxx is not None, "no C++ compiler (CXX or c++)"
-    exe = tmp_path / "philox_check"
-    build = subprocess.run([cxx, "-std=c++17", "-O2", "-Wno-return-type", "-I", str(HERE.parent / "cuda"),
-                            "-I", jax.ffi.include_dir(), str(HERE / "philox_check.cc"), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "80000 calls, 0 failures" in run.stdout
+def test_philox_side_by_side_matches_single_calls(host_check):
+    """cuda/philox.h's philox4x32_10_n (the attention and row kernels' calls side by side
+    with one key schedule) against single calls and the known answers: philox_check.cc."""
+    assert "80000 calls, 0 failures" in host_check("philox_check")
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
