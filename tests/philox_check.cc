@@ -1,6 +1,6 @@
 // philox4x32_10_n (cuda/philox.h: N calls side by side with one key schedule, as the
-// attention kernels draw their keep decisions) gives exactly N calls of philox4x32_10, and
-// both give the Random123 known answers. Host-only; built and run by test_dropout.py.
+// attention and row kernels draw their keep decisions) gives exactly N calls of
+// philox4x32_10, and both give the Random123 known answers. Host-only; built and run by test_dropout.py.
 // Prints the first failures and exits 1 on any.
 #include <cstdio>
 
