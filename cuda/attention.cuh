@@ -213,20 +213,28 @@ __device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&s
   return bits;
 }
 
-// keep16 of rows i and i + di (di > 0): where both are in bounds and aligned, their four
-// Philox calls side by side with one key schedule (philox4x32_10_n).
-__device__ __forceinline__ void keep16_pair(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
-                                            int di, int64_t j0, uint32_t (&bits)[2]) {
+// The Philox words of keys j0 .. j0 + 15 of rows i and i + di (di > 0; row r's in w[2 r],
+// w[2 r + 1]) where both rows are in bounds and aligned: their four calls side by side with
+// one key schedule (philox4x32_10_n). False, and w untouched, otherwise.
+__device__ __forceinline__ bool pair_words(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i, int di,
+                                           int64_t j0, U32x4 (&w)[4]) {
   const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
   const uint64_t step = static_cast<uint64_t>(di) * static_cast<uint64_t>(a.sk);
-  if (i + di < a.sq && (idx & 7) == 0 && (step & 7) == 0 && j0 + 16 <= a.sk) {
-    U32x4 w[4];
+  if (!(i + di < a.sq && (idx & 7) == 0 && (step & 7) == 0 && j0 + 16 <= a.sk)) return false;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint64_t q = ((idx + (c < 2 ? 0 : step)) >> 3) + (c & 1);
-      w[c] = U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
-    }
-    philox4x32_10_n<4>(w, seed[0], seed[1]);
+  for (int c = 0; c < 4; ++c) {
+    const uint64_t q = ((idx + (c < 2 ? 0 : step)) >> 3) + (c & 1);
+    w[c] = U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
+  }
+  philox4x32_10_n<4>(w, seed[0], seed[1]);
+  return true;
+}
+
+// keep16 of rows i and i + di.
+__device__ __forceinline__ void keep16_pair(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+                                            int di, int64_t j0, uint32_t (&bits)[2]) {
+  U32x4 w[4];
+  if (pair_words(a, seed, bh, i, di, j0, w)) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       uint32_t b = 0;
@@ -281,21 +289,12 @@ __device__ __forceinline__ void keep_masks16(const AttnArgs& a, const uint32_t (
   }
 }
 
-// Both rows of KeepMasks (queries i and i + 8, keys j0 .. j0 + 15): where both rows are
-// in bounds and aligned, their four Philox calls side by side with one key schedule;
-// otherwise keep_masks16 per row.
+// Both rows of KeepMasks (queries i and i + 8, keys j0 .. j0 + 15): pair_words where it
+// applies, otherwise keep_masks16 per row.
 __device__ __forceinline__ void keep_masks32(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
                                              int64_t j0, uint32_t (&mask)[2][8]) {
-  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
-  if (i + 8 < a.sq && (idx & 7) == 0 && j0 + 16 <= a.sk) {
-    const uint64_t q0 = idx >> 3, q1 = (idx + 8 * static_cast<uint64_t>(a.sk)) >> 3;
-    U32x4 w[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint64_t q = (c < 2 ? q0 : q1) + (c & 1);
-      w[c] = U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
-    }
-    philox4x32_10_n<4>(w, seed[0], seed[1]);
+  U32x4 w[4];
+  if (pair_words(a, seed, bh, i, 8, j0, w)) {
     const uint32_t t2 = a.threshold * 0x10001u;  // lane k kept when its 16 bits >= threshold
 #pragma unroll
     for (int r = 0; r < 2; ++r)
