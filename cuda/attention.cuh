@@ -191,6 +191,17 @@ __device__ __forceinline__ float score_log2(const AttnArgs& a, const RowCtx& rc,
   }
 }
 
+// Keep bits of 16 keys from their two Philox word sets w0 (keys 0..7) and w1 (8..15).
+__device__ __forceinline__ uint32_t bits16(const U32x4& w0, const U32x4& w1, uint32_t threshold) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    bits |= static_cast<uint32_t>(lane16(w0, t) >= threshold) << t;
+    bits |= static_cast<uint32_t>(lane16(w1, t) >= threshold) << (t + 8);
+  }
+  return bits;
+}
+
 // Keep bits of 16 consecutive keys j0 .. j0 + 15 of query i (bit t: key j0 + t), from the
 // Philox lanes of the logical [B, H, Sq, Sk] element index (philox.h); 0 outside the
 // tensor. Two Philox calls when the 16 keys are two aligned groups of eight.
@@ -200,12 +211,7 @@ __device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&s
   const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
   uint32_t bits = 0;
   if ((idx & 7) == 0 && j0 + 16 <= a.sk) {
-    const U32x4 w0 = dropout_words(seed, idx >> 3), w1 = dropout_words(seed, (idx >> 3) + 1);
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      bits |= static_cast<uint32_t>(lane16(w0, t) >= a.threshold) << t;
-      bits |= static_cast<uint32_t>(lane16(w1, t) >= a.threshold) << (t + 8);
-    }
+    bits = bits16(dropout_words(seed, idx >> 3), dropout_words(seed, (idx >> 3) + 1), a.threshold);
   } else {
     for (int t = 0; t < 16 && j0 + t < a.sk; ++t)
       bits |= static_cast<uint32_t>(dropout_keep(seed, idx + t, a.threshold)) << t;
@@ -236,15 +242,7 @@ __device__ __forceinline__ void keep16_pair(const AttnArgs& a, const uint32_t (&
   U32x4 w[4];
   if (pair_words(a, seed, bh, i, di, j0, w)) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      uint32_t b = 0;
-#pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        b |= static_cast<uint32_t>(lane16(w[2 * r], t) >= a.threshold) << t;
-        b |= static_cast<uint32_t>(lane16(w[2 * r + 1], t) >= a.threshold) << (t + 8);
-      }
-      bits[r] = b;
-    }
+    for (int r = 0; r < 2; ++r) bits[r] = bits16(w[2 * r], w[2 * r + 1], a.threshold);
   } else {
     bits[0] = keep16(a, seed, bh, i, j0);
     bits[1] = keep16(a, seed, bh, i + di, j0);
@@ -269,18 +267,22 @@ struct KeepMasks {
   __device__ __forceinline__ float elem(int, int, int, float p) const { return p; }
   __device__ __forceinline__ uint32_t pair(int r, int n) const { return m[r][n]; }
 };
+// KeepMasks' row of 16 keys from their two Philox word sets w0 (keys 0..7) and w1 (8..15).
+__device__ __forceinline__ void masks16(const U32x4& w0, const U32x4& w1, uint32_t threshold, uint32_t (&mask)[8]) {
+  const uint32_t t2 = threshold * 0x10001u;  // lane k kept when its 16 bits >= threshold
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    mask[n] = __vcmpgeu2(word_at(w0, n), t2);
+    mask[n + 4] = __vcmpgeu2(word_at(w1, n), t2);
+  }
+}
+
 // KeepMasks' row of query i and keys j0 .. j0 + 15 (the decisions of keep16).
 __device__ __forceinline__ void keep_masks16(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
                                              int64_t j0, uint32_t (&mask)[8]) {
   const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
   if (i < a.sq && (idx & 7) == 0 && j0 + 16 <= a.sk) {
-    const U32x4 w0 = dropout_words(seed, idx >> 3), w1 = dropout_words(seed, (idx >> 3) + 1);
-    const uint32_t t2 = a.threshold * 0x10001u;  // lane k kept when its 16 bits >= threshold
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      mask[n] = __vcmpgeu2(word_at(w0, n), t2);
-      mask[n + 4] = __vcmpgeu2(word_at(w1, n), t2);
-    }
+    masks16(dropout_words(seed, idx >> 3), dropout_words(seed, (idx >> 3) + 1), a.threshold, mask);
   } else {
     const uint32_t bits = keep16(a, seed, bh, i, j0);
 #pragma unroll
@@ -295,14 +297,8 @@ __device__ __forceinline__ void keep_masks32(const AttnArgs& a, const uint32_t (
                                              int64_t j0, uint32_t (&mask)[2][8]) {
   U32x4 w[4];
   if (pair_words(a, seed, bh, i, 8, j0, w)) {
-    const uint32_t t2 = a.threshold * 0x10001u;  // lane k kept when its 16 bits >= threshold
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        mask[r][n] = __vcmpgeu2(word_at(w[2 * r], n), t2);
-        mask[r][n + 4] = __vcmpgeu2(word_at(w[2 * r + 1], n), t2);
-      }
+    for (int r = 0; r < 2; ++r) masks16(w[2 * r], w[2 * r + 1], a.threshold, mask[r]);
   } else {
     keep_masks16(a, seed, bh, i, j0, mask[0]);
     keep_masks16(a, seed, bh, i + 8, j0, mask[1]);
