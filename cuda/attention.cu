@@ -291,14 +291,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
       float* dq_row = dqg + i * out_row + tq * 2;
 #pragma unroll
       for (int dn = 0; dn < D / 8; ++dn) {  // the scale: the dq kernel
-#if __CUDA_ARCH__ >= 900
-        // One 8-byte vector atomic per pair: the backward was bound by these reductions
-        // (bench/NOTES.md, "Vector atomics"); two scalar ones took 30% longer.
-        atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[dn][2 * r], c[dn][2 * r + 1]));
-#else
-        atomicAdd(dq_row + dn * 8, c[dn][2 * r]);
-        atomicAdd(dq_row + dn * 8 + 1, c[dn][2 * r + 1]);
-#endif
+        // The backward was bound by these reductions: vector atomics (atomic_add2).
+        atomic_add2(dq_row + dn * 8, c[dn][2 * r], c[dn][2 * r + 1]);
       }
     }
     // No barrier here: after the one above nothing reads this stage, and the next
@@ -404,6 +398,19 @@ bool use_cluster_dq(const AttnArgs& a) {
          (a.sk + kTile - 1) / kTile <= 8;
 }
 
+// dq's column sums into a.dbias[0] (attention_dq_bias_kernel): from the accumulator, also
+// writing dq (kFromAcc), or from dq as the clusters wrote it. ~16 rows per thread, at
+// least two blocks per SM at BERT's sizes; 8 columns per thread, up to 128 per block.
+template <typename T, bool kFromAcc>
+void launch_dq_bias(const AttnArgs& a, int64_t hd, cudaStream_t stream) {
+  const int64_t rows = a.b * a.sq, pieces = hd / 8;
+  const int threads = static_cast<int>(std::min<int64_t>(128, (pieces + 31) / 32 * 32));
+  const auto cols = static_cast<unsigned>((pieces + threads - 1) / threads);
+  const auto groups = static_cast<unsigned>(std::min<int64_t>({rows, std::max<int64_t>(264, (rows + 15) / 16), 65535}));
+  attention_dq_bias_kernel<T, kFromAcc><<<dim3(groups, cols), threads, 0, stream>>>(
+      a.dq_acc, static_cast<T*>(a.o), a.dbias, rows, hd, a.scale, a.sq, a.grad_row, a.dq_batch);
+}
+
 // The backward (a.b * a.h and a.sq * a.sk nonzero): delta and the zeroed dq accumulator,
 // the tile kernel (dk, dv, dq_acc), then dq from dq_acc into q's view; or, where the
 // clusters reduce dq (use_cluster_dq), delta and the tile kernel (dk, dv, dq).
@@ -436,7 +443,10 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
           return ffi::Error::Success();
         });
         if (e.failure()) return e;
-        if (launched) return launch_status(op);
+        if (launched) {
+          if (a.dbias != nullptr) launch_dq_bias<T, false>(a, a.h * D, stream);  // dq's column sums
+          return launch_status(op);
+        }
         cudaGetLastError();  // a refused launch after a fitting answer: delta again, with the accumulator
       }
     }
@@ -453,7 +463,9 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     if (e.failure()) return e;
     const int64_t n = rows * D, hd = a.h * D;
     auto* dq = static_cast<T*>(a.o);
-    if (a.grad_row == hd && a.dq_batch == a.sq * hd) {
+    if (a.dbias != nullptr) {
+      launch_dq_bias<T, true>(a, hd, stream);
+    } else if (a.grad_row == hd && a.dq_batch == a.sq * hd) {
       const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535));
       attention_dq_kernel<T><<<blocks, 256, 0, stream>>>(a.dq_acc, dq, n, a.scale);
     } else {  // dq's view: (b, i) rows of H * D elements; 128 threads cover 1024 per pass

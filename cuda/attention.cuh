@@ -41,6 +41,7 @@ struct AttnArgs {
   float* lse;            // [B, H, Sq]
   float* delta;          // [B, H, Sq] workspace (backward): rowsum(dout * out)
   float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
+  float* dbias = nullptr;  // [3, H, D] f32 (backward, packed gradients): the column sums of dq, dk, dv, or none
   int64_t b, h, sq, sk;
   int64_t bh0 = 0;  // the launch's first (b, h): blockIdx.y + bh0 (for_head_chunks)
   int64_t qkv_row, q_batch, kv_batch;  // the views' strides, in elements

@@ -6,6 +6,21 @@
 namespace jaxsub {
 namespace {
 
+// The packed gradients' optional bias gradient: dbias f32[3, H, D] (the column sums of the
+// dq, dk and dv parts over B and S), or f32[0] for none.
+ffi::Error set_dbias(const char* op, AttnArgs& a, int d, ffi::Result<ffi::AnyBuffer>& dbias) {
+  const size_t n = dbias->element_count();
+  if (n == 0) return ffi::Error::Success();
+  if (dbias->element_type() != ffi::DataType::F32 || n != static_cast<size_t>(3 * a.h * d))
+    return invalid(op, "dbias must be f32[3, H, D] or f32[0]");
+  a.dbias = data<float>(dbias);
+  return ffi::Error::Success();
+}
+// A backward with no score at all (B, H or S zero): every column sum is zero.
+void zero_dbias(const AttnArgs& a, ffi::Result<ffi::AnyBuffer>& dbias, cudaStream_t stream) {
+  if (a.dbias != nullptr) cudaMemsetAsync(a.dbias, 0, dbias->size_bytes(), stream);
+}
+
 // The backward's buffers besides q, k, v and their gradients.
 void set_bwd_buffers(AttnArgs& a, const ffi::AnyBuffer& dout, const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
                      const ffi::AnyBuffer& mask, const ffi::Buffer<ffi::U32>& seed,
@@ -56,12 +71,14 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
 
 // The backward of self-attention on separate q, k, v (as three projections write them)
 // with the gradient in one packed array, as one projection's backward reads it:
-// dout, q, k, v: [B, S, H, D]; out; lse; mask; seed -> dqkv: [B, S, 3, H, D]; delta; dq_acc.
+// dout, q, k, v: [B, S, H, D]; out; lse; mask; seed -> dqkv: [B, S, 3, H, D]; dbias (set_dbias);
+// delta; dq_acc.
 ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                             float keep_scale, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask,
                             ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dqkv,
-                            ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> delta,
+                            ffi::Result<ffi::AnyBuffer> dq_acc) {
   const char* op = "attention_bwd_dqkv";
   AttnArgs a{};
   int d = 0;
@@ -69,7 +86,11 @@ ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32
   auto g = dqkv->dimensions();
   if (a.sq != a.sk || g.size() != 5 || g[0] != a.b || g[1] != a.sq || g[2] != 3 || g[3] != a.h || g[4] != d)
     return invalid(op, "dqkv must be [B, S, 3, H, D] for q, k, v of shape [B, S, H, D]");
-  if (a.b * a.h * a.sq == 0) return ffi::Error::Success();  // dqkv is empty too
+  if (auto e = set_dbias(op, a, d, dbias); e.failure()) return e;
+  if (a.b * a.h * a.sq == 0) {  // dqkv is empty too
+    zero_dbias(a, dbias, stream);
+    return launch_status(op);
+  }
   const int64_t hd = a.h * d;
   a.grad_row = 3 * hd, a.dq_batch = a.dkv_batch = a.sq * a.grad_row;
   const int64_t kbytes = hd * static_cast<int64_t>(ffi::ByteWidth(q.element_type()));
@@ -100,18 +121,22 @@ ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_
 }
 
 // dout: [B, S, H, D]; qkv; out: [B, S, H, D]; lse: [B, H, S]; mask; seed
-//   -> dqkv: qkv's shape; delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32.
+//   -> dqkv: qkv's shape; dbias (set_dbias); delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32.
 ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                            float keep_scale, int32_t qkv_axis, ffi::AnyBuffer dout, ffi::AnyBuffer qkv,
                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
-                           ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> delta,
-                           ffi::Result<ffi::AnyBuffer> dq_acc) {
+                           ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
+                           ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
   const char* op = "attention_qkv_bwd";
   AttnArgs a{};
   int d = 0;
   int64_t koff = 0;
   if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
-  if (a.b * a.h * a.sq == 0) return ffi::Error::Success();  // dqkv is empty too
+  if (auto e = set_dbias(op, a, d, dbias); e.failure()) return e;
+  if (a.b * a.h * a.sq == 0) {  // dqkv is empty too
+    zero_dbias(a, dbias, stream);
+    return launch_status(op);
+  }
   const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
   const char* base = static_cast<const char*>(qkv.untyped_data());
   char* dbase = static_cast<char*>(dqkv->untyped_data());
@@ -163,6 +188,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd_dqkv, jaxsub::AttentionBwdDqkv,
                               jaxsub::separate_bwd_binding()
                                   .Ret<ffi::AnyBuffer>()  // dqkv
+                                  .Ret<ffi::AnyBuffer>()  // dbias: f32[3, H, D] or f32[0]
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
                                   .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
                               {ffi::Traits::kCmdBufferCompatible});
@@ -187,6 +213,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_bwd, jaxsub::AttentionQkv
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>()  // dqkv
+                                  .Ret<ffi::AnyBuffer>()  // dbias: f32[3, H, D] or f32[0]
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
                                   .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
                               {ffi::Traits::kCmdBufferCompatible});

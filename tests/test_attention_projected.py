@@ -129,7 +129,10 @@ def test_fused_lowers_to_the_projected_targets():
     f = lambda x, ws, bs, impl: op(x, ws, bs, dropout_rate=0.1, key=jax.random.key(0), implementation=impl)
     grad = lambda impl: jax.jit(jax.grad(lambda *a: f(*a, impl).astype(F32).sum(), argnums=(0, 1, 2)))
     hlo = grad("fused").lower(x, ws, bs).as_text()
-    assert "@jaxsub_attention_fwd(" in hlo and "@jaxsub_attention_bwd_dqkv(" in hlo and "@jaxsub_bias_grad(" in hlo
+    assert "@jaxsub_attention_fwd(" in hlo and "@jaxsub_attention_bwd_dqkv(" in hlo
+    # the bias gradient: the backward target's dbias result (f32[3, H, D]), no column sum
+    assert "@jaxsub_bias_grad(" not in hlo
+    assert "tensor<3x3x8xf32>" in [ln for ln in hlo.splitlines() if "@jaxsub_attention_bwd_dqkv(" in ln][0]
     assert "jaxsub_attention_qkv" not in hlo and "@jaxsub_attention_bwd(" not in hlo
     unfused = grad("unfused").lower(x, ws, bs).as_text()
     assert "jaxsub_softmax_dropout_fwd" in unfused and "jaxsub_attention" not in unfused
@@ -221,3 +224,151 @@ class TestCuda:
         for name, i, g in (("dk", 1, dk), ("dv", 2, dv)):
             np.testing.assert_array_equal(np.asarray(dqkv[:, :, i], np.float32), np.asarray(g, np.float32),
                                           err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------
+# dense_attention_packed: the packed product by ops.dense and the packed attention as one
+# op, whose fused backward takes the bias gradient from the attention's backward.
+
+dense_op = jaxsub.ops.dense_attention_packed
+
+
+def dense_inputs(seed, b, s, e, h, d, dtype, axes=1):
+    """x ([B, S, E], or [B, S, 2, E / 2] for axes 2), the packed kernel, its bias, and the
+    cotangents of the output and of x handed on."""
+    rng = np.random.default_rng(seed)
+    xshape = (b, s, e) if axes == 1 else (b, s, 2, e // 2)
+    x = normal(rng, xshape, dtype)
+    kernel = normal(rng, (*xshape[2:], 3, h, d), dtype) * jnp.asarray(2.0 / np.sqrt(e), dtype)
+    return x, kernel, normal(rng, (3, h, d), dtype), normal(rng, (b, s, h, d), dtype), normal(rng, xshape, dtype)
+
+
+def dense_then_packed(x, kernel, bias, *, axes, with_input, **kw):
+    """The two ops dense_attention_packed stands for."""
+    out = jaxsub.ops.attention_packed(jaxsub.ops.dense(x, kernel, bias, axes=axes), axis=2, **kw)
+    return (out, x) if with_input else out
+
+
+def dense_vjp(f, x, kernel, bias, dout, dx_other, *, axes, with_input, **kw):
+    out, pull = jax.vjp(lambda x, k, b: f(x, k, b, axes=axes, with_input=with_input, **kw), x, kernel, bias)
+    return out, pull((dout, dx_other) if with_input else dout)
+
+
+_DENSE_STATIC = ("axes", "with_input", *_STATIC)
+dense_op_vjp = jax.jit(lambda *a, **kw: dense_vjp(dense_op, *a, **kw), static_argnames=_DENSE_STATIC)
+dense_ref_vjp = jax.jit(lambda *a, **kw: dense_vjp(dense_then_packed, *a, **kw), static_argnames=_DENSE_STATIC)
+
+
+def assert_dense_vjps_close(got, want, dtype, s, e, with_input, what=""):
+    (out, grads), (want_out, want_grads) = got, want
+    if with_input:
+        (out, again), (want_out, want_again) = out, want_out
+        np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(want_again, np.float32))
+    assert_close(out, want_out, dtype, reduction=s * e, what=f"{what} out")
+    for name, g, w in zip(("dx", "dkernel", "dbias"), grads, want_grads):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert_close(g, w, dtype, reduction=s * e, grad=True, what=f"{what} {name}")
+
+
+# (S, E, H, D, dtype, mask, causal, rate, axes, with_input)
+DENSE_CASES = [
+    (1, 4, 1, 8, F32, None, False, 0.0, 1, False),
+    (7, 12, 3, 4, F32, "padding", True, 0.1, 1, True),
+    (130, 16, 1, 64, BF16, "additive", False, 0.1, 2, False),
+    (65, 10, 2, 8, F16, "bool4d", False, 0.2, 2, True),
+]
+
+
+@pytest.mark.parametrize("s,e,h,d,dtype,mask_kind,causal,rate,axes,with_input", DENSE_CASES,
+                         ids=[f"s{c[0]}-e{c[1]}-h{c[2]}-d{c[3]}-{c[4].name}-{c[5]}-p{c[7]}-axes{c[8]}-input{c[9]}"
+                              for c in DENSE_CASES])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dense_attention_packed_equals_the_two_ops(implementation, s, e, h, d, dtype, mask_kind, causal, rate, axes,
+                                                   with_input):
+    b = 2
+    x, kernel, bias, dout, dx_other = dense_inputs(s * 10 + d, b, s, e, h, d, dtype, axes)
+    kw = dict(mask=make_mask(mask_kind, s + 1, b, h, s, s), key=jax.random.key(s), causal=causal,
+              dropout_rate=rate, implementation=implementation, axes=axes, with_input=with_input)
+    got = dense_op_vjp(x, kernel, bias, dout, dx_other, **kw)
+    want = dense_ref_vjp(x, kernel, bias, dout, dx_other, **kw)
+    assert_dense_vjps_close(got, want, dtype, s, e, with_input)
+
+
+def test_dense_attention_packed_fused_takes_the_bias_gradient_from_the_attention():
+    """The fused path's backward: one packed attention backward with the dbias result, the
+    two gradient products, no column sum of dqkv."""
+    x, kernel, bias, dout, dx_other = dense_inputs(5, 2, 9, 12, 3, 4, F32)
+    kw = dict(dropout_rate=0.1, key=jax.random.key(2), implementation="fused", axes=1, with_input=True)
+    text = dense_op_vjp.lower(x, kernel, bias, dout, dx_other, **kw).as_text()
+    bwd = [ln for ln in text.splitlines() if "@jaxsub_attention_qkv_bwd(" in ln]
+    assert len(bwd) == 1 and "tensor<3x3x4xf32>" in bwd[0].split("->")[1]
+    assert "@jaxsub_bias_grad" not in text
+    assert text.count("stablehlo.custom_call @jaxsub_gemm") == 3
+
+
+@pytest.mark.parametrize("axis", [2, 0])
+def test_packed_backward_bias_result_is_the_gradient_column_sums(axis):
+    """The targets' dbias result (CPU handler) equals dqkv summed over B and S, in f64."""
+    b, s, h, d = 2, 11, 3, 8
+    rng = np.random.default_rng(31)
+    shape = (b, s, 3, h, d) if axis == 2 else (3, b, s, h, d)
+    qkv, dout = normal(rng, shape, F32), normal(rng, (b, s, h, d), F32)
+    mask4d, kind = _masks.normalize("t", None, (b, h), s, s, key_padding_ok=True)
+    seed = _dropout.seed_from_key("t", jax.random.key(3))
+    static = (1.0 / np.sqrt(d), False, kind, 0.1)
+    out, lse = attn._fwd_packed_call(qkv, axis, jnp.asarray(mask4d), seed, *static)
+    dqkv, dbias = attn._bwd_packed_call(dout, qkv, axis, out, lse, jnp.asarray(mask4d), seed, *static, bias_grad=True)
+    sums = np.asarray(dqkv, np.float64).sum(axis=(0, 1) if axis == 2 else (1, 2))
+    assert dbias.shape == (3, h, d) and dbias.dtype == F32
+    np.testing.assert_allclose(np.asarray(dbias), sums, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(bias=None), TypeError, ["dense_attention_packed", "bias"]),
+    (dict(kernel=jnp.zeros((12, 2, 3, 4)), bias=jnp.zeros((2, 3, 4))), ValueError, ["dense_attention_packed", "kernel"]),
+    (dict(kernel=jnp.zeros((12, 3, 4)), bias=jnp.zeros((3, 4))), ValueError, ["dense_attention_packed", "kernel"]),
+    (dict(bias=jnp.zeros((3, 3, 5))), ValueError, ["dense", "bias"]),
+    (dict(x=jnp.zeros((2, 5, 12), jnp.bfloat16)), TypeError, ["dense", "kernel"]),
+])
+def test_dense_attention_packed_bad_inputs_raise(kwargs, exc, words):
+    args = dict(x=jnp.zeros((2, 5, 12)), kernel=jnp.zeros((12, 3, 3, 4)), bias=jnp.zeros((3, 3, 4)))
+    args.update(kwargs)
+    with pytest.raises(exc) as info:
+        dense_op(args["x"], args["kernel"], args["bias"])
+    for w in words:
+        assert w in str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+class TestCudaDense:
+    """dense_attention_packed's fused path on the GPU against the CPU handlers: the bias
+    gradient from the attention backward's column sums (dk, dv in the tile kernels; dq in
+    the dq kernel, or after the clusters at S <= 128)."""
+
+    @staticmethod
+    def _cuda_vs_cpu(b, s, e, h, d, *, causal, rate, dtype=BF16, mask_kind=None, with_input=False, seed=171):
+        x, kernel, bias, dout, dx_other = dense_inputs(seed, b, s, e, h, d, dtype)
+        kw = dict(mask=make_mask(mask_kind, seed + 1, b, h, s, s), key=jax.random.key(seed + 2), causal=causal,
+                  dropout_rate=rate, implementation="fused", axes=1, with_input=with_input)
+        args = (x, kernel, bias, dout, dx_other)
+        text = dense_op_vjp.lower(*args, **kw).as_text()
+        assert "@jaxsub_attention_qkv_bwd(" in text and "@jaxsub_bias_grad" not in text
+        want = dense_op_vjp(*jax.device_put(args, jax.devices("cpu")[0]), **kw)
+        got = dense_op_vjp(*jax.device_put(args, jax.devices()[0]), **kw)
+        assert_dense_vjps_close(got, want, dtype, s, e, with_input, what="cuda vs cpu")
+        # and against the two ops on the GPU (the bias gradient by the column-sum kernel)
+        assert_dense_vjps_close(got, dense_ref_vjp(*args, **kw), dtype, s, e, with_input, what="cuda vs two ops")
+
+    def test_bert_large_dropout_matches_cpu(self):
+        self._cuda_vs_cpu(8, 512, 1024, 16, 64, causal=False, rate=0.1, mask_kind="padding", with_input=True)
+
+    def test_short_sequences_matches_cpu(self):  # S 128: the cluster-reduced dq on sm_90a
+        self._cuda_vs_cpu(12, 128, 256, 4, 64, causal=False, rate=0.1)
+
+    @pytest.mark.parametrize("d", [32, 64, 128])
+    @pytest.mark.parametrize("s,mask_kind,causal", [(1, None, False), (7, "padding", True), (130, "additive", False),
+                                                    (200, "headkeys", True)])
+    def test_odd_sizes_match_cpu(self, s, mask_kind, causal, d):
+        self._cuda_vs_cpu(3, s, 40, 3, d, causal=causal, rate=0.1, dtype=F16 if d == 32 else BF16,
+                          mask_kind=mask_kind, seed=s * 10 + d)

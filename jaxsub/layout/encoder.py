@@ -243,12 +243,18 @@ class EncoderProblem(Problem):
     def run_stage(self, i, cand: Candidate, p, v, ext):
         return getattr(self, "_" + STAGE_NAMES[i])(cand, p, v, ext)
 
-    def _qkv(self, cand, p, v, ext):
+    def _qkv_input(self, p, v, ext):
+        """The q/k/v product's input: x, or (pre-LN) its layer norm."""
         s = self.spec
         a = v["x"]
         if s.pre_layer_norm:  # x is also the first residual: its gradient is added by the LN backward
             a, ext["x"] = _norm.layer_norm_and_input(a, p["attn_scale"], p["attn_bias"], eps=s.epsilon,
                                                      kernel_config={})
+        return a
+
+    def _qkv(self, cand, p, v, ext):
+        s = self.spec
+        a = self._qkv_input(p, v, ext)
         q = parse_label(cand.out_layout)["qkv"]
         out = _dense(ext, a, p["qkv_kernel"], p["qkv_bias"], layer_input=not s.pre_layer_norm) if q == "BS3HD" else None
         if out is not None:  # the bias in the GEMM's epilogue
@@ -258,13 +264,17 @@ class EncoderProblem(Problem):
             return {"qkv": ops.bias_add(out, p["qkv_bias"])}
         return {"qkv": out + _place(p["qkv_bias"], "3HD", q)}
 
-    def _attention(self, cand, p, v, ext):
+    def _attention_kw(self, cand, ext) -> dict:
         s = self.spec
+        key = ext["keys"]["attn"]
+        return dict(mask=ext["mask"], causal=s.causal,
+                    dropout_rate=s.attention_dropout_rate if key is not None else 0.0, key=key,
+                    implementation=parse_config(cand.config).get("impl", "unfused"))
+
+    def _attention(self, cand, p, v, ext):
         src = parse_label(cand.in_layout)["qkv"]
         dst = parse_label(cand.out_layout)["ctx"]
-        key = ext["keys"]["attn"]
-        kw = dict(mask=ext["mask"], causal=s.causal, dropout_rate=s.attention_dropout_rate if key is not None else 0.0,
-                  key=key, implementation=parse_config(cand.config).get("impl", "unfused"))
+        kw = self._attention_kw(cand, ext)
         if src in ("BS3HD", "3BSHD"):  # one array the fused kernels read in place
             out = ops.attention_packed(v["qkv"], axis=src.index("3"), **kw)
         else:
@@ -272,6 +282,27 @@ class EncoderProblem(Problem):
             out = ops.attention(*(transpose(jax.lax.index_in_dim(v["qkv"], i, src.index("3"), keepdims=False), per,
                                             "BSHD") for i in range(3)), **kw)
         return {"ctx": transpose(out, "BSHD", dst)}
+
+    def _qkv_attention_fits(self, qkv: Candidate, att: Candidate, params) -> bool:
+        """Whether qkv and attention can run as one ops.dense_attention_packed: the packed
+        product through ops.dense (library_products) into [B, S, 3, H, D], read there by
+        the attention with no relayout between, 16-bit operands of one dtype."""
+        k = params["qkv_kernel"]
+        return (parse_label(qkv.out_layout)["qkv"] == "BS3HD" and att.in_layout == qkv.out_layout
+                and _gemm.in_place_pays(k.dtype) and k.dtype == self.spec.dtype
+                and params["qkv_bias"].dtype == k.dtype)
+
+    def _qkv_attention(self, cand, p, v, ext):
+        """qkv and attention (cand) as one ops.dense_attention_packed, whose fused backward
+        takes the q/k/v bias gradient from the attention's (post-LN: the layer input handed
+        on, as `_dense` does)."""
+        s = self.spec
+        a = self._qkv_input(p, v, ext)
+        out = ops.dense_attention_packed(a, p["qkv_kernel"], p["qkv_bias"], axes=a.ndim - 2,
+                                         with_input=not s.pre_layer_norm, **self._attention_kw(cand, ext))
+        if not s.pre_layer_norm:
+            out, ext["x"] = out
+        return {"ctx": transpose(out, "BSHD", parse_label(cand.out_layout)["ctx"])}
 
     def _out_proj(self, cand, p, v, ext):
         src = parse_label(cand.in_layout)["ctx"]
@@ -386,20 +417,24 @@ class EncoderProblem(Problem):
         memory).
         library_products: the four projections, where row-major, through `ops.dense`
         (jaxsub's GEMM target, which XLA runs on slices of stacked parameters and
-        residuals in place: also for a scanned stack), the q/k/v bias in its epilogue."""
+        residuals in place: also for a scanned stack), the q/k/v bias in its epilogue;
+        with the packed attention after it, both as one `ops.dense_attention_packed`."""
         choices = self.check(selection).choices
         ext = {"x": x, "mask": mask, "keys": _keys(keys), "deterministic": bool(deterministic),
                "library": bool(library_products)}
         ffn_in, gelu, ffn_out = (STAGE_NAMES.index(n) for n in ("ffn_in", "bias_gelu_dropout", "ffn_out"))
         dense = recompute_gelu and self._dense_fits(choices[gelu].candidate, choices[ffn_out].candidate)
         fused_in = ext["library"] and self._fused_in_fits(choices[ffn_in].candidate, choices[gelu].candidate, params)
+        qkv_att = ext["library"] and self._qkv_attention_fits(choices[0].candidate, choices[1].candidate, params)
         value, prev = {"x": x}, IN_LABEL
         for i, choice in enumerate(choices):
             cand = choice.candidate
             if cand.in_layout != prev:
                 value = relayout(value, prev, cand.in_layout)
-            if (fused_in and i == ffn_in) or (dense and i == gelu):
+            if (fused_in and i == ffn_in) or (dense and i == gelu) or (qkv_att and i == 0):
                 pass  # run with the stage after
+            elif qkv_att and i == 1:
+                value = self._qkv_attention(cand, params, value, ext)
             elif fused_in and i == gelu:
                 value = self._dense_gelu(cand, params, value, ext, None)
             elif dense and i == ffn_out:

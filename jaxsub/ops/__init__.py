@@ -6,7 +6,8 @@ from jaxsub.ops.gelu import bias_gelu_dropout, bias_gelu_dropout_dense, dense_bi
 from jaxsub.ops.bias import bias_add
 from jaxsub.ops.gemm import dense
 from jaxsub.ops.softmax import softmax_dropout
-from jaxsub.ops.attn import attention, attention_packed, attention_projected
+from jaxsub.ops.attn import attention, attention_packed
+from jaxsub.ops.projected import attention_projected, dense_attention_packed
 
 __all__ = [
     "dropout_mask",
@@ -21,4 +22,5 @@ __all__ = [
     "attention",
     "attention_packed",
     "attention_projected",
+    "dense_attention_packed",
 ]

@@ -14,11 +14,9 @@ Two implementations of the same function (cuda/ABI.md, "Attention family"):
 into one array of the packed shape, so neither the forward's slices nor the backward's
 concatenation is copied.
 
-`attention_projected` is self-attention on x's own three projections q = x·W_q + b_q, ...
-(Flax's three DenseGenerals). Its fused path computes the three products apart, so that
-each bias rides in its GEMM's epilogue, and its backward (`jaxsub_attention_bwd_dqkv`)
-writes dq, dk, dv into one [B, S, 3, H, D] array, so that the input and weight gradients
-are one product each, as for `attention_packed`.
+`attention_projected` and `dense_attention_packed` (jaxsub.ops.projected) are
+self-attention fused with the q/k/v projection that computes its input; they run through
+`_attention` here with a source of q, k and v.
 
 Both drop exactly the same probabilities: element (b, h, i, j) of the logical
 [B, H, Sq, Sk] tensor is kept or dropped by `dropout_mask(key, (B, H, Sq, Sk), rate)`,
@@ -29,7 +27,6 @@ Layout of this module: reference, ffi_call wrappers, custom_vjp, public function
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -38,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import _ffi
-from jaxsub.ops import bias as _bias
 from jaxsub.ops import config as _config
 from jaxsub.ops import dropout as _dropout
 from jaxsub.ops import masks as _masks
@@ -129,19 +125,26 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
     return dq, dk, dv
 
 
-def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
+def _dbias(bias_grad, h, d):
+    """The packed backward targets' dbias result: f32[3, H, D] (the column sums of dq, dk and
+    dv, the q/k/v projection's bias gradient) or f32[0] (none)."""
+    return jax.ShapeDtypeStruct((3, h, d) if bias_grad else (0,), _F32)
+
+
+def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=False):
     b, s, h, d = q.shape
-    dqkv, _, _ = _ffi.call(
+    dqkv, dbias, _, _ = _ffi.call(
         "jaxsub_attention_bwd_dqkv",
         (
             jax.ShapeDtypeStruct((b, s, 3, h, d), q.dtype),
+            _dbias(bias_grad, h, d),
             jax.ShapeDtypeStruct((b, h, s), _F32),
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
         dout, q, k, v, out, lse, mask4d, seed,
         **_masks.attrs(scale, causal, kind, rate),
     )
-    return dqkv
+    return (dqkv, dbias) if bias_grad else dqkv
 
 
 def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
@@ -154,19 +157,20 @@ def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
     )
 
 
-def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate):
+def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=False):
     b, s, h, d = _packed_dims(qkv.shape, axis)
-    dqkv, _, _ = _ffi.call(
+    dqkv, dbias, _, _ = _ffi.call(
         "jaxsub_attention_qkv_bwd",
         (
             jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
+            _dbias(bias_grad, h, d),
             jax.ShapeDtypeStruct((b, h, s), _F32),
             jax.ShapeDtypeStruct((b, s, h, d), _F32),
         ),
         dout, qkv, out, lse, mask4d, seed,
         qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
     )
-    return dqkv
+    return (dqkv, dbias) if bias_grad else dqkv
 
 
 # ---------------------------------------------------------------------------------------
@@ -210,55 +214,6 @@ def _fused_packed_bwd(axis, scale, causal, kind, rate, res, dout):
 
 
 _fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd)
-
-
-def _projections(x, weights, biases):
-    """q, k, v = x·W_i (+ b_i), each product in x's dtype. The optimization barriers keep
-    XLA's dot merger from joining the three products (they share x) into one, whose bias
-    would then be a computed [3, H, D] array added by a kernel of its own; apart, each
-    bias is added in its GEMM's epilogue (bench/NOTES.md, seventeenth session)."""
-    outs = []
-    for i, w in enumerate(weights):
-        xi, wi = (x, w) if i == 0 else jax.lax.optimization_barrier((x, w))
-        y = jax.lax.dot_general(xi, wi, (((2,), (0,)), ((), ())))
-        outs.append(y if biases is None else y + biases[i])
-    return outs
-
-
-def _stacked_projection(x, weights, biases):
-    """The three projections as one [B, S, 3, H, D] product (the paths that read q, k, v
-    from one array): the weights stacked, the bias gradient by the fused column sum."""
-    qkv = jax.lax.dot_general(x, jnp.stack(weights, axis=1), (((2,), (0,)), ((), ())))
-    return qkv if biases is None else _bias.bias_add(qkv, jnp.stack(biases))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _fused_projected(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
-    q, k, v = _projections(x, weights, biases)
-    return _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)[0]
-
-
-def _fused_projected_fwd(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
-    q, k, v = _projections(x, weights, biases)
-    out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
-    return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed)
-
-
-def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
-    x, weights, biases, q, k, v, out, lse, mask4d, seed = res
-    dqkv = _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
-    # The stacked product's gradients: one GEMM for dx, one for the three weights.
-    dx = jax.lax.dot_general(dqkv, jnp.stack(weights, axis=1), (((2, 3, 4), (1, 2, 3)), ((), ())))
-    dw = jax.lax.dot_general(x, dqkv, (((0, 1), (0, 1)), ((), ())))
-    dws = tuple(dw[:, i] for i in range(3))  # x, the weights and the biases share one dtype
-    dbs = None
-    if biases is not None:
-        db = _bias.bias_grad(dqkv, jax.ShapeDtypeStruct((3, *biases[0].shape), biases[0].dtype))
-        dbs = tuple(db[i] for i in range(3))
-    return dx, dws, dbs, None, None
-
-
-_fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -429,86 +384,15 @@ def attention_packed(qkv, *, axis=2, mask=None, causal=False, scale=None, dropou
                       implementation)
 
 
-def _check_sequence(op, name, group):
-    if not isinstance(group, (tuple, list)) or len(group) != 3:
-        length = f" of length {len(group)}" if isinstance(group, (tuple, list)) else ""
-        raise TypeError(f"jaxsub.{op}: `{name}` must be a sequence of three arrays (for q, k and v), "
-                        f"got {type(group).__name__}{length}")
-
-
-def _check_three(op, name, group, shape, what, dtype):
-    """Three arrays (for q, k and v) of `shape` and `dtype`, or a clear error."""
-    _check_sequence(op, name, group)
-    arrays = tuple(a if isinstance(a, jax.Array) else jnp.asarray(a) for a in group)
-    for i, a in enumerate(arrays):
-        if a.shape != shape:
-            raise ValueError(f"jaxsub.{op}: `{name}[{i}]` must be {what} {shape}, got shape {a.shape}")
-        if a.dtype != dtype:
-            raise TypeError(f"jaxsub.{op}: `{name}[{i}]` must have x's dtype ({dtype}), got {a.dtype}")
-    return arrays
-
-
-def _check_projected(x, weights, biases):
-    op = "attention_projected"
-    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-    if x.ndim != 3:
-        raise ValueError(f"jaxsub.{op}: `x` must have rank 3 [B, S, E], got shape {x.shape}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"jaxsub.{op}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
-    _check_sequence(op, "weights", weights)
-    first_shape = np.shape(weights[0])
-    if len(first_shape) != 3 or first_shape[0] != x.shape[2]:
-        raise ValueError(f"jaxsub.{op}: `weights[0]` must be [E, H, D] with E = x's last dim ({x.shape[2]}), "
-                         f"got shape {first_shape}")
-    weights = _check_three(op, "weights", weights, tuple(first_shape), "[E, H, D] like weights[0]:", x.dtype)
-    if biases is not None:
-        biases = _check_three(op, "biases", biases, weights[0].shape[1:], "[H, D], the weights' last two dims,",
-                              x.dtype)
-    return x, weights, biases
-
-
-@dataclasses.dataclass(frozen=True)
-class _Projected:
-    """q, k, v as x's projections (attention_projected)."""
-    x: jax.Array
-    weights: tuple
-    biases: tuple | None
-
-
-def attention_projected(x, weights, biases=None, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
-                        key=None, implementation=None):
-    """Self-attention on three projections of one input.
-
-    The same function as ``attention(x·W_q + b_q, x·W_k + b_k, x·W_v + b_v, ...)`` (each
-    product ``einsum("bse,ehd->bshd")`` in x's dtype, then its bias added), the same
-    dropout masks and the same `implementation` choice, with gradients for x, the weights
-    and the biases. This is the form of Flax's attention modules (three DenseGenerals),
-    into which `jaxsub.optimize` rewrites them. The fused path computes the three products
-    apart, so that on the GPU each bias is added in its GEMM's epilogue, and its backward
-    writes dq, dk and dv into one [B, S, 3, H, D] array, so that the gradients of x and of
-    the three weights are one product each. The other paths stack the weights and run
-    `attention_packed` on the one product.
-
-    Args:
-      x: [B, S, E]; float32, bfloat16 or float16.
-      weights: three arrays (W_q, W_k, W_v), each [E, H, D], x's dtype.
-      biases: None, or three arrays (b_q, b_k, b_v), each [H, D], x's dtype.
-      mask, causal, scale, dropout_rate, key, implementation: as in `attention` (Sq = Sk = S).
-
-    Returns:
-      [B, S, H, D] in x's dtype.
-    """
-    x, weights, biases = _check_projected(x, weights, biases)
-    like = jax.ShapeDtypeStruct((*x.shape[:2], *weights[0].shape[1:]), x.dtype)  # q's, k's and v's shape
-    return _attention("attention_projected", like, like, like, _Projected(x, weights, biases), mask, causal, scale,
-                      dropout_rate, key, implementation)
-
-
 def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, implementation):
-    """`attention` after the q, k, v checks; `packed` is (qkv, axis) when q, k, v are its
-    slices, or _Projected when they are x's projections, passed here as shapes only: the
-    fused path reads qkv in place (or computes the projections apart), and only the other
-    paths slice it (eagerly, slices nobody reads would still be copied)."""
+    """`attention` after the q, k, v checks. `packed`: None (q, k, v are arrays), (qkv,
+    axis) when q, k, v are its slices, or a source of q, k, v computed from other arrays
+    (jaxsub.ops.projected: `.data`, an array for the platform, dtype and head dim;
+    `.fused(mask4d, seed, scale, causal, kind, rate)`, the fused path;
+    `.product()`, (qkv, axis, extra) for the others; `.result(out, extra)`, the op's
+    result). q, k, v are then shapes only: the fused path reads qkv in place (or computes
+    it itself), and only the other paths slice it (eagerly, slices nobody reads would
+    still be copied)."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"jaxsub.{op}: `implementation` must be None, 'fused' or 'unfused', got {implementation!r}")
     if not isinstance(causal, (bool, np.bool_)):
@@ -521,12 +405,16 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
     mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True)
     mask4d = jax.lax.stop_gradient(mask4d)
+    source = None if packed is None or isinstance(packed, tuple) else packed
     # An array: its platform, dtype and head dim.
-    data = q if packed is None else packed.weights[0] if isinstance(packed, _Projected) else packed[0]
+    data = q if packed is None else packed[0] if source is None else source.data
+
+    def result(out, extra=None):
+        return out if source is None else source.result(out, extra)
 
     if q.size == 0 or k.size == 0:
         _ffi.fallback(op, "zero-size input")
-        return jnp.zeros(q.shape, q.dtype)
+        return result(jnp.zeros(q.shape, q.dtype))
     if implementation is None:
         implementation = _config.lookup(_OP, signature(q, k, mask4d, kind, causal, rate)).get("impl")
         if implementation not in _IMPLEMENTATIONS:
@@ -537,15 +425,16 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     if implementation == "fused":
         reason = _fused_unsupported(data)
         if reason is None:
-            if isinstance(packed, _Projected):
-                return _fused_projected(packed.x, packed.weights, packed.biases, jnp.asarray(mask4d), seed, scale,
-                                        causal, kind, rate)
+            if source is not None:
+                return source.fused(jnp.asarray(mask4d), seed, scale, causal, kind, rate)
             if packed is not None:
                 return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate)
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
         _ffi.fallback(op, reason, instead="the unfused path")
-    if isinstance(packed, _Projected):
-        packed = (_stacked_projection(packed.x, packed.weights, packed.biases), 2)
+    extra = None
+    if source is not None:
+        qkv, axis, extra = source.product()
+        packed = (qkv, axis)
     if packed is not None:
         q, k, v = (jax.lax.index_in_dim(packed[0], i, packed[1], keepdims=False) for i in range(3))
-    return _unfused(q, k, v, mask4d, kind, causal, scale, rate, key if rate > 0.0 else None)
+    return result(_unfused(q, k, v, mask4d, kind, causal, scale, rate, key if rate > 0.0 else None), extra)

@@ -91,13 +91,17 @@ def _out_shape(x, kernel, axes):
     return (*x.shape[:x.ndim - axes], *kernel.shape[axes:])
 
 
-def _forward(x, kernel, bias, axes):
+def forward(x, kernel, bias, axes):
+    """The product: x's last `axes` dims against kernel's first, bias (or None) in the
+    epilogue. With `backward`, also the two halves of `attn.dense_attention_packed`'s
+    fused path."""
     x2, k2 = _rows(x, kernel, axes)
     return gemm(x2, k2, None if bias is None else bias.reshape(-1)).reshape(_out_shape(x, kernel, axes))
 
 
-def _backward(axes, x, kernel, bias, dy, dx_other=None):
-    """The gradients; dx_other (x's shape) is added into dx by its product."""
+def backward(axes, x, kernel, bias, dy, dx_other=None):
+    """The gradients (dx, dkernel, dbias: None without a bias); dx_other (x's shape) is
+    added into dx by its product."""
     x2, k2 = _rows(x, kernel, axes)
     d2 = dy.reshape(x2.shape[0], k2.shape[1])
     c = None if dx_other is None else dx_other.reshape(x2.shape)
@@ -108,20 +112,20 @@ def _backward(axes, x, kernel, bias, dy, dx_other=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dense(x, kernel, axes):
-    return _forward(x, kernel, None, axes)
+    return forward(x, kernel, None, axes)
 
 
-_dense.defvjp(lambda x, kernel, axes: (_forward(x, kernel, None, axes), (x, kernel)),
-              lambda axes, res, dy: _backward(axes, *res, None, dy)[:2])
+_dense.defvjp(lambda x, kernel, axes: (forward(x, kernel, None, axes), (x, kernel)),
+              lambda axes, res, dy: backward(axes, *res, None, dy)[:2])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dense_bias(x, kernel, bias, axes):
-    return _forward(x, kernel, bias, axes)
+    return forward(x, kernel, bias, axes)
 
 
-_dense_bias.defvjp(lambda x, kernel, bias, axes: (_forward(x, kernel, bias, axes), (x, kernel, bias)),
-                   lambda axes, res, dy: _backward(axes, *res, dy))
+_dense_bias.defvjp(lambda x, kernel, bias, axes: (forward(x, kernel, bias, axes), (x, kernel, bias)),
+                   lambda axes, res, dy: backward(axes, *res, dy))
 
 
 # x returned as a second output: the cotangent of that output (x's other uses, summed) is
@@ -131,15 +135,15 @@ _dense_bias.defvjp(lambda x, kernel, bias, axes: (_forward(x, kernel, bias, axes
 # an H200, bench/NOTES.md). bias may be None.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dense_input(x, kernel, bias, axes):
-    return _forward(x, kernel, bias, axes), x
+    return forward(x, kernel, bias, axes), x
 
 
 def _dense_input_bwd(axes, res, ct):
     dy, dx_other = ct
-    return _backward(axes, *res, dy, dx_other)
+    return backward(axes, *res, dy, dx_other)
 
 
-_dense_input.defvjp(lambda x, kernel, bias, axes: ((_forward(x, kernel, bias, axes), x), (x, kernel, bias)),
+_dense_input.defvjp(lambda x, kernel, bias, axes: ((forward(x, kernel, bias, axes), x), (x, kernel, bias)),
                     _dense_input_bwd)
 
 
@@ -147,7 +151,8 @@ _dense_input.defvjp(lambda x, kernel, bias, axes: ((_forward(x, kernel, bias, ax
 # Public function.
 
 
-def _check_inputs(x, kernel, bias, axes):
+def check_inputs(x, kernel, bias, axes):
+    """(x, kernel, bias) as arrays, or a clear error naming `dense`'s argument."""
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)
     kernel = kernel if isinstance(kernel, jax.Array) else jnp.asarray(kernel)
     if not isinstance(axes, int) or isinstance(axes, bool) or axes < 1:
@@ -217,7 +222,7 @@ def dense(x, kernel, bias=None, *, axes=1):
     (sequentially over the mapped axis). A zero-size operand, or a platform without the
     target, uses the reference (with a one-time log line).
     """
-    x, kernel, bias = _check_inputs(x, kernel, bias, axes)
+    x, kernel, bias = check_inputs(x, kernel, bias, axes)
     if not supported(x, kernel):
         return reference_dense(x, kernel, bias, axes=axes)
     return _dense(x, kernel, axes) if bias is None else _dense_bias(x, kernel, bias, axes)
@@ -229,7 +234,7 @@ def dense_and_input(x, kernel, bias=None, *, axes=1):
     rounding) instead of by an add of XLA's after it. Internal to jaxsub's layers (a
     post-LN layer's input feeds the q/k/v projection and the first residual); the
     reference where `dense` would use it."""
-    x, kernel, bias = _check_inputs(x, kernel, bias, axes)
+    x, kernel, bias = check_inputs(x, kernel, bias, axes)
     if not supported(x, kernel):
         return reference_dense(x, kernel, bias, axes=axes), x
     return _dense_input(x, kernel, bias, axes)

@@ -527,11 +527,20 @@ def match_attention(g, anchor, options):
     # slices are left in place, unread, and dropped as dead code.)
     biased = projections.bias_add_of(g, packed[0]) if packed is not None and g.uses[packed[0]] == 3 else None
 
-    def attend(read, qkv=None):
+    def attend(read, qkv=None, dense=None):
         """The match's output; `qkv`, when given, is the packed array with its bias added
-        (rewrite.scan_products computes it another way)."""
+        (rewrite.scan_products computes it another way). `dense` = (x, w, bias, axes,
+        shared): the packed array is that product (rewrite.scan_products), run with the
+        attention as one ops.dense_attention_packed; with `shared`, the result is (the
+        output, x handed on)."""
         kw = dict(mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
                   key=read(drop.key) if drop is not None else None)
+        if dense is not None:
+            x, w, bias, axes, shared = dense
+            got = ops.dense_attention_packed(x, w, bias, axes=axes, with_input=shared, **kw)
+            out, again = got if shared else (got, None)
+            outs = [_relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
+            return (outs, again) if shared else outs
         if packed is not None:
             if qkv is None:
                 qkv = ops.bias_add(read(biased[0]), read(biased[1])) if biased is not None else read(packed[0])
@@ -556,8 +565,9 @@ def match_attention(g, anchor, options):
         detail += f", {projected.describe()}"
     elif unpacked is not None:
         detail += f", q/k/v projections of one input not packed: {unpacked}"
-    # For scan_products: the packed array's (product, bias) and the build taking it.
-    attrs = dict(biased=biased, attend=attend) if biased is not None else {}
+    # For scan_products: the packed array's (product, bias) and the build taking it
+    # (`dense` only where the product writes the [B, S, 3, H, D] layout).
+    attrs = dict(biased=biased, attend=attend, dense_ok=packed[1] == 2) if biased is not None else {}
     return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), attend, detail, attrs=attrs)
 
 

@@ -86,7 +86,14 @@ def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
         # the dx product instead of by an XLA add.
         shared = x.value is None and P.consumers(g, x) > 1
 
-        def build(read, x=x, w=w, bias=bias, k=k, attend=match.attrs["attend"], shared=shared):
+        def build(read, x=x, w=w, bias=bias, k=k, attend=match.attrs["attend"], shared=shared,
+                  together=match.attrs["dense_ok"]):
+            if together:  # one ops.dense_attention_packed: the bias gradient from the attention's backward
+                got = attend(read, dense=(read(x), read(w), read(bias), k, shared))
+                if not shared:
+                    return got
+                outs, again = got
+                return P.Rebound(outs, {x: again})
             if not shared:
                 return attend(read, ops.dense(read(x), read(w), read(bias), axes=k))
             y, again = _gemm.dense_and_input(read(x), read(w), read(bias), axes=k)
@@ -96,6 +103,8 @@ def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
         at[anchor] = dataclasses.replace(
             match, build=build, inputs={**match.inputs, "x": x, "w": w, "bias": bias},
             description=f"{match.description}; the q/k/v product and its bias as one ops.dense"
+                        + (" run with the attention as one ops.dense_attention_packed (the bias gradient from "
+                           "the attention's backward)" if match.attrs["dense_ok"] else "")
                         + ("; its input's other uses read it from there (their gradient added in the "
                            "product's backward)" if shared else ""))
     for node in g.nodes:

@@ -1,0 +1,271 @@
+"""Self-attention fused with the q/k/v projection that computes its input.
+
+`attention_projected` is self-attention on x's own three projections q = x·W_q + b_q, ...
+(Flax's three DenseGenerals). Its fused path computes the three products apart, so that
+each bias rides in its GEMM's epilogue, and its backward (`jaxsub_attention_bwd_dqkv`)
+writes dq, dk, dv into one [B, S, 3, H, D] array, so that the input and weight gradients
+are one product each, as for `attention_packed`.
+
+`dense_attention_packed` is self-attention on one packed projection x·W + b, [B, S, 3, H,
+D], by jaxsub's GEMM target (`ops.dense`, as a scanned layer runs its projections). Its
+fused path is one custom_vjp over the product and the packed attention.
+
+On their fused paths both take the projection's bias gradient from the attention's
+backward, which returns the column sums of dq, dk and dv with them (the targets' dbias
+result, cuda/ABI.md): no column sum reads the [B, S, 3, H, D] gradient again. Their other
+paths are `attention_packed` on the product. Both run through `attn._attention`, as the
+`source` of q, k and v there: the same implementation choice, masks, dropout and checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsub.ops import attn as _attn
+from jaxsub.ops import bias as _bias
+from jaxsub.ops import gemm as _gemm
+
+
+# ---------------------------------------------------------------------------------------
+# custom_vjp for the fused paths (the mask and the seed primals without cotangents, the
+# rest static, as in attn.py).
+
+
+def _projections(x, weights, biases):
+    """q, k, v = x·W_i (+ b_i), each product in x's dtype. The optimization barriers keep
+    XLA's dot merger from joining the three products (they share x) into one, whose bias
+    would then be a computed [3, H, D] array added by a kernel of its own; apart, each
+    bias is added in its GEMM's epilogue (bench/NOTES.md, seventeenth session)."""
+    outs = []
+    for i, w in enumerate(weights):
+        xi, wi = (x, w) if i == 0 else jax.lax.optimization_barrier((x, w))
+        y = jax.lax.dot_general(xi, wi, (((2,), (0,)), ((), ())))
+        outs.append(y if biases is None else y + biases[i])
+    return outs
+
+
+def _stacked_projection(x, weights, biases):
+    """The three projections as one [B, S, 3, H, D] product (the paths that read q, k, v
+    from one array): the weights stacked, the bias gradient by the fused column sum."""
+    qkv = jax.lax.dot_general(x, jnp.stack(weights, axis=1), (((2,), (0,)), ((), ())))
+    return qkv if biases is None else _bias.bias_add(qkv, jnp.stack(biases))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fused_projected(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
+    q, k, v = _projections(x, weights, biases)
+    return _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)[0]
+
+
+def _fused_projected_fwd(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
+    q, k, v = _projections(x, weights, biases)
+    out, lse = _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
+    return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed)
+
+
+def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
+    x, weights, biases, q, k, v, out, lse, mask4d, seed = res
+    # The bias gradient: dqkv's column sums, taken by the backward itself.
+    got = _attn._bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate,
+                         bias_grad=biases is not None)
+    dqkv, db = got if biases is not None else (got, None)
+    # The stacked product's gradients: one GEMM for dx, one for the three weights.
+    dx = jax.lax.dot_general(dqkv, jnp.stack(weights, axis=1), (((2, 3, 4), (1, 2, 3)), ((), ())))
+    dw = jax.lax.dot_general(x, dqkv, (((0, 1), (0, 1)), ((), ())))
+    dws = tuple(dw[:, i] for i in range(3))  # x, the weights and the biases share one dtype
+    dbs = None if db is None else tuple(db[i].astype(x.dtype) for i in range(3))
+    return dx, dws, dbs, None, None
+
+
+_fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd)
+
+
+# dense_attention_packed's fused path: the packed product by jaxsub's GEMM target, its bias
+# in the epilogue, and the packed attention on it, as one custom_vjp, so that the
+# attention's backward hands on dqkv's column sums, which are the bias gradient: no column
+# sum reads dqkv again. `shared`: x is also returned, and the cotangent of that output
+# (x's other uses) is added into dx by the dx product (ops.gemm.dense_and_input).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate):
+    return _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)[0]
+
+
+def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate):
+    qkv = _gemm.forward(x, kernel, bias, axes)
+    out, lse = _attn._fwd_packed_call(qkv, 2, mask4d, seed, scale, causal, kind, rate)
+    return ((out, x) if shared else out), (x, kernel, qkv, out, lse, mask4d, seed)
+
+
+def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, res, ct):
+    x, kernel, qkv, out, lse, mask4d, seed = res
+    dout, dx_other = ct if shared else (ct, None)
+    dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=True)
+    dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
+    return dx, dkernel, db.astype(x.dtype), None, None
+
+
+_fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
+
+
+# ---------------------------------------------------------------------------------------
+# Public functions.
+
+
+def _check_sequence(op, name, group):
+    if not isinstance(group, (tuple, list)) or len(group) != 3:
+        length = f" of length {len(group)}" if isinstance(group, (tuple, list)) else ""
+        raise TypeError(f"jaxsub.{op}: `{name}` must be a sequence of three arrays (for q, k and v), "
+                        f"got {type(group).__name__}{length}")
+
+
+def _check_three(op, name, group, shape, what, dtype):
+    """Three arrays (for q, k and v) of `shape` and `dtype`, or a clear error."""
+    _check_sequence(op, name, group)
+    arrays = tuple(a if isinstance(a, jax.Array) else jnp.asarray(a) for a in group)
+    for i, a in enumerate(arrays):
+        if a.shape != shape:
+            raise ValueError(f"jaxsub.{op}: `{name}[{i}]` must be {what} {shape}, got shape {a.shape}")
+        if a.dtype != dtype:
+            raise TypeError(f"jaxsub.{op}: `{name}[{i}]` must have x's dtype ({dtype}), got {a.dtype}")
+    return arrays
+
+
+def _check_projected(x, weights, biases):
+    op = "attention_projected"
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    if x.ndim != 3:
+        raise ValueError(f"jaxsub.{op}: `x` must have rank 3 [B, S, E], got shape {x.shape}")
+    if x.dtype not in _attn._DTYPES:
+        raise TypeError(f"jaxsub.{op}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
+    _check_sequence(op, "weights", weights)
+    first_shape = np.shape(weights[0])
+    if len(first_shape) != 3 or first_shape[0] != x.shape[2]:
+        raise ValueError(f"jaxsub.{op}: `weights[0]` must be [E, H, D] with E = x's last dim ({x.shape[2]}), "
+                         f"got shape {first_shape}")
+    weights = _check_three(op, "weights", weights, tuple(first_shape), "[E, H, D] like weights[0]:", x.dtype)
+    if biases is not None:
+        biases = _check_three(op, "biases", biases, weights[0].shape[1:], "[H, D], the weights' last two dims,",
+                              x.dtype)
+    return x, weights, biases
+
+
+@dataclasses.dataclass(frozen=True)
+class _Projected:
+    """q, k, v as x's projections (attention_projected): a source for attn._attention."""
+    x: jax.Array
+    weights: tuple
+    biases: tuple | None
+
+    @property
+    def data(self):
+        return self.weights[0]
+
+    def fused(self, mask4d, seed, scale, causal, kind, rate):
+        return _fused_projected(self.x, self.weights, self.biases, mask4d, seed, scale, causal, kind, rate)
+
+    def product(self):
+        return _stacked_projection(self.x, self.weights, self.biases), 2, None
+
+    def result(self, out, extra=None):
+        return out
+
+
+def attention_projected(x, weights, biases=None, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
+                        key=None, implementation=None):
+    """Self-attention on three projections of one input.
+
+    The same function as ``attention(x·W_q + b_q, x·W_k + b_k, x·W_v + b_v, ...)`` (each
+    product ``einsum("bse,ehd->bshd")`` in x's dtype, then its bias added), the same
+    dropout masks and the same `implementation` choice, with gradients for x, the weights
+    and the biases. This is the form of Flax's attention modules (three DenseGenerals),
+    into which `jaxsub.optimize` rewrites them. The fused path computes the three products
+    apart, so that on the GPU each bias is added in its GEMM's epilogue, and its backward
+    writes dq, dk and dv into one [B, S, 3, H, D] array, so that the gradients of x and of
+    the three weights are one product each. The other paths stack the weights and run
+    `attention_packed` on the one product.
+
+    Args:
+      x: [B, S, E]; float32, bfloat16 or float16.
+      weights: three arrays (W_q, W_k, W_v), each [E, H, D], x's dtype.
+      biases: None, or three arrays (b_q, b_k, b_v), each [H, D], x's dtype.
+      mask, causal, scale, dropout_rate, key, implementation: as in `attention` (Sq = Sk = S).
+
+    Returns:
+      [B, S, H, D] in x's dtype.
+    """
+    x, weights, biases = _check_projected(x, weights, biases)
+    like = jax.ShapeDtypeStruct((*x.shape[:2], *weights[0].shape[1:]), x.dtype)  # q's, k's and v's shape
+    return _attn._attention("attention_projected", like, like, like, _Projected(x, weights, biases), mask, causal, scale,
+                      dropout_rate, key, implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DensePacked:
+    """qkv = x·kernel + bias, [B, S, 3, H, D], by ops.dense (dense_attention_packed): a
+    source for attn._attention; with `shared`, x is handed on too (ops.gemm.dense_and_input)."""
+    x: jax.Array
+    kernel: jax.Array
+    bias: jax.Array
+    axes: int
+    shared: bool
+
+    @property
+    def data(self):
+        return self.kernel
+
+    def fused(self, mask4d, seed, scale, causal, kind, rate):
+        return _fused_dense(self.x, self.kernel, self.bias, mask4d, seed, self.axes, self.shared, scale, causal, kind,
+                            rate)
+
+    def product(self):
+        """(qkv, its axis, x handed on or None) for the paths that attend to qkv itself."""
+        if self.shared:
+            qkv, again = _gemm.dense_and_input(self.x, self.kernel, self.bias, axes=self.axes)
+            return qkv, 2, again
+        return _gemm.dense(self.x, self.kernel, self.bias, axes=self.axes), 2, None
+
+    def result(self, out, again=None):
+        return (out, self.x if again is None else again) if self.shared else out
+
+
+def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=None, causal=False, scale=None,
+                           dropout_rate=0.0, key=None, implementation=None):
+    """``attention_packed(ops.dense(x, kernel, bias, axes=axes), axis=2, ...)``: self-attention
+    on one packed q/k/v projection with a bias (a post-LN layer's first two stages).
+
+    The same values, gradients, dropout masks and `implementation` choice as those two ops.
+    On the fused path both run as one custom_vjp, whose attention backward also returns the
+    column sums of dq, dk and dv: those are the bias gradient, which the product's backward
+    would otherwise take by a column sum over the whole [B, S, 3, H, D] gradient.
+
+    Args:
+      x: [B, S, *K]; float32, bfloat16 or float16.
+      kernel: [*K, 3, H, D] (K the `axes` dims contracted), x's dtype.
+      bias: [3, H, D], x's dtype.
+      axes: how many of x's trailing dims are contracted (static int >= 1).
+      with_input: also return x, as `ops.gemm.dense_and_input` does, so that the gradient of
+        x's other uses is added into dx by the dx product.
+      mask, causal, scale, dropout_rate, key, implementation: as in `attention`.
+
+    Returns:
+      [B, S, H, D] in x's dtype; with `with_input`, (that, x).
+    """
+    op = "dense_attention_packed"
+    x, kernel, bias = _gemm.check_inputs(x, kernel, bias, axes)
+    if bias is None:
+        raise TypeError(f"jaxsub.{op}: `bias` must be an array [3, H, D], got None")
+    if x.ndim - axes != 2 or kernel.ndim - axes != 3 or kernel.shape[axes] != 3:
+        raise ValueError(f"jaxsub.{op}: `x` must be [B, S, *K] and `kernel` [*K, 3, H, D] with K {axes} dims "
+                         f"(axes), got shapes {x.shape} and {kernel.shape}")
+    packed = _DensePacked(x, kernel, bias, axes, bool(with_input))
+    if not _gemm.supported(x, kernel):
+        y = _gemm.reference_dense(x, kernel, bias, axes=axes)
+        return packed.result(_attn.attention_packed(y, axis=2, mask=mask, causal=causal, scale=scale,
+                                              dropout_rate=dropout_rate, key=key, implementation=implementation))
+    like = jax.ShapeDtypeStruct((*x.shape[:2], *kernel.shape[axes + 1:]), x.dtype)  # q's, k's and v's shape
+    return _attn._attention(op, like, like, like, packed, mask, causal, scale, dropout_rate, key, implementation)
