@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +264,11 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
         raise ValueError(f"jaxsub.{op}: `x` must be [B, S, *K] and `kernel` [*K, 3, H, D] with K {axes} dims "
                          f"(axes), got shapes {x.shape} and {kernel.shape}")
     packed = _DensePacked(x, kernel, bias, axes, bool(with_input))
+    if os.environ.get("JAXSUB_QKV_BIAS_FROM_ATTENTION") == "0":  # the two ops apart (for comparisons)
+        qkv, _, again = packed.product()
+        return packed.result(_attn.attention_packed(qkv, axis=2, mask=mask, causal=causal, scale=scale,
+                                                    dropout_rate=dropout_rate, key=key,
+                                                    implementation=implementation), again)
     if not _gemm.supported(x, kernel):
         y = _gemm.reference_dense(x, kernel, bias, axes=axes)
         return packed.result(_attn.attention_packed(y, axis=2, mask=mask, causal=causal, scale=scale,
