@@ -25,6 +25,7 @@
 #include "attention.cuh"
 #include "attention_bwd.cuh"
 #include "attention_sm90.cuh"
+#include "rows.cuh"  // column_sum_kernel: the bias gradient's ordered sum
 
 namespace jaxsub {
 namespace {
@@ -291,8 +292,14 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
       float* dq_row = dqg + i * out_row + tq * 2;
 #pragma unroll
       for (int dn = 0; dn < D / 8; ++dn) {  // the scale: the dq kernel
-        // The backward was bound by these reductions: vector atomics (atomic_add2).
-        atomic_add2(dq_row + dn * 8, c[dn][2 * r], c[dn][2 * r + 1]);
+#if __CUDA_ARCH__ >= 900
+        // One 8-byte vector atomic per pair: the backward was bound by these reductions
+        // (bench/NOTES.md, "Vector atomics"); two scalar ones took 30% longer.
+        atomicAdd(reinterpret_cast<float2*>(dq_row + dn * 8), make_float2(c[dn][2 * r], c[dn][2 * r + 1]));
+#else
+        atomicAdd(dq_row + dn * 8, c[dn][2 * r]);
+        atomicAdd(dq_row + dn * 8 + 1, c[dn][2 * r + 1]);
+#endif
       }
     }
     // No barrier here: after the one above nothing reads this stage, and the next
@@ -398,17 +405,20 @@ bool use_cluster_dq(const AttnArgs& a) {
          (a.sk + kTile - 1) / kTile <= 8;
 }
 
-// dq's column sums into a.dbias[0] (attention_dq_bias_kernel): from the accumulator, also
-// writing dq (kFromAcc), or from dq as the clusters wrote it. ~16 rows per thread, at
-// least two blocks per SM at BERT's sizes; 8 columns per thread, up to 128 per block.
+// The bias gradient (a.dbias given): dq's column partials into the workspace's q part
+// (attention_dq_bias_kernel: from the accumulator, also writing dq (kFromAcc), or from dq
+// as the clusters wrote it), then dbias = the workspace's rows summed in order
+// (column_sum_kernel, rows.cuh), the tile kernel having written the k and v parts.
 template <typename T, bool kFromAcc>
 void launch_dq_bias(const AttnArgs& a, int64_t hd, cudaStream_t stream) {
-  const int64_t rows = a.b * a.sq, pieces = hd / 8;
-  const int threads = static_cast<int>(std::min<int64_t>(128, (pieces + 31) / 32 * 32));
+  const int64_t rows = a.b * a.sq, groups = a.b * ((a.sq + 15) / 16), pieces = hd / 4;
+  const int threads = static_cast<int>(std::min<int64_t>(256, (pieces + 31) / 32 * 32));
   const auto cols = static_cast<unsigned>((pieces + threads - 1) / threads);
-  const auto groups = static_cast<unsigned>(std::min<int64_t>({rows, std::max<int64_t>(264, (rows + 15) / 16), 65535}));
-  attention_dq_bias_kernel<T, kFromAcc><<<dim3(groups, cols), threads, 0, stream>>>(
-      a.dq_acc, static_cast<T*>(a.o), a.dbias, rows, hd, a.scale, a.sq, a.grad_row, a.dq_batch);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(groups, 65535));
+  attention_dq_bias_kernel<T, kFromAcc><<<dim3(blocks, cols), threads, 0, stream>>>(
+      a.dq_acc, static_cast<T*>(a.o), a.dbias_ws, rows, groups, hd, a.scale, a.sq, a.grad_row, a.dq_batch);
+  void* outs[3] = {a.dbias, nullptr, nullptr};
+  launch_column_sum<T>(a.dbias_ws, static_cast<int>(groups), 1, 3 * hd, false, outs, stream);
 }
 
 // The backward (a.b * a.h and a.sq * a.sk nonzero): delta and the zeroed dq accumulator,

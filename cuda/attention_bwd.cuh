@@ -155,37 +155,20 @@ __device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t 
   bwd_tile_lse(a, qb, nlse2);
   bwd_keep_words(a, seed, bh, qb, k0, keep, lane);
 }
-// p[0], p[1] += x, y: one 8-byte vector atomic where the device has them (two scalar ones
-// took 30% longer for dq: bench/NOTES.md, "Vector atomics").
-__device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
-#else
-  atomicAdd(p, x);
-  atomicAdd(p + 1, y);
-#endif
-}
-// The same for four floats (16 bytes, aligned).
-__device__ __forceinline__ void atomic_add4(float* p, const float (&x)[4]) {
-#if __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float4*>(p), make_float4(x[0], x[1], x[2], x[3]));
-#else
-#pragma unroll
-  for (int t = 0; t < 4; ++t) atomicAdd(p + t, x[t]);
-#endif
-}
-
 // The bias gradient's share of a warp's 16 keys (a.dbias given: packed gradients, whose
-// column sums are the q/k/v projection's bias gradient): the scaled dK and dV of its
-// valid keys summed per column over the thread's two keys, then over the warp's eight
-// quads by shuffles, and added into dbias[1] (k) and dbias[2] (v) by the first quad.
-// Every lane of the warp calls it.
+// column sums are the q/k/v projection's bias gradient): the scaled dK and dV of its valid
+// keys summed per column over the thread's two keys, then over the warp's eight quads by
+// shuffles, and stored by the first quad into the k and v parts of workspace row
+// b * ceil(Sk / 16) + k0 / 16 (no atomics: every (row, head) slot has one writer, and the
+// q part of the row is attention_dq_bias_kernel's). Every lane of the warp calls it.
 template <int D, typename KF, typename VF>
-__device__ __forceinline__ void bwd_bias_sums(const AttnArgs& a, KF&& DK, VF&& DV, int64_t hh, int64_t k0, int quad,
-                                              int tq) {
+__device__ __forceinline__ void bwd_bias_sums(const AttnArgs& a, KF&& DK, VF&& DV, int64_t bb, int64_t hh, int64_t k0,
+                                              int quad, int tq) {
+  if (k0 >= a.sk) return;  // a warp past the last key (the whole warp: k0 is per warp)
   const bool in0 = k0 + quad < a.sk, in1 = k0 + quad + 8 < a.sk;
-  float* dbk = a.dbias + (a.h + hh) * D + tq * 2;
-  float* dbv = dbk + a.h * D;
+  const int64_t hd = a.h * D, row = bb * ((a.sk + 15) / 16) + k0 / 16;
+  float* wk = a.dbias_ws + row * 3 * hd + hd + hh * D + tq * 2;
+  float* wv = wk + hd;
 #pragma unroll
   for (int dn = 0; dn < D / 8; ++dn) {
     float s[4];
@@ -199,8 +182,8 @@ __device__ __forceinline__ void bwd_bias_sums(const AttnArgs& a, KF&& DK, VF&& D
 #pragma unroll
       for (int off = 4; off < 32; off *= 2) s[x] += __shfl_xor_sync(0xffffffffu, s[x], off);
     if (quad == 0) {
-      atomic_add2(dbk + dn * 8, s[0] * a.scale, s[1] * a.scale);
-      atomic_add2(dbv + dn * 8, s[2] * a.keep_scale, s[3] * a.keep_scale);
+      *reinterpret_cast<float2*>(wk + dn * 8) = make_float2(s[0] * a.scale, s[1] * a.scale);
+      *reinterpret_cast<float2*>(wv + dn * 8) = make_float2(s[2] * a.keep_scale, s[3] * a.keep_scale);
     }
   }
 }
@@ -225,10 +208,10 @@ __device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, i
           pack2<T>(DV(dn, 2 * r) * a.keep_scale, DV(dn, 2 * r + 1) * a.keep_scale);
     }
   }
-  if (a.dbias != nullptr) bwd_bias_sums<D>(a, DK, DV, hh, k0, quad, tq);
+  if (a.dbias != nullptr) bwd_bias_sums<D>(a, DK, DV, bb, hh, k0, quad, tq);
 }
 
-// delta[b, h, i] = sum_d dout * out, dq_acc = 0 and dbias = 0 (when given). Each row (b, i, h) is
+// delta[b, h, i] = sum_d dout * out, and dq_acc = 0 (when given). Each row (b, i, h) is
 // read by D / 8 consecutive lanes in 16-byte pieces and summed with shuffles; grid
 // ceil(B*Sq*H*D/8 / 128), block 128.
 template <typename T, int D>
@@ -237,8 +220,6 @@ __global__ void attention_delta_kernel(AttnArgs a) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = g / kLanes, rows = a.b * a.sq * a.h;  // row: (b, i, h) row-major
   const int part = static_cast<int>(g % kLanes);
-  if (a.dbias != nullptr)  // the column sums' atomics start from zero
-    for (int64_t z = g; z < 3 * a.h * D; z += static_cast<int64_t>(gridDim.x) * blockDim.x) a.dbias[z] = 0.f;
   float acc = 0.f;
   if (row < rows) {
     float x[kVec], y[kVec];
@@ -294,54 +275,51 @@ __global__ void attention_dq_view_kernel(const float* __restrict__ acc, T* __res
   }
 }
 
-// dq's view with its column sums into dbias[0] (a.dbias given): row r = (b, i) of H * D
-// elements at b * dq_batch + i * grad_row, from the f32 accumulator (kFromAcc: dq = scale *
-// dq_acc, written) or from dq itself (the clusters wrote it: read only). Block (x, y) takes
-// rows x, x + gridDim.x, ... (four loaded before any is used) and the 8-column piece
-// y * blockDim.x + threadIdx.x, whose sums it adds into dbias[0] by two 16-byte atomics.
+// dq's view with its column partials (a.dbias given): row r = (b, i) of H * D elements at
+// b * dq_batch + i * grad_row, from the f32 accumulator (kFromAcc: dq = scale * dq_acc,
+// written) or from dq itself (the clusters wrote it: read only). Row group g < R (the
+// workspace's rows, R = B * ceil(S / 16) <= B * S) takes rows g, g + R, ...: at most 16,
+// all loaded before any is used; a thread takes 4 columns (y * blockDim.x + threadIdx.x)
+// and stores their sums in the q part of workspace row g, its one writer.
 template <typename T, bool kFromAcc>
-__global__ void attention_dq_bias_kernel(const float* __restrict__ acc, T* __restrict__ dq, float* __restrict__ dbias,
-                                         int64_t rows, int64_t hd, float scale, int64_t sq, int64_t grad_row,
-                                         int64_t dq_batch) {
-  const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+__global__ void attention_dq_bias_kernel(const float* __restrict__ acc, T* __restrict__ dq, float* __restrict__ ws,
+                                         int64_t rows, int64_t groups, int64_t hd, float scale, int64_t sq,
+                                         int64_t grad_row, int64_t dq_batch) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 4;
   if (c >= hd) return;
-  constexpr int kRows = 4;
-  float sum[8] = {};
+  constexpr int kRows = 16;
   auto at = [&](int64_t r) {
     const int64_t bb = r / sq;
     return dq + bb * dq_batch + (r - bb * sq) * grad_row + c;
   };
-  for (int64_t r0 = blockIdx.x; r0 < rows; r0 += kRows * static_cast<int64_t>(gridDim.x)) {
-    float x[kRows][8];
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    float sum[4] = {};
+    for (int64_t r0 = g; r0 < rows; r0 += kRows * groups) {
+      float x[kRows][4];
 #pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      const int64_t r = r0 + u * static_cast<int64_t>(gridDim.x);
-      if (r >= rows) {
+      for (int u = 0; u < kRows; ++u) {
+        const int64_t r = r0 + u * groups;
+        if (r >= rows) {
 #pragma unroll
-        for (int t = 0; t < 8; ++t) x[u][t] = 0.f;
-      } else if constexpr (kFromAcc) {
-        const float4 lo = *reinterpret_cast<const float4*>(acc + r * hd + c);
-        const float4 hi = *reinterpret_cast<const float4*>(acc + r * hd + c + 4);
-        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-        for (int t = 0; t < 8; ++t) x[u][t] = v[t] * scale;
-      } else {
-        load_vec<T, 8>(at(r), x[u]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      const int64_t r = r0 + u * static_cast<int64_t>(gridDim.x);
-      if constexpr (kFromAcc) {
-        if (r < rows) store_vec<T, 8>(at(r), x[u]);
+          for (int t = 0; t < 4; ++t) x[u][t] = 0.f;
+        } else if constexpr (kFromAcc) {
+          const float4 v = *reinterpret_cast<const float4*>(acc + r * hd + c);
+          x[u][0] = v.x * scale, x[u][1] = v.y * scale, x[u][2] = v.z * scale, x[u][3] = v.w * scale;
+        } else {
+          load_vec<T, 4>(at(r), x[u]);
+        }
       }
 #pragma unroll
-      for (int t = 0; t < 8; ++t) sum[t] += x[u][t];
+      for (int u = 0; u < kRows; ++u) {
+        if constexpr (kFromAcc) {
+          if (r0 + u * groups < rows) store_vec<T, 4>(at(r0 + u * groups), x[u]);
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t) sum[t] += x[u][t];
+      }
     }
+    *reinterpret_cast<float4*>(ws + g * 3 * hd + c) = make_float4(sum[0], sum[1], sum[2], sum[3]);
   }
-  const float lo[4] = {sum[0], sum[1], sum[2], sum[3]}, hi[4] = {sum[4], sum[5], sum[6], sum[7]};
-  atomic_add4(dbias + c, lo);
-  atomic_add4(dbias + c + 4, hi);
 }
 
 }  // namespace

@@ -271,19 +271,20 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
   });
 }
 
-// The packed gradients' optional bias gradient: dbias f32[3, H, D] or f32[0] (none).
-ffi::Error check_dbias(const char* op, ffi::Result<ffi::AnyBuffer>& dbias, const Dims& d) {
+// The packed gradients' optional bias gradient: dbias T[3, H, D] or T[0] (none); its GPU
+// workspace (f32[B * ceil(S / 16), 3, H, D] or f32[0]) is not touched here.
+ffi::Error check_dbias(const char* op, ffi::Result<ffi::AnyBuffer>& dbias, ffi::DataType t, const Dims& d) {
   if (dbias->element_count() == 0) return ffi::Error::Success();
-  return check_buffer(op, "dbias", *dbias, ffi::DataType::F32, 3 * d.h * d.d);
+  return check_buffer(op, "dbias", *dbias, t, 3 * d.h * d.d);
 }
 // dbias[p, h, e] = the sum over b and s of part p's gradient (the written, rounded values
-// at g's strides, part p at element offset p * poff), in double; nothing for f32[0].
+// at g's strides, part p at element offset p * poff), in double; nothing for T[0].
 template <typename T>
 void packed_column_sums(const T* grad, int64_t poff, const Dims& g, ffi::Result<ffi::AnyBuffer>& dbias) {
   if (dbias->element_count() == 0) return;
   const int64_t hd = g.h * g.d;
   std::vector<double> sum(hd);
-  float* out = data<float>(dbias);
+  T* out = data<T>(dbias);
   for (int64_t p = 0; p < 3; ++p) {
     std::fill(sum.begin(), sum.end(), 0.0);
     for (int64_t b = 0; b < g.b; ++b)
@@ -291,17 +292,18 @@ void packed_column_sums(const T* grad, int64_t poff, const Dims& g, ffi::Result<
         const T* row = grad + p * poff + q_at(g, b, i, 0);
         for (int64_t c = 0; c < hd; ++c) sum[c] += to_float(row[c]);
       }
-    for (int64_t c = 0; c < hd; ++c) out[p * hd + c] = static_cast<float>(sum[c]);
+    for (int64_t c = 0; c < hd; ++c) out[p * hd + c] = from_float<T>(static_cast<float>(sum[c]));
   }
 }
 
 // Self-attention on separate q, k, v (T[B, S, H, D] each) with the gradient packed:
-// dout; q; k; v; out; lse; mask; seed -> dqkv: T[B, S, 3, H, D]; dbias (check_dbias);
+// dout; q; k; v; out; lse; mask; seed -> dqkv: T[B, S, 3, H, D]; dbias (check_dbias), its workspace;
 // workspaces (untouched).
 ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::AnyBuffer seed,
                                float scale, bool causal, int32_t mask_kind, uint32_t threshold, float keep_scale,
                                ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
+                               ffi::Result<ffi::AnyBuffer> /*dbias workspace*/,
                                ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
                                ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
   const char* op = "attention_bwd_dqkv";
@@ -316,7 +318,7 @@ ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBu
   if (auto e = check_buffer(op, "out", out, t, nq); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, 3 * nq); e.failure()) return e;
-  if (auto e = check_dbias(op, dbias, d); e.failure()) return e;
+  if (auto e = check_dbias(op, dbias, t, d); e.failure()) return e;
   const int64_t hd = d.h * d.d;
   const Dims g{d.b, d.sq, d.sk, d.h, d.d, 3 * hd, d.sq * 3 * hd, d.sq * 3 * hd};  // [B, S, 3, H, D]
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
@@ -366,11 +368,12 @@ ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyB
 }
 
 // dout: T[B, S, H, D]; qkv; out: T[B, S, H, D]; lse: f32[B, H, S]; mask; seed
-//   -> dqkv: qkv's shape; dbias (check_dbias); workspaces (GPU scratch, untouched here).
+//   -> dqkv: qkv's shape; dbias (check_dbias), its workspace; workspaces (GPU scratch, untouched here).
 ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                               ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind,
                               uint32_t threshold, float keep_scale, int32_t qkv_axis,
                               ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
+                              ffi::Result<ffi::AnyBuffer> /*dbias workspace*/,
                               ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
                               ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
   const char* op = "attention_qkv_bwd";
@@ -385,7 +388,7 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
   if (auto e = check_buffer(op, "out", out, t, no); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, qkv.element_count()); e.failure()) return e;
-  if (auto e = check_dbias(op, dbias, d); e.failure()) return e;
+  if (auto e = check_dbias(op, dbias, t, d); e.failure()) return e;
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
@@ -437,7 +440,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd, jaxsub::AttentionBwdCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_bwd_dqkv, jaxsub::AttentionBwdDqkvCpu,
                               jaxsub::separate_bwd_binding()
                                   .Ret<xla::ffi::AnyBuffer>()   // dqkv
-                                  .Ret<xla::ffi::AnyBuffer>()   // dbias: f32[3, H, D] or f32[0]
+                                  .Ret<xla::ffi::AnyBuffer>()   // dbias: T[3, H, D] or T[0]
+                                  .Ret<xla::ffi::AnyBuffer>()   // workspace: dbias partials (GPU)
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator
 
@@ -460,6 +464,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_bwd, jaxsub::AttentionQkvB
                                                           .Arg<xla::ffi::AnyBuffer>())  // seed
                                   .Attr<int32_t>("qkv_axis")
                                   .Ret<xla::ffi::AnyBuffer>()   // dqkv
-                                  .Ret<xla::ffi::AnyBuffer>()   // dbias: f32[3, H, D] or f32[0]
+                                  .Ret<xla::ffi::AnyBuffer>()   // dbias: T[3, H, D] or T[0]
+                                  .Ret<xla::ffi::AnyBuffer>()   // workspace: dbias partials (GPU)
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator

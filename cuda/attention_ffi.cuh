@@ -6,14 +6,20 @@
 namespace jaxsub {
 namespace {
 
-// The packed gradients' optional bias gradient: dbias f32[3, H, D] (the column sums of the
-// dq, dk and dv parts over B and S), or f32[0] for none.
-ffi::Error set_dbias(const char* op, AttnArgs& a, int d, ffi::Result<ffi::AnyBuffer>& dbias) {
+// The packed gradients' optional bias gradient: dbias T[3, H, D] (the column sums of the
+// dq, dk and dv parts over B and S) and its workspace f32[B * ceil(S / 16), 3, H, D], or
+// T[0] and f32[0] for none.
+ffi::Error set_dbias(const char* op, AttnArgs& a, int d, ffi::DataType t, ffi::Result<ffi::AnyBuffer>& dbias,
+                     ffi::Result<ffi::AnyBuffer>& ws) {
   const size_t n = dbias->element_count();
-  if (n == 0) return ffi::Error::Success();
-  if (dbias->element_type() != ffi::DataType::F32 || n != static_cast<size_t>(3 * a.h * d))
-    return invalid(op, "dbias must be f32[3, H, D] or f32[0]");
-  a.dbias = data<float>(dbias);
+  if (n == 0 && ws->element_count() == 0) return ffi::Error::Success();
+  if (dbias->element_type() != t || n != static_cast<size_t>(3 * a.h * d))
+    return invalid(op, "dbias must be [3, H, D] in the gradient's dtype, or empty");
+  if (ws->element_type() != ffi::DataType::F32 ||
+      ws->element_count() != static_cast<size_t>(a.b * ((a.sq + 15) / 16) * 3 * a.h * d))
+    return invalid(op, "the dbias workspace must be f32[B * ceil(S / 16), 3, H, D]");
+  a.dbias = dbias->untyped_data();
+  a.dbias_ws = data<float>(ws);
   return ffi::Error::Success();
 }
 // A backward with no score at all (B, H or S zero): every column sum is zero.
@@ -71,14 +77,14 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
 
 // The backward of self-attention on separate q, k, v (as three projections write them)
 // with the gradient in one packed array, as one projection's backward reads it:
-// dout, q, k, v: [B, S, H, D]; out; lse; mask; seed -> dqkv: [B, S, 3, H, D]; dbias (set_dbias);
+// dout, q, k, v: [B, S, H, D]; out; lse; mask; seed -> dqkv: [B, S, 3, H, D]; dbias (set_dbias) and its workspace;
 // delta; dq_acc.
 ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                             float keep_scale, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask,
                             ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dqkv,
-                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> delta,
-                            ffi::Result<ffi::AnyBuffer> dq_acc) {
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dbias_ws,
+                            ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
   const char* op = "attention_bwd_dqkv";
   AttnArgs a{};
   int d = 0;
@@ -86,7 +92,7 @@ ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32
   auto g = dqkv->dimensions();
   if (a.sq != a.sk || g.size() != 5 || g[0] != a.b || g[1] != a.sq || g[2] != 3 || g[3] != a.h || g[4] != d)
     return invalid(op, "dqkv must be [B, S, 3, H, D] for q, k, v of shape [B, S, H, D]");
-  if (auto e = set_dbias(op, a, d, dbias); e.failure()) return e;
+  if (auto e = set_dbias(op, a, d, q.element_type(), dbias, dbias_ws); e.failure()) return e;
   if (a.b * a.h * a.sq == 0) {  // dqkv is empty too
     zero_dbias(a, dbias, stream);
     return launch_status(op);
@@ -121,18 +127,19 @@ ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_
 }
 
 // dout: [B, S, H, D]; qkv; out: [B, S, H, D]; lse: [B, H, S]; mask; seed
-//   -> dqkv: qkv's shape; dbias (set_dbias); delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32.
+//   -> dqkv: qkv's shape; dbias and its workspace (set_dbias); delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32.
 ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                            float keep_scale, int32_t qkv_axis, ffi::AnyBuffer dout, ffi::AnyBuffer qkv,
                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
                            ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
-                           ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
+                           ffi::Result<ffi::AnyBuffer> dbias_ws, ffi::Result<ffi::AnyBuffer> delta,
+                           ffi::Result<ffi::AnyBuffer> dq_acc) {
   const char* op = "attention_qkv_bwd";
   AttnArgs a{};
   int d = 0;
   int64_t koff = 0;
   if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
-  if (auto e = set_dbias(op, a, d, dbias); e.failure()) return e;
+  if (auto e = set_dbias(op, a, d, qkv.element_type(), dbias, dbias_ws); e.failure()) return e;
   if (a.b * a.h * a.sq == 0) {  // dqkv is empty too
     zero_dbias(a, dbias, stream);
     return launch_status(op);
@@ -188,7 +195,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd, jaxsub::AttentionBwd,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_bwd_dqkv, jaxsub::AttentionBwdDqkv,
                               jaxsub::separate_bwd_binding()
                                   .Ret<ffi::AnyBuffer>()  // dqkv
-                                  .Ret<ffi::AnyBuffer>()  // dbias: f32[3, H, D] or f32[0]
+                                  .Ret<ffi::AnyBuffer>()  // dbias: T[3, H, D] or T[0]
+                                  .Ret<ffi::AnyBuffer>()  // dbias workspace: f32[B * ceil(S / 16), 3, H, D] or f32[0]
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
                                   .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
                               {ffi::Traits::kCmdBufferCompatible});
@@ -213,7 +221,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_bwd, jaxsub::AttentionQkv
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>()  // dqkv
-                                  .Ret<ffi::AnyBuffer>()  // dbias: f32[3, H, D] or f32[0]
+                                  .Ret<ffi::AnyBuffer>()  // dbias: T[3, H, D] or T[0]
+                                  .Ret<ffi::AnyBuffer>()  // dbias workspace: f32[B * ceil(S / 16), 3, H, D] or f32[0]
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
                                   .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
                               {ffi::Traits::kCmdBufferCompatible});

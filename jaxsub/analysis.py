@@ -88,8 +88,8 @@ _FUSED = {
 }
 # Positions of each target's scratch results (ABI.md), not counted as moved bytes.
 _WORKSPACES = {"jaxsub_layer_norm_bwd": (-1,), "jaxsub_bdrln_bwd": (-1,), "jaxsub_bias_gelu_dropout_bwd": (2,),
-               "jaxsub_attention_bwd": (-2, -1), "jaxsub_attention_bwd_dqkv": (-2, -1),
-               "jaxsub_attention_qkv_bwd": (-2, -1), "jaxsub_bias_grad": (-1,),
+               "jaxsub_attention_bwd": (-2, -1), "jaxsub_attention_bwd_dqkv": (-3, -2, -1),
+               "jaxsub_attention_qkv_bwd": (-3, -2, -1), "jaxsub_bias_grad": (-1,),
                "jaxsub_gemm": (-1,)}
 
 

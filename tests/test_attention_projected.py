@@ -130,9 +130,9 @@ def test_fused_lowers_to_the_projected_targets():
     grad = lambda impl: jax.jit(jax.grad(lambda *a: f(*a, impl).astype(F32).sum(), argnums=(0, 1, 2)))
     hlo = grad("fused").lower(x, ws, bs).as_text()
     assert "@jaxsub_attention_fwd(" in hlo and "@jaxsub_attention_bwd_dqkv(" in hlo
-    # the bias gradient: the backward target's dbias result (f32[3, H, D]), no column sum
+    # the bias gradient: the backward target's dbias result (T[3, H, D]), no column sum
     assert "@jaxsub_bias_grad(" not in hlo
-    assert "tensor<3x3x8xf32>" in [ln for ln in hlo.splitlines() if "@jaxsub_attention_bwd_dqkv(" in ln][0]
+    assert "tensor<3x3x8xbf16>" in [ln for ln in hlo.splitlines() if "@jaxsub_attention_bwd_dqkv(" in ln][0]
     assert "jaxsub_attention_qkv" not in hlo and "@jaxsub_attention_bwd(" not in hlo
     unfused = grad("unfused").lower(x, ws, bs).as_text()
     assert "jaxsub_softmax_dropout_fwd" in unfused and "jaxsub_attention" not in unfused

@@ -125,19 +125,22 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
     return dq, dk, dv
 
 
-def _dbias(bias_grad, h, d):
-    """The packed backward targets' dbias result: f32[3, H, D] (the column sums of dq, dk and
-    dv, the q/k/v projection's bias gradient) or f32[0] (none)."""
-    return jax.ShapeDtypeStruct((3, h, d) if bias_grad else (0,), _F32)
+def _dbias(bias_grad, b, s, h, d, dtype):
+    """The packed backward targets' dbias result and its workspace: dtype[3, H, D] (the column
+    sums of dq, dk and dv, the q/k/v projection's bias gradient) and f32[B * ceil(S / 16), 3,
+    H, D] (the GPU's row partials), or dtype[0] and f32[0] (none)."""
+    if not bias_grad:
+        return jax.ShapeDtypeStruct((0,), dtype), jax.ShapeDtypeStruct((0,), _F32)
+    return jax.ShapeDtypeStruct((3, h, d), dtype), jax.ShapeDtypeStruct((b * -(-s // 16), 3, h, d), _F32)
 
 
 def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=False):
     b, s, h, d = q.shape
-    dqkv, dbias, _, _ = _ffi.call(
+    dqkv, dbias, _, _, _ = _ffi.call(
         "jaxsub_attention_bwd_dqkv",
         (
             jax.ShapeDtypeStruct((b, s, 3, h, d), q.dtype),
-            _dbias(bias_grad, h, d),
+            *_dbias(bias_grad, b, s, h, d, q.dtype),
             jax.ShapeDtypeStruct((b, h, s), _F32),
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
@@ -159,11 +162,11 @@ def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
 
 def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=False):
     b, s, h, d = _packed_dims(qkv.shape, axis)
-    dqkv, dbias, _, _ = _ffi.call(
+    dqkv, dbias, _, _, _ = _ffi.call(
         "jaxsub_attention_qkv_bwd",
         (
             jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
-            _dbias(bias_grad, h, d),
+            *_dbias(bias_grad, b, s, h, d, qkv.dtype),
             jax.ShapeDtypeStruct((b, h, s), _F32),
             jax.ShapeDtypeStruct((b, s, h, d), _F32),
         ),

@@ -79,7 +79,7 @@ def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
     dx = jax.lax.dot_general(dqkv, jnp.stack(weights, axis=1), (((2, 3, 4), (1, 2, 3)), ((), ())))
     dw = jax.lax.dot_general(x, dqkv, (((0, 1), (0, 1)), ((), ())))
     dws = tuple(dw[:, i] for i in range(3))  # x, the weights and the biases share one dtype
-    dbs = None if db is None else tuple(db[i].astype(x.dtype) for i in range(3))
+    dbs = None if db is None else tuple(db[i] for i in range(3))
     return dx, dws, dbs, None, None
 
 
@@ -107,7 +107,7 @@ def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, res, ct):
     dout, dx_other = ct if shared else (ct, None)
     dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=True)
     dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
-    return dx, dkernel, db.astype(x.dtype), None, None
+    return dx, dkernel, db, None, None
 
 
 _fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
