@@ -412,10 +412,9 @@ bool use_cluster_dq(const AttnArgs& a) {
 template <typename T, bool kFromAcc>
 void launch_dq_bias(const AttnArgs& a, int64_t hd, cudaStream_t stream) {
   const int64_t rows = a.b * a.sq, groups = a.b * ((a.sq + 15) / 16), pieces = hd / 4;
-  const int threads = static_cast<int>(std::min<int64_t>(256, (pieces + 31) / 32 * 32));
-  const auto cols = static_cast<unsigned>((pieces + threads - 1) / threads);
+  const auto cols = static_cast<unsigned>((pieces + kDqBiasX - 1) / kDqBiasX);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(groups, 65535));
-  attention_dq_bias_kernel<T, kFromAcc><<<dim3(blocks, cols), threads, 0, stream>>>(
+  attention_dq_bias_kernel<T, kFromAcc><<<dim3(blocks, cols), dim3(kDqBiasX, kDqBiasY), 0, stream>>>(
       a.dq_acc, static_cast<T*>(a.o), a.dbias_ws, rows, groups, hd, a.scale, a.sq, a.grad_row, a.dq_batch);
   void* outs[3] = {a.dbias, nullptr, nullptr};
   launch_column_sum<T>(a.dbias_ws, static_cast<int>(groups), 1, 3 * hd, false, outs, stream);

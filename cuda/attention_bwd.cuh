@@ -155,36 +155,50 @@ __device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t 
   bwd_tile_lse(a, qb, nlse2);
   bwd_keep_words(a, seed, bh, qb, k0, keep, lane);
 }
+// bwd_bias_sums (below) with the validity of the thread's two keys given (in0, in1).
+template <int D, typename KF, typename VF>
+__device__ __forceinline__ void bwd_bias_sums_keys(const AttnArgs& a, KF&& DK, VF&& DV, int64_t bb, int64_t hh,
+                                                   int64_t k0, int quad, int tq, bool in0, bool in1) {
+  const bool v_half = (quad & 4) != 0, odd_col = (quad & 2) != 0;
+  const int64_t hd = a.h * D, row = bb * ((a.sk + 15) / 16) + k0 / 16;
+  float* w = a.dbias_ws + row * 3 * hd + (v_half ? 2 : 1) * hd + hh * D + tq * 2 + (odd_col ? 1 : 0);
+  const float scale = v_half ? a.keep_scale : a.scale;
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) {
+    float k[2], v[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      k[e] = (in0 ? DK(dn, e) : 0.f) + (in1 ? DK(dn, 2 + e) : 0.f);
+      v[e] = (in0 ? DV(dn, e) : 0.f) + (in1 ? DV(dn, 2 + e) : 0.f);
+    }
+    float pair[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      pair[e] = (v_half ? v[e] : k[e]) + __shfl_xor_sync(0xffffffffu, v_half ? k[e] : v[e], 16);
+    float s = (odd_col ? pair[1] : pair[0]) + __shfl_xor_sync(0xffffffffu, odd_col ? pair[0] : pair[1], 8);
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    if ((quad & 1) == 0) w[dn * 8] = s * scale;
+  }
+}
+
 // The bias gradient's share of a warp's 16 keys (a.dbias given: packed gradients, whose
-// column sums are the q/k/v projection's bias gradient): the scaled dK and dV of its valid
-// keys summed per column over the thread's two keys, then over the warp's eight quads by
-// shuffles, and stored by the first quad into the k and v parts of workspace row
+// column sums are the q/k/v projection's bias gradient): per column group dn, the dK and
+// dV of the thread's valid keys summed over its two keys (four values: dK's columns
+// 8 dn + 2 tq + {0, 1}, then dV's), then over the warp's eight quads by halving: across
+// lane bit 4 the lower lanes keep dK's pair and the upper dV's, across bit 3 one column of
+// the pair, across bit 2 the sum (4 shuffles per group where one sum per value took 12,
+// and four values live at a time: the 168-register kernel keeps its stack). The even
+// quads store their value, scaled, into the k or v part of workspace row
 // b * ceil(Sk / 16) + k0 / 16 (no atomics: every (row, head) slot has one writer, and the
 // q part of the row is attention_dq_bias_kernel's). Every lane of the warp calls it.
 template <int D, typename KF, typename VF>
 __device__ __forceinline__ void bwd_bias_sums(const AttnArgs& a, KF&& DK, VF&& DV, int64_t bb, int64_t hh, int64_t k0,
                                               int quad, int tq) {
   if (k0 >= a.sk) return;  // a warp past the last key (the whole warp: k0 is per warp)
-  const bool in0 = k0 + quad < a.sk, in1 = k0 + quad + 8 < a.sk;
-  const int64_t hd = a.h * D, row = bb * ((a.sk + 15) / 16) + k0 / 16;
-  float* wk = a.dbias_ws + row * 3 * hd + hd + hh * D + tq * 2;
-  float* wv = wk + hd;
-#pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) {
-    float s[4];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      s[e] = (in0 ? DK(dn, e) : 0.f) + (in1 ? DK(dn, 2 + e) : 0.f);
-      s[2 + e] = (in0 ? DV(dn, e) : 0.f) + (in1 ? DV(dn, 2 + e) : 0.f);
-    }
-#pragma unroll
-    for (int x = 0; x < 4; ++x)
-#pragma unroll
-      for (int off = 4; off < 32; off *= 2) s[x] += __shfl_xor_sync(0xffffffffu, s[x], off);
-    if (quad == 0) {
-      *reinterpret_cast<float2*>(wk + dn * 8) = make_float2(s[0] * a.scale, s[1] * a.scale);
-      *reinterpret_cast<float2*>(wv + dn * 8) = make_float2(s[2] * a.keep_scale, s[3] * a.keep_scale);
-    }
+  if (k0 + 16 <= a.sk) {   // every key valid (warp-uniform): no selects
+    bwd_bias_sums_keys<D>(a, DK, DV, bb, hh, k0, quad, tq, true, true);
+  } else {
+    bwd_bias_sums_keys<D>(a, DK, DV, bb, hh, k0, quad, tq, k0 + quad < a.sk, k0 + quad + 8 < a.sk);
   }
 }
 
@@ -278,28 +292,32 @@ __global__ void attention_dq_view_kernel(const float* __restrict__ acc, T* __res
 // dq's view with its column partials (a.dbias given): row r = (b, i) of H * D elements at
 // b * dq_batch + i * grad_row, from the f32 accumulator (kFromAcc: dq = scale * dq_acc,
 // written) or from dq itself (the clusters wrote it: read only). Row group g < R (the
-// workspace's rows, R = B * ceil(S / 16) <= B * S) takes rows g, g + R, ...: at most 16,
-// all loaded before any is used; a thread takes 4 columns (y * blockDim.x + threadIdx.x)
-// and stores their sums in the q part of workspace row g, its one writer.
+// workspace's rows, R = B * ceil(S / 16) <= B * S) takes rows g, g + R, ...; a block
+// (kDqBiasX, kDqBiasY) takes one group and kDqBiasX * 4 columns: thread (x, y) four
+// columns of the rows u = y, y + kDqBiasY, ... of each 16 (all loaded before any is used),
+// and the kDqBiasY sums of a column are added in order of y through shared memory into the
+// q part of workspace row g, its one writer.
+constexpr int kDqBiasX = 64, kDqBiasY = 4;
 template <typename T, bool kFromAcc>
-__global__ void attention_dq_bias_kernel(const float* __restrict__ acc, T* __restrict__ dq, float* __restrict__ ws,
-                                         int64_t rows, int64_t groups, int64_t hd, float scale, int64_t sq,
-                                         int64_t grad_row, int64_t dq_batch) {
-  const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 4;
-  if (c >= hd) return;
-  constexpr int kRows = 16;
+__global__ void __launch_bounds__(kDqBiasX* kDqBiasY)
+    attention_dq_bias_kernel(const float* __restrict__ acc, T* __restrict__ dq, float* __restrict__ ws, int64_t rows,
+                             int64_t groups, int64_t hd, float scale, int64_t sq, int64_t grad_row, int64_t dq_batch) {
+  constexpr int kRows = 16 / kDqBiasY;  // per thread and pass
+  __shared__ float4 part[kDqBiasY][kDqBiasX];
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * kDqBiasX + threadIdx.x) * 4;
+  const bool col_ok = c < hd;
   auto at = [&](int64_t r) {
     const int64_t bb = r / sq;
     return dq + bb * dq_batch + (r - bb * sq) * grad_row + c;
   };
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
     float sum[4] = {};
-    for (int64_t r0 = g; r0 < rows; r0 += kRows * groups) {
+    for (int64_t r0 = g + threadIdx.y * groups; r0 < rows; r0 += 16 * groups) {
       float x[kRows][4];
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
-        const int64_t r = r0 + u * groups;
-        if (r >= rows) {
+        const int64_t r = r0 + u * kDqBiasY * groups;
+        if (r >= rows || !col_ok) {
 #pragma unroll
           for (int t = 0; t < 4; ++t) x[u][t] = 0.f;
         } else if constexpr (kFromAcc) {
@@ -312,13 +330,25 @@ __global__ void attention_dq_bias_kernel(const float* __restrict__ acc, T* __res
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
         if constexpr (kFromAcc) {
-          if (r0 + u * groups < rows) store_vec<T, 4>(at(r0 + u * groups), x[u]);
+          const int64_t r = r0 + u * kDqBiasY * groups;
+          if (r < rows && col_ok) store_vec<T, 4>(at(r), x[u]);
         }
 #pragma unroll
         for (int t = 0; t < 4; ++t) sum[t] += x[u][t];
       }
     }
-    *reinterpret_cast<float4*>(ws + g * 3 * hd + c) = make_float4(sum[0], sum[1], sum[2], sum[3]);
+    part[threadIdx.y][threadIdx.x] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+    __syncthreads();
+    if (threadIdx.y == 0 && col_ok) {
+      float4 s = part[0][threadIdx.x];
+#pragma unroll
+      for (int y = 1; y < kDqBiasY; ++y) {
+        const float4 p = part[y][threadIdx.x];
+        s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
+      }
+      *reinterpret_cast<float4*>(ws + g * 3 * hd + c) = s;
+    }
+    __syncthreads();  // part is written again for the next group
   }
 }
 
