@@ -54,6 +54,7 @@ constexpr int fwd_min_blocks() { return D <= 64 ? 4 : 2; }
 
 template <typename T, int D, int kMode>
 __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_kernel(AttnArgs a) {
+  wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   FwdSmem<T, D>& sm = *reinterpret_cast<FwdSmem<T, D>*>(smem_raw);
   constexpr int kRow = D + kPad;
@@ -173,6 +174,8 @@ struct BwdSmem {
 // registers cost a block per multiprocessor).
 template <typename T, int D, int kMode>
 __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_kernel(AttnArgs a) {
+  wait_for_previous_grid();  // delta and the zeroed accumulator (launched dependent: pdl.cuh)
+  dependents_may_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using Smem = BwdSmem<T, D>;
   constexpr int kStages = Smem::kStages;
@@ -361,15 +364,17 @@ ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
 }
 
 // The launch configuration of the wgmma backward with the key blocks of each (b, h) as one
-// thread block cluster (kClusterDq).
+// thread block cluster (kClusterDq), dependent on the delta kernel before it (pdl.cuh).
 struct ClusterLaunch {
   cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   ClusterLaunch(dim3 grid, size_t smem, cudaStream_t stream) {
     config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = smem, config.stream = stream;
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = grid.x, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-    config.attrs = attr, config.numAttrs = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+    config.attrs = attr, config.numAttrs = 2;
   }
   ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attr
 };
@@ -414,8 +419,9 @@ void launch_dq_bias(const AttnArgs& a, int64_t hd, cudaStream_t stream) {
   const int64_t rows = a.b * a.sq, groups = a.b * ((a.sq + 15) / 16), pieces = hd / 4;
   const auto cols = static_cast<unsigned>((pieces + kDqBiasX - 1) / kDqBiasX);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(groups, 65535));
-  attention_dq_bias_kernel<T, kFromAcc><<<dim3(blocks, cols), dim3(kDqBiasX, kDqBiasY), 0, stream>>>(
-      a.dq_acc, static_cast<T*>(a.o), a.dbias_ws, rows, groups, hd, a.scale, a.sq, a.grad_row, a.dq_batch);
+  launch_dependent(attention_dq_bias_kernel<T, kFromAcc>, dim3(blocks, cols), dim3(kDqBiasX, kDqBiasY), 0, stream,
+                   a.dq_acc, static_cast<T*>(a.o), a.dbias_ws, rows, groups, hd, a.scale, a.sq, a.grad_row,
+                   a.dq_batch);
   void* outs[3] = {a.dbias, nullptr, nullptr};
   launch_column_sum<T>(a.dbias_ws, static_cast<int>(groups), 1, 3 * hd, false, outs, stream);
 }
@@ -476,12 +482,12 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
       launch_dq_bias<T, true>(a, hd, stream);
     } else if (a.grad_row == hd && a.dq_batch == a.sq * hd) {
       const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535));
-      attention_dq_kernel<T><<<blocks, 256, 0, stream>>>(a.dq_acc, dq, n, a.scale);
+      launch_dependent(attention_dq_kernel<T>, dim3(blocks), dim3(256), 0, stream, a.dq_acc, dq, n, a.scale);
     } else {  // dq's view: (b, i) rows of H * D elements; 128 threads cover 1024 per pass
       const int64_t dq_rows = a.b * a.sq;
       const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(dq_rows, 65535));
-      attention_dq_view_kernel<T><<<blocks, 128, 0, stream>>>(a.dq_acc, dq, dq_rows, hd, a.scale, a.sq, a.grad_row,
-                                                              a.dq_batch);
+      launch_dependent(attention_dq_view_kernel<T>, dim3(blocks), dim3(128), 0, stream, a.dq_acc, dq, dq_rows, hd,
+                       a.scale, a.sq, a.grad_row, a.dq_batch);
     }
     return launch_status(op);
   });

@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "mma.cuh"
+#include "pdl.cuh"
 #include "philox.h"
 
 namespace jaxsub {
@@ -523,12 +524,13 @@ void for_head_chunks(const AttnArgs& a, F&& launch) {
     launch(c, static_cast<unsigned>(heads - bh0 < kMaxGridY ? heads - bh0 : kMaxGridY));
   }
 }
-// Kernel over `tiles` row tiles (grid x) of every head (grid y, in chunks).
+// Kernel over `tiles` row tiles (grid x) of every head (grid y, in chunks), launched
+// dependent on the kernel before it (pdl.cuh: Kernel waits for it).
 template <auto Kernel>
 ffi::Error launch_tile_kernel(const char* op, unsigned tiles, size_t smem, cudaStream_t stream, const AttnArgs& a) {
   if (auto e = smem_opt_in<Kernel>(op, smem); e.failure()) return e;
   for_head_chunks(a, [&](const AttnArgs& c, unsigned heads) {
-    Kernel<<<dim3(tiles, heads), kThreads, smem, stream>>>(c);
+    launch_dependent(Kernel, dim3(tiles, heads), dim3(kThreads), smem, stream, c);
   });
   return ffi::Error::Success();
 }

@@ -230,6 +230,9 @@ __device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, i
 // ceil(B*Sq*H*D/8 / 128), block 128.
 template <typename T, int D>
 __global__ void attention_delta_kernel(AttnArgs a) {
+  // Launched the ordinary way: the tile kernel after it copies the call's inputs before it
+  // waits for this kernel (pdl.cuh), so everything before this kernel has finished.
+  dependents_may_launch();  // the tile kernel
   constexpr int kVec = 16 / sizeof(T), kLanes = D / kVec;  // lanes per row: 4, 8 or 16
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = g / kLanes, rows = a.b * a.sq * a.h;  // row: (b, i, h) row-major
@@ -270,6 +273,7 @@ __device__ __forceinline__ void scale_store8(const float* __restrict__ src, T* _
 }
 template <typename T>
 __global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t n, float scale) {
+  wait_for_previous_grid();  // the tile kernel's dq_acc (pdl.cuh)
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 8; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8)
     scale_store8(acc + i, dq + i, scale);
@@ -281,6 +285,7 @@ __global__ void attention_dq_kernel(const float* __restrict__ acc, T* __restrict
 template <typename T>
 __global__ void attention_dq_view_kernel(const float* __restrict__ acc, T* __restrict__ dq, int64_t rows, int64_t hd,
                                          float scale, int64_t sq, int64_t grad_row, int64_t dq_batch) {
+  wait_for_previous_grid();  // the tile kernel's dq_acc (pdl.cuh)
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t bb = r / sq;
     const float* src = acc + r * hd;
@@ -302,6 +307,8 @@ template <typename T, bool kFromAcc>
 __global__ void __launch_bounds__(kDqBiasX* kDqBiasY)
     attention_dq_bias_kernel(const float* __restrict__ acc, T* __restrict__ dq, float* __restrict__ ws, int64_t rows,
                              int64_t groups, int64_t hd, float scale, int64_t sq, int64_t grad_row, int64_t dq_batch) {
+  wait_for_previous_grid();  // the tile kernel's dq_acc and workspace rows (pdl.cuh)
+  dependents_may_launch();   // the column sum
   constexpr int kRows = 16 / kDqBiasY;  // per thread and pass
   __shared__ float4 part[kDqBiasY][kDqBiasX];
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kDqBiasX + threadIdx.x) * 4;

@@ -80,6 +80,7 @@ __device__ __forceinline__ uint32_t offset_to_1024(const void* raw) {
 template <typename T, int D, int kMode>
 __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_fwd_sm90_kernel(AttnArgs a) {
 #ifdef JAXSUB_WGMMA
+  wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kTileBytes = kTile * D * 2;
   unsigned char* smem = smem_raw + offset_to_1024(smem_raw);
@@ -280,6 +281,7 @@ __device__ __forceinline__ void bwd_permute_k(unsigned char* dst, const unsigned
 template <typename T, int D, int kMode, bool kClusterDq>
 __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_bwd_sm90_kernel(AttnArgs a) {
 #ifdef JAXSUB_WGMMA
+  dependents_may_launch();  // the dq kernel (pdl.cuh)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kTileBytes = kTile * D * 2, kDsBytes = kTile * kTile * 2;
   unsigned char* smem = smem_raw + offset_to_1024(smem_raw);
@@ -320,7 +322,14 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   };
   load_tile_swz<T, D, false>(k_s, kg, kblock, a.sk, row_stride);
   load_tile_swz<T, D, false>(v_s, vg, kblock, a.sk, row_stride);
-  if (tiles > 0) load_query_tile(0, 0);
+  if (tiles > 0) {
+    load_tile_swz<T, D, false>(q_s(0), qg, q_begin, a.sq, row_stride);
+    load_tile_swz<T, D, false>(do_s(0), dog, q_begin, a.sq, out_row);
+  }
+  // Launched dependent on the delta kernel (pdl.cuh): the copies of the call's inputs above
+  // are in flight while it finishes; delta and the zeroed dq accumulator only after it.
+  wait_for_previous_grid();
+  if (tiles > 0) load_lse_delta(a, lse_s, delta_s, bh, q_begin);
   cp_async_commit();
   if constexpr (kDq4) {  // the dQ product reads the copy after the loop's barriers
     cp_async_wait<0>();

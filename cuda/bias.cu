@@ -33,6 +33,8 @@ __device__ __forceinline__ void add_tile(const RawTile<T, VEC, NV>& raw, Tile<VE
 template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     bias_grad_kernel(const T* __restrict__ dy, float* __restrict__ workspace, int64_t rows, int64_t n) {
+  wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
+  dependents_may_launch();  // the column sum after this kernel
   constexpr int U = kRowsInFlight<NV>;
   extern __shared__ float smem[];
   Tile<VEC, NV> acc[1];
@@ -80,7 +82,8 @@ ffi::Error launch_bias_grad(cudaStream_t stream, const char* op, ffi::DataType t
       const size_t smem = c.ty > 1 ? sizeof(float) * c.tx * c.ty * VEC * NV : 0;
       auto kernel = bias_grad_kernel<T, VEC, NV>;
       const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
-      kernel<<<blocks, dim3(c.tx, c.ty), smem, stream>>>(static_cast<const T*>(dy), workspace, rc.rows, rc.cols);
+      launch_dependent(kernel, dim3(blocks), dim3(c.tx, c.ty), smem, stream, static_cast<const T*>(dy), workspace,
+                       rc.rows, rc.cols);
       status = launch_check(op, "bias_grad_kernel", c, blocks, smem);
       if (status.failure()) return;
       void* outs[3] = {dbias, nullptr, nullptr};

@@ -30,6 +30,8 @@ template <typename T, int VEC, int NV, bool kBackward, bool kStoreY = false, boo
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     gelu_kernel(GeluPtrs p, bool pf32, int64_t rows, int64_t n, bool approximate, uint32_t threshold,
                 float keep_scale) {
+  wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
+  dependents_may_launch();  // the column sum after this kernel
   constexpr bool kMaskOnly = kBackward && kIdentity;  // dx = dropout(dy)
   extern __shared__ float smem[];
   Tile<VEC, NV> acc[1];
@@ -116,7 +118,8 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
                       : p.y != nullptr ? gelu_kernel<T, VEC, NV, true, true>
                                        : gelu_kernel<T, VEC, NV, true>;
         const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
-        kernel<<<blocks, block, smem, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
+        launch_dependent(kernel, dim3(blocks), block, smem, stream, p, pf32, rc.rows, rc.cols, approximate,
+                         threshold, keep_scale);
         status = launch_check(op, "gelu_kernel<bwd>", c, blocks, smem);
         if (status.failure()) return;
         void* outs[3] = {dbias, nullptr, nullptr};
@@ -127,7 +130,8 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
         // of its instructions on its prologue (the bias, the seed, the indices).
         auto kernel = identity ? gelu_kernel<T, VEC, NV, false, false, true> : gelu_kernel<T, VEC, NV, false>;
         const int blocks = partial_blocks(kernel, rc.rows, c, 0, rc.rows);
-        kernel<<<blocks, block, 0, stream>>>(p, pf32, rc.rows, rc.cols, approximate, threshold, keep_scale);
+        launch_dependent(kernel, dim3(blocks), block, 0, stream, p, pf32, rc.rows, rc.cols, approximate, threshold,
+                         keep_scale);
         status = launch_check(op, "gelu_kernel<fwd>", c, blocks, 0);
       }
     });

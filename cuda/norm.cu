@@ -155,6 +155,7 @@ constexpr int norm_fwd_min_blocks(int vec, int nv, bool residual) {
 template <typename T, int VEC, int NV, bool kResidual>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV), norm_fwd_min_blocks(VEC, NV, kResidual))
     norm_fwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, float eps, uint32_t threshold, float keep_scale) {
+  wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
   __shared__ float scratch[32 * kMaxBlockRows];
   uint32_t seed[2] = {0u, 0u};
   if constexpr (kResidual) seed[0] = p.seed[0], seed[1] = p.seed[1];
@@ -218,6 +219,8 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), norm_fwd_min_blocks(
 template <typename T, int VEC, int NV, bool kResidual, bool kDh>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     norm_bwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, uint32_t threshold, float keep_scale) {
+  wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
+  dependents_may_launch();  // the column sum after this kernel
   constexpr int K = kResidual ? 3 : 2;
   extern __shared__ float smem[];
   __shared__ float scratch[64 * kMaxBlockRows];
@@ -347,15 +350,16 @@ ffi::Error launch_norm(cudaStream_t stream, const NormArgs<kResidual>& a) {
         auto kernel = p.dh != nullptr ? norm_bwd_kernel<T, VEC, NV, kResidual, true>
                                       : norm_bwd_kernel<T, VEC, NV, kResidual, false>;
         const int blocks = partial_blocks(kernel, a.rows, c, smem, a.workspace_rows);
-        kernel<<<blocks, block, smem, stream>>>(p, pf32, a.rows, a.cols, a.threshold, a.keep_scale);
+        launch_dependent(kernel, dim3(blocks), block, smem, stream, p, pf32, a.rows, a.cols, a.threshold,
+                         a.keep_scale);
         status = launch_check(a.op, "norm_bwd_kernel", c, blocks, smem);
         if (status.failure()) return;
         launch_column_sum<T>(p.workspace, blocks, kResidual ? 3 : 2, a.cols, pf32, a.grads, stream);
         status = launch_check(a.op, "column_sum_kernel", c, blocks, 0);
       } else {
         const int blocks = row_blocks(a.rows, c);
-        norm_fwd_kernel<T, VEC, NV, kResidual>
-            <<<blocks, block, 0, stream>>>(p, pf32, a.rows, a.cols, a.eps, a.threshold, a.keep_scale);
+        launch_dependent(norm_fwd_kernel<T, VEC, NV, kResidual>, dim3(blocks), block, 0, stream, p, pf32, a.rows,
+                         a.cols, a.eps, a.threshold, a.keep_scale);
         status = launch_check(a.op, "norm_fwd_kernel", c, blocks, 0);
       }
     });

@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "pdl.cuh"
 #include "philox.h"
 #include "row_config.h"
 
@@ -285,6 +286,7 @@ __device__ __forceinline__ void write_partials(const Tile<VEC, NV> (&acc)[K], fl
 template <typename T>
 __global__ void column_sum_kernel(const float* __restrict__ workspace, int groups, int K, int64_t n, bool f32,
                                   void* out0, void* out1, void* out2) {
+  wait_for_previous_grid();  // the partials (launched dependent: pdl.cuh)
   __shared__ float part[32][33];
   const int k = blockIdx.y;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
@@ -308,11 +310,13 @@ __global__ void column_sum_kernel(const float* __restrict__ workspace, int group
   }
 }
 
+// Launched dependent on the kernel before it, which wrote the partials (pdl.cuh).
 template <typename T>
 inline void launch_column_sum(const float* workspace, int groups, int K, int64_t n, bool f32, void* const* outs,
                               cudaStream_t stream) {
   dim3 grid(static_cast<unsigned>((n + 31) / 32), K);
-  column_sum_kernel<T><<<grid, dim3(32, 32), 0, stream>>>(workspace, groups, K, n, f32, outs[0], outs[1], outs[2]);
+  launch_dependent(column_sum_kernel<T>, grid, dim3(32, 32), 0, stream, workspace, groups, K, n, f32, outs[0],
+                   outs[1], outs[2]);
 }
 
 // Checks the launch just made and names the kernel and its shape on failure.
