@@ -182,9 +182,31 @@ def test_bad_inputs_raise_naming_op_and_argument(kwargs, exc, words):
         assert w in str(info.value), (w, str(info.value))
 
 
+class CudaAgainstCpu:
+    """The GPU cases both GPU classes run through their own `_cuda_vs_cpu` (the fused path
+    on the GPU against the CPU handlers, same inputs and key); `odd_batch` and `bert_kw`
+    are each class's batch for the odd sizes and extra arguments at BERT-large size."""
+
+    odd_batch = 2
+    bert_kw = {}
+
+    def test_bert_large_dropout_matches_cpu(self):
+        self._cuda_vs_cpu(8, 512, 1024, 16, 64, causal=False, rate=0.1, mask_kind="padding", **self.bert_kw)
+
+    def test_short_sequences_matches_cpu(self):  # S 128: the cluster-reduced dq on sm_90a
+        self._cuda_vs_cpu(12, 128, 256, 4, 64, causal=False, rate=0.1)
+
+    @pytest.mark.parametrize("d", [32, 64, 128])
+    @pytest.mark.parametrize("s,mask_kind,causal", [(1, None, False), (7, "padding", True), (130, "additive", False),
+                                                    (200, "headkeys", True)])
+    def test_odd_sizes_match_cpu(self, s, mask_kind, causal, d):
+        self._cuda_vs_cpu(self.odd_batch, s, 40, 3, d, causal=causal, rate=0.1, dtype=F16 if d == 32 else BF16,
+                          mask_kind=mask_kind, seed=s * 10 + d)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
-class TestCuda:
+class TestCuda(CudaAgainstCpu):
     """The fused op on the GPU against the CPU handlers (same inputs and key), and the
     packed-gradient kernel against the separate-gradient one on the GPU."""
 
@@ -200,19 +222,6 @@ class TestCuda:
         want = run(*jax.device_put(args, jax.devices("cpu")[0]))
         got = run(*jax.device_put(args, jax.devices()[0]))
         assert_vjps_close(got, want, dtype, s, e, what="cuda vs cpu")
-
-    def test_bert_large_dropout_matches_cpu(self):
-        self._cuda_vs_cpu(8, 512, 1024, 16, 64, causal=False, rate=0.1, mask_kind="padding")
-
-    def test_short_sequences_matches_cpu(self):  # S 128: the cluster-reduced dq on sm_90a
-        self._cuda_vs_cpu(12, 128, 256, 4, 64, causal=False, rate=0.1)
-
-    @pytest.mark.parametrize("d", [32, 64, 128])
-    @pytest.mark.parametrize("s,mask_kind,causal", [(1, None, False), (7, "padding", True), (130, "additive", False),
-                                                    (200, "headkeys", True)])
-    def test_odd_sizes_match_cpu(self, s, mask_kind, causal, d):
-        self._cuda_vs_cpu(2, s, 40, 3, d, causal=causal, rate=0.1, dtype=F16 if d == 32 else BF16,
-                          mask_kind=mask_kind, seed=s * 10 + d)
 
     @pytest.mark.parametrize("s,d,causal", [(512, 64, False), (128, 64, False), (130, 128, True), (77, 32, False)])
     def test_packed_gradient_kernel_equals_separate(self, s, d, causal):
@@ -341,10 +350,13 @@ def test_dense_attention_packed_bad_inputs_raise(kwargs, exc, words):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
-class TestCudaDense:
+class TestCudaDense(CudaAgainstCpu):
     """dense_attention_packed's fused path on the GPU against the CPU handlers: the bias
     gradient from the attention backward's column sums (dk, dv in the tile kernels; dq in
     the dq kernel, or after the clusters at S <= 128)."""
+
+    odd_batch = 3
+    bert_kw = {"with_input": True}
 
     @staticmethod
     def _cuda_vs_cpu(b, s, e, h, d, *, causal, rate, dtype=BF16, mask_kind=None, with_input=False, seed=171):
@@ -360,15 +372,3 @@ class TestCudaDense:
         # and against the two ops on the GPU (the bias gradient by the column-sum kernel)
         assert_dense_vjps_close(got, dense_ref_vjp(*args, **kw), dtype, s, e, with_input, what="cuda vs two ops")
 
-    def test_bert_large_dropout_matches_cpu(self):
-        self._cuda_vs_cpu(8, 512, 1024, 16, 64, causal=False, rate=0.1, mask_kind="padding", with_input=True)
-
-    def test_short_sequences_matches_cpu(self):  # S 128: the cluster-reduced dq on sm_90a
-        self._cuda_vs_cpu(12, 128, 256, 4, 64, causal=False, rate=0.1)
-
-    @pytest.mark.parametrize("d", [32, 64, 128])
-    @pytest.mark.parametrize("s,mask_kind,causal", [(1, None, False), (7, "padding", True), (130, "additive", False),
-                                                    (200, "headkeys", True)])
-    def test_odd_sizes_match_cpu(self, s, mask_kind, causal, d):
-        self._cuda_vs_cpu(3, s, 40, 3, d, causal=causal, rate=0.1, dtype=F16 if d == 32 else BF16,
-                          mask_kind=mask_kind, seed=s * 10 + d)
