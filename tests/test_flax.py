@@ -271,12 +271,13 @@ def test_post_ln_backward_has_one_add_of_token_gradients():
 @pytest.mark.parametrize("scan", [False, True])
 def test_post_ln_library_products_add_the_input_gradient_in_the_dx_product(scan, monkeypatch):
     """With library_products (bf16), the q/k/v projection hands the layer input on to the
-    first residual (ops.gemm.dense_and_input), so the residual's gradient is added into dx
-    by the dx product's c operand: no [B, S, E] add of gradients at all. In the scanned
-    stack the input is still read from its carry stack: the step stores the same
-    residuals as with the input passed to the residual directly."""
+    first residual (ops.gemm.dense_and_input, or ops.dense_attention_packed(with_input=True)
+    where the projection and the attention run as one op), so the residual's gradient is
+    added into dx by the dx product's c operand: no [B, S, E] add of gradients at all. In
+    the scanned stack the input is still read from its carry stack: the step stores the
+    same residuals as with the input passed to the residual directly."""
     import jaxsub.flax.encoder as flax_encoder
-    from jaxsub import stack
+    from jaxsub import ops, stack
     from jaxsub.ops import gemm as gemm_mod
     from test_optimize import gemm_c_types
 
@@ -302,6 +303,13 @@ def test_post_ln_library_products_add_the_input_gradient_in_the_dx_product(scan,
         passing = plans[-1]
         monkeypatch.setattr(gemm_mod, "dense_and_input", lambda a, k, b=None, axes=1: (
             gemm_mod.dense(a, k, b, axes=axes), a))
+        fused = ops.dense_attention_packed
+
+        def apart(a, k, b, *, with_input=False, **kw):  # the input passed on directly
+            out = fused(a, k, b, **kw)
+            return (out, a) if with_input else out
+
+        monkeypatch.setattr(ops, "dense_attention_packed", apart)
         assert f"tensor<{B * S}x{E}xbf16>" not in gemm_c_types(lowered())
         assert plans[-1] is not passing
         assert passing.stored == plans[-1].stored and passing.sources == plans[-1].sources

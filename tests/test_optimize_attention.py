@@ -268,6 +268,19 @@ def _grad_targets(f, *args):
                                               "jaxsub_attention_qkv_bwd", "jaxsub_bias_grad")}
 
 
+def _dbias_results(f, *args):
+    """The dbias result type (the second) of each packed attention backward in the lowered
+    gradient of optimize(f) on the fused path: [3, H, D], or [0] where there is none."""
+    import re
+
+    opt = jaxsub.optimize(f, layouts="none")
+    loss = lambda *a: sum(jnp.sum(jnp.square(o)) for o in jax.tree.leaves(opt(*a)))
+    with ops.config.use({"attention": {"impl": "fused"}}):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text()
+    lines = [ln for ln in text.splitlines() if "@jaxsub_attention_bwd_dqkv(" in ln]
+    return [re.findall(r"tensor<[^>]*>", ln.rsplit("-> (", 1)[1])[1] for ln in lines]
+
+
 def test_flax_nnx():
     layer = nnx.MultiHeadAttention(num_heads=H, in_features=E, decode=False, rngs=nnx.Rngs(0))
     report = _check(lambda x: layer(x), (_normal(0, (B, S, E)),), {"attention": 1}, argnums=(0,))
@@ -287,15 +300,18 @@ def test_flax_linen_projections_become_attention_projected():
     report = _check(f, (params, x), {"attention": 1}, argnums=(0, 1))
     assert APART in str(report) and "+ bias" in str(report), str(report)
     assert _packed_targets(f, params, x) == {"jaxsub_attention_fwd": 1, "jaxsub_attention_qkv_fwd": 0}
-    # One packed gradient; the three biases' gradient by one fused column sum.
+    # One packed gradient, and the three biases' gradient from the same backward (its dbias
+    # result, [3, H, D]: the column sums of dq, dk, dv), not from a column sum of its own.
     assert _grad_targets(f, params, x) == {"jaxsub_attention_bwd": 0, "jaxsub_attention_bwd_dqkv": 1,
-                                           "jaxsub_attention_qkv_bwd": 0, "jaxsub_bias_grad": 1}
+                                           "jaxsub_attention_qkv_bwd": 0, "jaxsub_bias_grad": 0}
+    assert _dbias_results(f, params, x) == [f"tensor<3x{H}x{E // H}xf32>"]
     # Without biases as well.
     m2 = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E, use_bias=False)
     p2 = m2.init(jax.random.key(0), x)
     report = _check(lambda p, x: m2.apply(p, x), (p2, x), {"attention": 1}, argnums=(0, 1))
     assert APART in str(report) and "+ bias" not in str(report), str(report)
     assert _grad_targets(lambda p, x: m2.apply(p, x), p2, x)["jaxsub_bias_grad"] == 0
+    assert _dbias_results(lambda p, x: m2.apply(p, x), p2, x) == ["tensor<0xf32>"]
 
 
 def _projected(x, y, w, b, i):
