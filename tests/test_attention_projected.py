@@ -336,8 +336,8 @@ def test_packed_backward_bias_result_is_the_gradient_column_sums(axis):
     (dict(bias=None), TypeError, ["dense_attention_packed", "bias"]),
     (dict(kernel=jnp.zeros((12, 2, 3, 4)), bias=jnp.zeros((2, 3, 4))), ValueError, ["dense_attention_packed", "kernel"]),
     (dict(kernel=jnp.zeros((12, 3, 4)), bias=jnp.zeros((3, 4))), ValueError, ["dense_attention_packed", "kernel"]),
-    (dict(bias=jnp.zeros((3, 3, 5))), ValueError, ["dense", "bias"]),
-    (dict(x=jnp.zeros((2, 5, 12), jnp.bfloat16)), TypeError, ["dense", "kernel"]),
+    (dict(bias=jnp.zeros((3, 3, 5))), ValueError, ["jaxsub.dense_attention_packed: `bias`"]),
+    (dict(x=jnp.zeros((2, 5, 12), jnp.bfloat16)), TypeError, ["jaxsub.dense_attention_packed: `kernel`"]),
 ])
 def test_dense_attention_packed_bad_inputs_raise(kwargs, exc, words):
     args = dict(x=jnp.zeros((2, 5, 12)), kernel=jnp.zeros((12, 3, 3, 4)), bias=jnp.zeros((3, 3, 4)))

@@ -93,7 +93,7 @@ def _out_shape(x, kernel, axes):
 
 def forward(x, kernel, bias, axes):
     """The product: x's last `axes` dims against kernel's first, bias (or None) in the
-    epilogue. With `backward`, also the two halves of `attn.dense_attention_packed`'s
+    epilogue. With `backward`, also the two halves of `projected.dense_attention_packed`'s
     fused path."""
     x2, k2 = _rows(x, kernel, axes)
     return gemm(x2, k2, None if bias is None else bias.reshape(-1)).reshape(_out_shape(x, kernel, axes))
@@ -151,28 +151,29 @@ _dense_input.defvjp(lambda x, kernel, bias, axes: ((forward(x, kernel, bias, axe
 # Public function.
 
 
-def check_inputs(x, kernel, bias, axes):
-    """(x, kernel, bias) as arrays, or a clear error naming `dense`'s argument."""
+def check_inputs(x, kernel, bias, axes, op=_OP):
+    """(x, kernel, bias) as arrays, or a clear error naming `op` (the public function
+    checked: `dense`, or one built on its product) and the argument."""
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)
     kernel = kernel if isinstance(kernel, jax.Array) else jnp.asarray(kernel)
     if not isinstance(axes, int) or isinstance(axes, bool) or axes < 1:
-        raise ValueError(f"jaxsub.{_OP}: `axes` must be a positive int, got {axes!r}")
+        raise ValueError(f"jaxsub.{op}: `axes` must be a positive int, got {axes!r}")
     if x.ndim < axes:
-        raise ValueError(f"jaxsub.{_OP}: `x` must have rank >= axes ({axes}), got shape {x.shape}")
+        raise ValueError(f"jaxsub.{op}: `x` must have rank >= axes ({axes}), got shape {x.shape}")
     if x.dtype not in _DTYPES:
-        raise TypeError(f"jaxsub.{_OP}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"jaxsub.{op}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
     lead = x.shape[x.ndim - axes:]
     if kernel.ndim <= axes or kernel.shape[:axes] != lead:
-        raise ValueError(f"jaxsub.{_OP}: `kernel` must have shape ({', '.join(map(str, lead))}, N...) "
+        raise ValueError(f"jaxsub.{op}: `kernel` must have shape ({', '.join(map(str, lead))}, N...) "
                          f"(x's last {axes} dims, then at least one), got {kernel.shape}")
     if kernel.dtype != x.dtype:
-        raise TypeError(f"jaxsub.{_OP}: `kernel` must have x's dtype ({x.dtype}), got {kernel.dtype}")
+        raise TypeError(f"jaxsub.{op}: `kernel` must have x's dtype ({x.dtype}), got {kernel.dtype}")
     if bias is not None:
         bias = bias if isinstance(bias, jax.Array) else jnp.asarray(bias)
         if bias.shape != kernel.shape[axes:]:
-            raise ValueError(f"jaxsub.{_OP}: `bias` must have shape {kernel.shape[axes:]}, got {bias.shape}")
+            raise ValueError(f"jaxsub.{op}: `bias` must have shape {kernel.shape[axes:]}, got {bias.shape}")
         if bias.dtype != x.dtype:
-            raise TypeError(f"jaxsub.{_OP}: `bias` must have x's dtype ({x.dtype}), got {bias.dtype}")
+            raise TypeError(f"jaxsub.{op}: `bias` must have x's dtype ({x.dtype}), got {bias.dtype}")
     return x, kernel, bias
 
 

@@ -257,7 +257,7 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
       [B, S, H, D] in x's dtype; with `with_input`, (that, x).
     """
     op = "dense_attention_packed"
-    x, kernel, bias = _gemm.check_inputs(x, kernel, bias, axes)
+    x, kernel, bias = _gemm.check_inputs(x, kernel, bias, axes, op=op)
     if bias is None:
         raise TypeError(f"jaxsub.{op}: `bias` must be an array [3, H, D], got None")
     if x.ndim - axes != 2 or kernel.ndim - axes != 3 or kernel.shape[axes] != 3:

@@ -535,13 +535,12 @@ def match_attention(g, anchor, options):
         output, x handed on)."""
         kw = dict(mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
                   key=read(drop.key) if drop is not None else None)
+        shared = dense is not None and dense[4]
         if dense is not None:
-            x, w, bias, axes, shared = dense
+            x, w, bias, axes, _ = dense
             got = ops.dense_attention_packed(x, w, bias, axes=axes, with_input=shared, **kw)
             out, again = got if shared else (got, None)
-            outs = [_relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
-            return (outs, again) if shared else outs
-        if packed is not None:
+        elif packed is not None:
             if qkv is None:
                 qkv = ops.bias_add(read(biased[0]), read(biased[1])) if biased is not None else read(packed[0])
             out = ops.attention_packed(qkv, axis=packed[1], **kw)
@@ -554,7 +553,8 @@ def match_attention(g, anchor, options):
             k = _relayout(read(att.k), att.k_labels, "bkhd", sizes)
             v = _relayout(read(att.v), att.v_labels, "bkhe", sizes)
             out = ops.attention(q, k, v, **kw)
-        return [_relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
+        outs = [_relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
+        return (outs, again) if shared else outs
 
     detail = _describe(att, causal, rate)
     if packed is not None:
