@@ -52,14 +52,18 @@ def attention_ops(shape, d, dtype, key):
     """softmax_dropout on [B, H, Sq, Sk] scores, fused attention on [B, Sq, H, D], and packed
     self-attention (attention_packed) on the first min(Sq, Sk) positions."""
     b, h, sq, sk = shape
-    ks = jax.random.split(jax.random.key(sq * sk + d), 4)
+    ks = jax.random.split(jax.random.key(sq * sk + d), 7)
     scores = jax.random.normal(ks[0], shape).astype(dtype)
     q = jax.random.normal(ks[1], (b, sq, h, d)).astype(dtype)
     k = jax.random.normal(ks[2], (b, sk, h, d)).astype(dtype)
     v = jax.random.normal(ks[3], (b, sk, h, d)).astype(dtype)
     pad = jnp.arange(sk)[None, :] < jnp.array([[sk], [max(sk // 2, 1)]])[:b]
+    n, e = min(sq, sk), 48  # the packed and projected forms' sequence and input width
+    x = jax.random.normal(ks[4], (b, n, e)).astype(dtype)
+    w = (jax.random.normal(ks[5], (e, 3, h, d)) / np.sqrt(e)).astype(dtype)
+    bias = (0.1 * jax.random.normal(ks[6], (3, h, d))).astype(dtype)
 
-    def f(scores, q, k, v):
+    def f(scores, q, k, v, x, w, bias):
         y = jaxsub.ops.softmax_dropout(scores, scale=0.3, mask=pad[:, None, None, :], causal=True, rate=0.1, key=key)
         total = (y.astype(jnp.float32) ** 2).sum()
         if jnp.dtype(dtype) != jnp.float32 and d in (32, 64, 128):
@@ -68,16 +72,22 @@ def attention_ops(shape, d, dtype, key):
             o2 = jaxsub.ops.attention(q, k, v, dropout_rate=0.1, key=key, implementation="fused")  # plain path
             total = total + (o.astype(jnp.float32) ** 2).sum() + (o2.astype(jnp.float32) ** 2).sum()
             # Packed self-attention on the first min(Sq, Sk) positions, both packings.
-            n = min(sq, sk)
             parts = (q[:, :n], k[:, :n], v[:, :n])
             o3 = jaxsub.ops.attention_packed(jnp.stack(parts, 2), axis=2, mask=pad[:, :n], dropout_rate=0.1, key=key,
                                              implementation="fused")
             o4 = jaxsub.ops.attention_packed(jnp.stack(parts, 0), axis=0, causal=True, dropout_rate=0.1, key=key,
                                              implementation="fused")
             total = total + (o3.astype(jnp.float32) ** 2).sum() + (o4.astype(jnp.float32) ** 2).sum()
+            # The projected forms, with biases: their backward's q/k/v column sums (the tile
+            # kernel's dK/dV sums, the dq-bias kernel, the column sum of the partials).
+            o5 = jaxsub.ops.dense_attention_packed(x, w, bias, mask=pad[:, :n], dropout_rate=0.1, key=key,
+                                                   implementation="fused")
+            o6 = jaxsub.ops.attention_projected(x, tuple(w[:, i] for i in range(3)), tuple(bias), causal=True,
+                                                dropout_rate=0.1, key=key, implementation="fused")
+            total = total + (o5.astype(jnp.float32) ** 2).sum() + (o6.astype(jnp.float32) ** 2).sum()
         return total
 
-    return f, (scores, q, k, v)
+    return f, (scores, q, k, v, x, w, bias)
 
 
 def compare(f, args, dtype, reduction, what):
