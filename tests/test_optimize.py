@@ -450,6 +450,63 @@ def test_scan_attention_products_through_the_gemm_target(monkeypatch):
     assert len([ln for ln in text.splitlines() if "stablehlo.add" in ln and "tensor<2x8x32xbf16>" in ln]) == 1
 
 
+def _attention_layer(w, h):
+    """One bf16 attention layer (no scan), written as einsums: _attention_stack's body."""
+    qkv = jnp.einsum("bse,ethd->bsthd", h, w["qkv"]) + w["qkv_bias"]
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32), -1).astype(h.dtype), v)
+    return h + jnp.einsum("bshd,hde->bse", a, w["out"])
+
+
+# GEMM-target calls in the gradient: the q/k/v product's forward and two gradients; "all"
+# adds the out-projection's two gradients (its forward feeds nothing the gradient needs).
+@pytest.mark.parametrize("outside,gemms", [("attention", 3), ("all", 5), ("none", 0)])
+def test_single_layer_attention_product_through_the_gemm_target(monkeypatch, outside, gemms):
+    """Outside a scan (GPU forced): the q/k/v product, its bias and the attention as one
+    ops.dense_attention_packed (the bias gradient from the attention's backward, the
+    residual's gradient added by the dx product), as EncoderLayer runs them; with OUTSIDE
+    "all" the out-projection through the GEMM target too, with "none" neither. Same values
+    and gradients."""
+    from jaxsub.rewrite import scan_products
+
+    monkeypatch.setattr(scan_products, "LIBRARY", True)
+    monkeypatch.setattr(scan_products, "OUTSIDE", outside)
+    bf = jnp.bfloat16
+    w = {"qkv": (_normal(1, (32, 3, 2, 16)) / 12).astype(bf), "qkv_bias": (_normal(2, (3, 2, 16)) / 4).astype(bf),
+         "out": (_normal(3, (2, 16, 32)) / 6).astype(bf)}
+    x = _normal(0, (2, 8, 32)).astype(bf)
+    _assert_same(_attention_layer, (w, x), bf, argnums=(0, 1))
+    report = str(jaxsub.explain(_attention_layer, w, x))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jaxsub.optimize(_attention_layer)(w, x).astype(jnp.float32)),
+                            (0, 1)))
+    text = grad.lower(w, x).as_text()
+    assert text.count("stablehlo.custom_call @jaxsub_gemm") == gemms
+    # x is also the residual. (The gradient alone needs no forward output, so the program
+    # has no forward residual add.) Apart, XLA adds the residual's gradient to dx; through
+    # the GEMM target the dx product adds it as its c operand.
+    adds = [ln for ln in text.splitlines() if "stablehlo.add" in ln and "tensor<2x8x32xbf16>" in ln]
+    if outside == "none":
+        assert "ops.dense" not in report and len(adds) == 1
+        return
+    assert "one ops.dense_attention_packed" in report and "its input's other uses read it from there" in report
+    assert "@jaxsub_bias_add" not in text and "@jaxsub_bias_grad" not in text
+    assert text.count("@jaxsub_attention_qkv_bwd(") == 1
+    assert gemm_c_types(text).count("tensor<16x32xbf16>") == 1 and not adds
+
+
+def test_outside_products_mode_is_checked(monkeypatch):
+    from jaxsub.rewrite import scan_products
+
+    monkeypatch.setattr(scan_products, "LIBRARY", True)
+    monkeypatch.setattr(scan_products, "OUTSIDE", "sometimes")
+    x = _normal(0, (2, 8, 32)).astype(jnp.bfloat16)
+    w = {"qkv": jnp.zeros((32, 3, 2, 16), jnp.bfloat16), "qkv_bias": jnp.zeros((3, 2, 16), jnp.bfloat16),
+         "out": jnp.zeros((2, 16, 32), jnp.bfloat16)}
+    with pytest.raises(ValueError, match="JAXSUB_OPTIMIZE_PRODUCTS.*sometimes"):
+        jaxsub.optimize(_attention_layer)(w, x)
+
+
 def gemm_c_types(text: str) -> list:
     """The c operand's type of each jaxsub_gemm call in lowered StableHLO text."""
     return [line.rsplit(" : (", 1)[1].split(") ->")[0].split(", ")[3]

@@ -96,7 +96,10 @@ class Plan:
     unsearched: list         # opaque Nodes with bodies (while, cond, custom_jvp/vjp)
 
 
-def plan(g: G.Graph, options: Options) -> Plan:
+def plan(g: G.Graph, options: Options, scan_body: bool = False) -> Plan:
+    """The matches in `g` and, recursively, in its nodes' bodies; then its products
+    (`rewrite.scan_products.fuse`: every plain 16-bit product in a scan's body, outside
+    scans the attention's q/k/v products or as `scan_products.OUTSIDE` says)."""
     at, claimed, misses, seen = {}, set(), [], set()
 
     def note(miss):
@@ -118,16 +121,12 @@ def plan(g: G.Graph, options: Options) -> Plan:
                 claimed.update(found.nodes)
                 at[node] = found
                 break
-    sub = {n: plan(n.body, options) for n in g.nodes if n.body is not None}
-    if any(n.prim == G.SCAN for n in sub):
-        from jaxsub.rewrite import scan_products  # it builds on this module's Match
-
-        for n in sub:
-            if n.prim == G.SCAN:
-                sub[n] = scan_products.fuse(n.body, sub[n])
+    sub = {n: plan(n.body, options, scan_body=n.prim == G.SCAN) for n in g.nodes if n.body is not None}
     # A matched call (softmax's custom_jvp_call) is replaced whole, not left unsearched.
     unsearched = [n for n in g.nodes if n.prim in G.UNSEARCHED and n not in claimed]
-    return Plan(at, claimed - set(at), misses[::-1], sub, unsearched)
+    from jaxsub.rewrite import scan_products  # it builds on this module's Match
+
+    return scan_products.fuse(g, Plan(at, claimed - set(at), misses[::-1], sub, unsearched), scan=scan_body)
 
 
 # ---------------------------------------------------------------------------------------

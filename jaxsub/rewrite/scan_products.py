@@ -1,15 +1,25 @@
-"""Products in a scan's body (`patterns.plan` runs this on scan bodies only).
+"""Products through jaxsub's GEMM target (`patterns.plan` runs `fuse` on every graph).
 
-On GPU, in a body that runs fused ops (and so goes through `jaxsub.stack.scan`), every
+On GPU, in a scan body that runs fused ops (and so goes through `jaxsub.stack.scan`), every
 plain bf16/f16 product x · w (x's last axes against w's first) as `ops.dense`: XLA reads a
 custom call's operands in place when they are slices of the stacks (the layer's weights,
 the residuals the backward's products read) and writes a weight gradient into its stack
 in place, where it copies them for its own GEMMs (the scanned `jaxsub.flax.Encoder` does
 the same: bench/NOTES.md, nineteenth session). A packed q/k/v product whose bias an
-attention match adds takes the bias into the GEMM's epilogue (twentieth session).
+attention match adds takes the bias into the GEMM's epilogue (twentieth session), and runs
+with the attention as one `ops.dense_attention_packed`, whose backward also returns the
+bias gradient (fortieth and forty-first sessions).
 
-In a single layer nothing is copied, so this does not pay there. (Until the thirty-first
-session a bias + GELU + dropout feeding a product also became one
+Outside scan bodies (a single layer) nothing is copied, so plain products gain nothing
+there; but the attention's q/k/v product does, as `jaxsub.flax.EncoderLayer` runs it: the
+bias gradient from the attention's backward instead of a column sum over the [B, S, 3, H,
+D] gradient, and, where the product's input is read again (a post-LN layer's residual),
+that read's gradient added into dx by the dx product instead of by an XLA add.
+`OUTSIDE` says what `fuse` takes outside scans: "attention" (that product), "all" (every
+plain product too, as in a scan) or "none"; the environment's JAXSUB_OPTIMIZE_PRODUCTS
+sets it at import.
+
+(Until the thirty-first session a bias + GELU + dropout feeding a product also became one
 `ops.bias_gelu_dropout_dense`, whose backward writes the GELU output again rather than the
 scan keeping it. Since the custom calls write the scan's residuals into its stacks in
 place, keeping it measured faster: bench/NOTES.md, thirty-first session.)
@@ -18,6 +28,7 @@ place, keeping it measured faster: bench/NOTES.md, thirty-first session.)
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +46,11 @@ LIBRARY: bool | None = None
 
 def _library() -> bool:
     return jax.default_backend() == "gpu" if LIBRARY is None else bool(LIBRARY)
+
+
+# What fuse takes outside scan bodies (module docstring).
+OUTSIDE: str = os.environ.get("JAXSUB_OPTIMIZE_PRODUCTS", "attention")
+_OUTSIDE_MODES = ("attention", "all", "none")
 
 
 def _plain(node, y, w) -> bool:
@@ -63,14 +79,24 @@ def dense_axes(node) -> int | None:
     return k
 
 
-def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
-    """`plan` with each product of `ops.dense`'s form that no match has claimed as an
-    ops.dense match, on GPU and where the body runs fused ops already (a body that does
-    not keeps lax.scan, and with it forward-mode differentiation). A packed q/k/v
-    product whose bias an attention match adds takes the bias into the GEMM's epilogue:
-    the sum is then the custom call's result, which the scan writes into its residual
-    stack in place (`jaxsub.stack`), where XLA's add wrote it and copied it there."""
-    if not _library() or not plan.at:
+def fuse(g: G.Graph, plan: P.Plan, scan: bool) -> P.Plan:
+    """`plan` with, on GPU and where the graph runs fused ops already (a scan body that
+    does not keeps lax.scan, and with it forward-mode differentiation): a packed q/k/v
+    product whose bias an attention match adds as one ops.dense with the bias in the
+    GEMM's epilogue (in a scan body the sum is then the custom call's result, which the
+    scan writes into its residual stack in place (`jaxsub.stack`), where XLA's add wrote
+    it and copied it there), run with the attention as one ops.dense_attention_packed
+    where the match allows; and, in a scan body (`scan`) or with OUTSIDE "all", each
+    other product of `ops.dense`'s form that no match has claimed as an ops.dense match.
+    Outside scan bodies OUTSIDE "none" leaves `plan` as it is."""
+    if scan:
+        mode = "all"
+    elif OUTSIDE in _OUTSIDE_MODES:
+        mode = OUTSIDE
+    else:
+        raise ValueError(f"jaxsub.optimize: JAXSUB_OPTIMIZE_PRODUCTS (scan_products.OUTSIDE) must be one of "
+                         f"{', '.join(_OUTSIDE_MODES)}, got {OUTSIDE!r}")
+    if not _library() or not plan.at or mode == "none":
         return plan
     at, claimed = dict(plan.at), set()
     for anchor, match in plan.at.items():
@@ -107,7 +133,7 @@ def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
                            "the attention's backward)" if match.attrs["dense_ok"] else "")
                         + ("; its input's other uses read it from there (their gradient added in the "
                            "product's backward)" if shared else ""))
-    for node in g.nodes:
+    for node in g.nodes if mode == "all" else ():
         k = dense_axes(node)
         if (k is None or node in at or node in claimed or node in plan.skip
                 or not _gemm.in_place_pays(node.outs[0].dtype)):
@@ -118,6 +144,6 @@ def fuse(g: G.Graph, plan: P.Plan) -> P.Plan:
             return [ops.dense(read(x), read(w), axes=k)]
 
         at[node] = P.Match("dense", node, [node], {"x": x, "w": w}, build,
-                           f"x·w ({P.shapes(x, w)}) through jaxsub's GEMM target, which XLA runs on the "
-                           "scan's slices in place (ops.dense)")
+                           f"x·w ({P.shapes(x, w)}) through jaxsub's GEMM target"
+                           + (", which XLA runs on the scan's slices in place" if scan else "") + " (ops.dense)")
     return dataclasses.replace(plan, at=at)
