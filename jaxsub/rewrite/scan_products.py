@@ -10,14 +10,17 @@ attention match adds takes the bias into the GEMM's epilogue (twentieth session)
 with the attention as one `ops.dense_attention_packed`, whose backward also returns the
 bias gradient (fortieth and forty-first sessions).
 
-Outside scan bodies (a single layer) nothing is copied, so plain products gain nothing
-there; but the attention's q/k/v product does, as `jaxsub.flax.EncoderLayer` runs it: the
-bias gradient from the attention's backward instead of a column sum over the [B, S, 3, H,
-D] gradient, and, where the product's input is read again (a post-LN layer's residual),
-that read's gradient added into dx by the dx product instead of by an XLA add.
-`OUTSIDE` says what `fuse` takes outside scans: "attention" (that product), "all" (every
-plain product too, as in a scan) or "none"; the environment's JAXSUB_OPTIMIZE_PRODUCTS
-sets it at import.
+Outside scan bodies (a single layer) nothing is copied, but the products still gain, as
+`jaxsub.flax.EncoderLayer` runs them: the attention's q/k/v product takes its bias
+gradient from the attention's backward instead of a column sum over the [B, S, 3, H, D]
+gradient, and, where the product's input is read again (a post-LN layer's residual),
+that read's gradient is added into dx by the dx product instead of by an XLA add.
+`OUTSIDE` says what `fuse` takes outside scans: "all" (every plain product too, through
+`ops.dense` as in a scan; the default), "attention" (only that product) or "none"; the
+environment's JAXSUB_OPTIMIZE_PRODUCTS sets it at import. On the H200 "all" measured
+fastest (b8×s512 layer: 0.729 and 0.746 ms in two runs against 0.765 for "none" and 0.775
+for "attention"; fewer XLA kernels beside the products: bench/NOTES.md, forty-second
+session).
 
 (Until the thirty-first session a bias + GELU + dropout feeding a product also became one
 `ops.bias_gelu_dropout_dense`, whose backward writes the GELU output again rather than the
@@ -49,8 +52,8 @@ def _library() -> bool:
 
 
 # What fuse takes outside scan bodies (module docstring).
-OUTSIDE: str = os.environ.get("JAXSUB_OPTIMIZE_PRODUCTS", "attention")
-_OUTSIDE_MODES = ("attention", "all", "none")
+OUTSIDE: str = os.environ.get("JAXSUB_OPTIMIZE_PRODUCTS", "all")
+_OUTSIDE_MODES = ("all", "attention", "none")
 
 
 def _plain(node, y, w) -> bool:
