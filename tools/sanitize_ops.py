@@ -1,8 +1,12 @@
 """Runs every CUDA kernel of the op families once, fwd and bwd, at odd and vector-aligned
 sizes, with dropout, and compares with the CPU handlers (the row ops, also at the extreme
-kernel configuration EXTREME; softmax_dropout; fused attention). Meant to run under
-`compute-sanitizer` (memcheck, racecheck): small sizes, one pass. Exits non-zero on a
-mismatch. Arguments: the families to run, `attention` and/or `rows` (default both)."""
+kernel configuration EXTREME; softmax_dropout; fused attention; the projected attention
+forms with biases). Meant to run under `compute-sanitizer` (memcheck, racecheck): small
+sizes, one pass. Exits non-zero on a mismatch. Arguments: the families to run,
+`attention`, `projected` and/or `rows` (default all three); `attention:N` (or
+`projected:N`) runs only the family's N-th case (from 0), one per process: on the H200 in
+the forty-second session compute-sanitizer itself segfaulted after a few compiled cases in
+one process, never on any one case alone."""
 
 import sys
 
@@ -48,11 +52,12 @@ def ops(x, key, p32, kernel_config=None):
     return f, (x, scale, bias, res, b2)
 
 
-def attention_ops(shape, d, dtype, key):
+def attention_ops(shape, d, dtype, key, projected=False):
     """softmax_dropout on [B, H, Sq, Sk] scores, fused attention on [B, Sq, H, D], and packed
-    self-attention (attention_packed) on the first min(Sq, Sk) positions."""
+    self-attention (attention_packed) on the first min(Sq, Sk) positions; with `projected`,
+    only dense_attention_packed and attention_projected with biases on those positions."""
     b, h, sq, sk = shape
-    ks = jax.random.split(jax.random.key(sq * sk + d), 7)
+    ks = jax.random.split(jax.random.key(sq * sk + d), 8)
     scores = jax.random.normal(ks[0], shape).astype(dtype)
     q = jax.random.normal(ks[1], (b, sq, h, d)).astype(dtype)
     k = jax.random.normal(ks[2], (b, sk, h, d)).astype(dtype)
@@ -62,11 +67,23 @@ def attention_ops(shape, d, dtype, key):
     x = jax.random.normal(ks[4], (b, n, e)).astype(dtype)
     w = (jax.random.normal(ks[5], (e, 3, h, d)) / np.sqrt(e)).astype(dtype)
     bias = (0.1 * jax.random.normal(ks[6], (3, h, d))).astype(dtype)
+    cts = jax.random.normal(ks[7], (2, b, n, h, d)).astype(dtype)  # the projected outputs' cotangents
 
     def f(scores, q, k, v, x, w, bias):
+        fused = jnp.dtype(dtype) != jnp.float32 and d in (32, 64, 128)
+        if projected:  # (16-bit, D 32/64/128 only)
+            # The backward's q/k/v column sums: the tile kernel's dK/dV sums, the dq-bias
+            # kernel, the column sum of the partials.
+            o5 = jaxsub.ops.dense_attention_packed(x, w, bias, mask=pad[:, :n], dropout_rate=0.1, key=key,
+                                                   implementation="fused")
+            o6 = jaxsub.ops.attention_projected(x, tuple(w[:, i] for i in range(3)), tuple(bias), causal=True,
+                                                dropout_rate=0.1, key=key, implementation="fused")
+            # (A linear loss, as the tests' cotangents: the square's large cotangents left
+            # dW elements that cancel to ~0 with bf16 noise above the elementwise tolerance.)
+            return sum((o.astype(jnp.float32) * c.astype(jnp.float32)).sum() for o, c in zip((o5, o6), cts))
         y = jaxsub.ops.softmax_dropout(scores, scale=0.3, mask=pad[:, None, None, :], causal=True, rate=0.1, key=key)
         total = (y.astype(jnp.float32) ** 2).sum()
-        if jnp.dtype(dtype) != jnp.float32 and d in (32, 64, 128):
+        if fused:
             o = jaxsub.ops.attention(q, k, v, mask=pad, causal=True, dropout_rate=0.1, key=key,
                                      implementation="fused")
             o2 = jaxsub.ops.attention(q, k, v, dropout_rate=0.1, key=key, implementation="fused")  # plain path
@@ -78,13 +95,6 @@ def attention_ops(shape, d, dtype, key):
             o4 = jaxsub.ops.attention_packed(jnp.stack(parts, 0), axis=0, causal=True, dropout_rate=0.1, key=key,
                                              implementation="fused")
             total = total + (o3.astype(jnp.float32) ** 2).sum() + (o4.astype(jnp.float32) ** 2).sum()
-            # The projected forms, with biases: their backward's q/k/v column sums (the tile
-            # kernel's dK/dV sums, the dq-bias kernel, the column sum of the partials).
-            o5 = jaxsub.ops.dense_attention_packed(x, w, bias, mask=pad[:, :n], dropout_rate=0.1, key=key,
-                                                   implementation="fused")
-            o6 = jaxsub.ops.attention_projected(x, tuple(w[:, i] for i in range(3)), tuple(bias), causal=True,
-                                                dropout_rate=0.1, key=key, implementation="fused")
-            total = total + (o5.astype(jnp.float32) ** 2).sum() + (o6.astype(jnp.float32) ** 2).sum()
         return total
 
     return f, (scores, q, k, v, x, w, bias)
@@ -106,12 +116,21 @@ def compare(f, args, dtype, reduction, what):
 def main(families):
     failures = 0
     key = jax.random.key(3)
-    for dtype in (jnp.bfloat16, jnp.float32) if "attention" in families else ():
+    for family, dtypes in (("attention", (jnp.bfloat16, jnp.float32)), ("projected", (jnp.bfloat16,))):
+        only = [int(f.split(":")[1]) for f in families if f.startswith(family + ":")]
+        if family not in families and not only:
+            continue
         # Key and query tiles of 64: one, two, three and five tiles (the copy pipelines).
-        for shape, d in (((2, 3, 5, 7), 32), ((2, 2, 70, 130), 64), ((1, 2, 129, 64), 128),
-                         ((1, 1, 300, 260), 64)):
-            f, args = attention_ops(shape, d, dtype, key)
-            failures += compare(f, args, dtype, max(shape[-2:]), f"attention {jnp.dtype(dtype).name} {shape} d={d}")
+        cases = [(dtype, shape, d) for dtype in dtypes
+                 for shape, d in (((2, 3, 5, 7), 32), ((2, 2, 70, 130), 64), ((1, 2, 129, 64), 128),
+                                  ((1, 1, 300, 260), 64))]
+        for i, (dtype, shape, d) in enumerate(cases):
+            if only and i not in only:
+                continue
+            f, args = attention_ops(shape, d, dtype, key, projected=family == "projected")
+            # The projected forms' weight gradients reduce over B·S rows of E-wide products.
+            reduction = max(shape[-2:]) if family == "attention" else min(shape[-2:]) * args[4].shape[-1]
+            failures += compare(f, args, dtype, reduction, f"{family} {jnp.dtype(dtype).name} {shape} d={d}")
     for dtype in (jnp.bfloat16, jnp.float32) if "rows" in families else ():
         for rows, n in ((3, 1), (5, 130), (9, 1024), (3, 4096), (2, 6000)):
             for p32, kc in ((True, None), (False, None), (True, EXTREME)):
@@ -124,4 +143,4 @@ def main(families):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or ["attention", "rows"]))
+    sys.exit(main(sys.argv[1:] or ["attention", "projected", "rows"]))
