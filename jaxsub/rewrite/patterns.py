@@ -98,8 +98,8 @@ class Plan:
 
 def plan(g: G.Graph, options: Options, scan_body: bool = False) -> Plan:
     """The matches in `g` and, recursively, in its nodes' bodies; then its products
-    (`rewrite.scan_products.fuse`: every plain 16-bit product in a scan's body, outside
-    scans the attention's q/k/v products or as `scan_products.OUTSIDE` says)."""
+    (`rewrite.scan_products.fuse`: on GPU every plain 16-bit product, in scan bodies and,
+    as `scan_products.OUTSIDE` says (by default), outside them)."""
     at, claimed, misses, seen = {}, set(), [], set()
 
     def note(miss):

@@ -84,7 +84,7 @@ def dense_axes(node) -> int | None:
 
 def fuse(g: G.Graph, plan: P.Plan, scan: bool) -> P.Plan:
     """`plan` with, on GPU and where the graph runs fused ops already (a scan body that
-    does not keeps lax.scan, and with it forward-mode differentiation): a packed q/k/v
+    does not keep lax.scan, and with it forward-mode differentiation): a packed q/k/v
     product whose bias an attention match adds as one ops.dense with the bias in the
     GEMM's epilogue (in a scan body the sum is then the custom call's result, which the
     scan writes into its residual stack in place (`jaxsub.stack`), where XLA's add wrote
