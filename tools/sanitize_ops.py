@@ -4,9 +4,10 @@ kernel configuration EXTREME; softmax_dropout; fused attention; the projected at
 forms with biases). Meant to run under `compute-sanitizer` (memcheck, racecheck): small
 sizes, one pass. Exits non-zero on a mismatch. Arguments: the families to run,
 `attention`, `projected` and/or `rows` (default all three); `attention:N` (or
-`projected:N`) runs only the family's N-th case (from 0), one per process: on the H200 in
-the forty-second session compute-sanitizer itself segfaulted after a few compiled cases in
-one process, never on any one case alone."""
+`projected:N`) runs only the family's N-th case (from 0), and `--cases attention projected`
+prints how many each has: on the H200 in the forty-second session compute-sanitizer itself
+segfaulted after a few compiled cases in one process (now and then also at start-up or at
+exit), so tools/gpu_check.sh runs one case per process."""
 
 import sys
 
@@ -113,18 +114,27 @@ def compare(f, args, dtype, reduction, what):
         return 1
 
 
+# Key and query tiles of 64: one, two, three and five tiles (the copy pipelines).
+_SHAPES = (((2, 3, 5, 7), 32), ((2, 2, 70, 130), 64), ((1, 2, 129, 64), 128), ((1, 1, 300, 260), 64))
+_FAMILIES = {"attention": (jnp.bfloat16, jnp.float32), "projected": (jnp.bfloat16,)}
+
+
+def cases(family):
+    """The (dtype, shape, d) cases of an attention family, in the order `family:N` counts."""
+    return [(dtype, shape, d) for dtype in _FAMILIES[family] for shape, d in _SHAPES]
+
+
 def main(families):
+    if families[:1] == ["--cases"]:  # how many cases each family named has (for one per process)
+        print(" ".join(str(len(cases(f))) for f in families[1:]))
+        return 0
     failures = 0
     key = jax.random.key(3)
-    for family, dtypes in (("attention", (jnp.bfloat16, jnp.float32)), ("projected", (jnp.bfloat16,))):
+    for family in _FAMILIES:
         only = [int(f.split(":")[1]) for f in families if f.startswith(family + ":")]
         if family not in families and not only:
             continue
-        # Key and query tiles of 64: one, two, three and five tiles (the copy pipelines).
-        cases = [(dtype, shape, d) for dtype in dtypes
-                 for shape, d in (((2, 3, 5, 7), 32), ((2, 2, 70, 130), 64), ((1, 2, 129, 64), 128),
-                                  ((1, 1, 300, 260), 64))]
-        for i, (dtype, shape, d) in enumerate(cases):
+        for i, (dtype, shape, d) in enumerate(cases(family)):
             if only and i not in only:
                 continue
             f, args = attention_ops(shape, d, dtype, key, projected=family == "projected")
