@@ -95,7 +95,7 @@ _F32 = jnp.float32
 _BERT = dict(hidden=1024, heads=16, ffn=4096)
 _SMALL = dict(hidden=128, heads=4, ffn=512)
 _SHORT = {"attention": "attn", "bias_dropout_residual_layer_norm": "bdrln", "bias_gelu_dropout": "gelu",
-          "layer_norm": "ln", "softmax_dropout": "softmax"}
+          "layer_norm": "ln", "softmax_dropout": "softmax", "bias_dropout_residual": "bdr"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,6 +78,9 @@ _FUSED = {
     "jaxsub_layer_norm_fwd": (NORMALIZATION, 7), "jaxsub_layer_norm_bwd": (NORMALIZATION, 14),
     "jaxsub_bdrln_fwd": (NORMALIZATION, 10), "jaxsub_bdrln_bwd": (NORMALIZATION, 19),
     "jaxsub_bias_gelu_dropout_fwd": (ELEMENTWISE, 7), "jaxsub_bias_gelu_dropout_bwd": (ELEMENTWISE, 12),
+    # x + dropout(y + bias): the bias add, the scale, the residual add; backward the scale
+    # and the column sum's add.
+    "jaxsub_bias_dropout_residual_fwd": (ELEMENTWISE, 3), "jaxsub_bias_dropout_bwd": (ELEMENTWISE, 2),
     "jaxsub_softmax_dropout_fwd": (NORMALIZATION, 7), "jaxsub_softmax_dropout_bwd": (NORMALIZATION, 9),
     "jaxsub_attention_fwd": (CONTRACTION, None), "jaxsub_attention_bwd": (CONTRACTION, None),
     "jaxsub_attention_bwd_dqkv": (CONTRACTION, None),
@@ -88,6 +91,7 @@ _FUSED = {
 }
 # Positions of each target's scratch results (ABI.md), not counted as moved bytes.
 _WORKSPACES = {"jaxsub_layer_norm_bwd": (-1,), "jaxsub_bdrln_bwd": (-1,), "jaxsub_bias_gelu_dropout_bwd": (2,),
+               "jaxsub_bias_dropout_bwd": (-1,),
                "jaxsub_attention_bwd": (-2, -1), "jaxsub_attention_bwd_dqkv": (-3, -2, -1),
                "jaxsub_attention_qkv_bwd": (-3, -2, -1), "jaxsub_bias_grad": (-1,),
                "jaxsub_gemm": (-1,)}

@@ -211,6 +211,17 @@ def test_gelu_backward_counts_its_y_result_not_its_workspace():
     assert rows["dense"].bytes == rows["op"].bytes + 4 * 64 * 48
 
 
+def test_residual_dropout_counts_its_tensors_not_its_workspace():
+    """bias_dropout_residual_fwd reads y, bias, residual and the seed and writes the sum;
+    bias_dropout_bwd reads dy and the seed and writes dx and dbias (its workspace is
+    scratch). Element-wise, 3 and 2 flops per element."""
+    x, y, bias = _normal(18, (64, 48)), _normal(19, (64, 48)), _normal(20, (48,))
+    f = lambda x, y, b: jnp.sum(ops.dropout.residual_add(x, y, b, rate=0.1, key=jax.random.key(21)))
+    r = jaxsub.analyze(f, x, y, bias, compare_optimized=False, grad=True, argnums=(0, 1, 2))
+    assert _rows(r, "jaxsub_bias_dropout_residual_fwd") == [(EW, 3 * 64 * 48, 4 * (3 * 64 * 48 + 48) + 8)]
+    assert _rows(r, "jaxsub_bias_dropout_bwd") == [(EW, 2 * 64 * 48, 4 * (2 * 64 * 48 + 48) + 8)]
+
+
 def test_dense_gelu_is_a_contraction_with_its_bytes():
     """dense_gelu_fwd: the product's flops plus the GELU's per element of y; it reads x, w,
     bias and the seed and writes y and h."""

@@ -341,7 +341,8 @@ def test_trace_finds_device_kernels_only_on_a_gpu():
 def test_encoder_pre_ln_config_rows_agree_with_plain_xla(tmp_path):
     """The pre-LN config: the jnp, Flax and jaxsub forms compute the same layer (each row's
     check compares its outputs and gradients with plain XLA's), and `optimize` fuses both
-    layer norms of the jnp and Flax forms, the second with its residual."""
+    layer norms of the jnp and Flax forms, the second with its residual, and the last
+    residual with its dropout (bdr)."""
     out = tmp_path / "encoder.json"
     code = bench_encoder.main(["--small", "--configs", "small-preln-b2s64-bf16", "--rows",
                                "flax,opt-jnp,opt-flax,jaxsub", "--repeats", "1", "--json", str(out),
@@ -352,7 +353,7 @@ def test_encoder_pre_ln_config_rows_agree_with_plain_xla(tmp_path):
     assert {n: r["check"] for n, r in rows.items()} == {"xla": "baseline", "flax": "ok", "opt-jnp": "ok",
                                                         "opt-flax": "ok", "jaxsub": "ok"}
     for name in ("opt-jnp", "opt-flax"):
-        assert rows[name]["fused"] == "attn1 bdrln1 gelu1 ln1", rows[name]["fused"]
+        assert rows[name]["fused"] == "attn1 bdr1 bdrln1 gelu1 ln1", rows[name]["fused"]
 
 
 def test_encoder_small_run_checks_and_times_every_row(tmp_path, capsys):

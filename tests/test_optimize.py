@@ -172,6 +172,54 @@ def test_bdrln_dropout_uses_the_users_key():
     assert np.mean(np.asarray(other != opt(x, b, r, s, lb, key))) > 0.05
 
 
+def residual_dropout_block(x, b, r, key, *, bias=True):
+    """A pre-LN layer's second residual: r + dropout(x + b), no layer norm after it."""
+    return r + _bernoulli_dropout(key, x + b if bias else x, RATE)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_residual_dropout_without_layer_norm_uses_the_users_key(bias):
+    x, b, r, _, _, key = _bdrln_args()
+    x, r = _normal(0, (64, N)), _normal(2, (64, N))
+    f = functools.partial(residual_dropout_block, bias=bias)
+    opt = jaxsub.optimize(f)
+    text = jax.jit(opt).lower(x, b, r, key).as_text()
+    assert text.count("@jaxsub_bias_dropout_residual_fwd(") == 1 and "bernoulli" not in text
+    assert jaxsub.explain(f, x, b, r, key).totals == {"bias_dropout_residual": 1}
+    y = opt(x, b, r, key)
+    np.testing.assert_array_equal(y, opt(x, b, r, key))
+    keep = ops.dropout_mask(key, x.shape, RATE)
+    want = ops.dropout.reference_residual_add(r, x, b if bias else jnp.zeros_like(b), keep=keep, rate=RATE)
+    assert_close(y, want, what="value")
+    # Dropped elements of x get no gradient (the fused op's mask for the user's key); r's
+    # gradient is the cotangent; b's the column sums of the kept, scaled cotangent.
+    ct = _normal(9, x.shape)
+    dx, db, dr = jax.grad(lambda x, b, r: jnp.sum(opt(x, b, r, key) * ct), (0, 1, 2))(x, b, r)
+    np.testing.assert_array_equal(np.asarray(dx != 0), keep)
+    np.testing.assert_array_equal(dr, ct)
+    assert_close(db, jnp.sum(jnp.where(keep, ct / (1 - RATE), 0), 0) if bias else jnp.zeros_like(b), grad=True,
+                 reduction=64, what="dbias")
+    assert np.mean(np.asarray(opt(x, b, r, jax.random.key(6)) != y)) > 0.05
+
+
+def test_residual_dropout_left_alone_when_not_private_or_not_rewritten():
+    x, b, r, _, _, key = _bdrln_args()
+
+    def shared(x, b, r, key):  # the dropped value is also returned
+        d = _bernoulli_dropout(key, x + b, RATE)
+        return r + d, d
+
+    report = jaxsub.explain(shared, x, b, r, key)
+    assert "bias_dropout_residual" not in report.totals
+    assert any(m.pattern == "bias_dropout_residual" for m in report.near_misses)
+    f = residual_dropout_block
+    opt = jaxsub.optimize(f, rewrite_dropout=False)
+    assert "jaxsub_" not in jax.jit(opt).lower(x, b, r, key).as_text()
+    np.testing.assert_array_equal(opt(x, b, r, key), f(x, b, r, key))  # the user's own bits
+    reasons = [m.detail for m in jaxsub.explain(opt, x, b, r, key).near_misses]
+    assert reasons == ["dropout not rewritten (rewrite_dropout=False)"]
+
+
 def bdrln_two_consumers(x, b, r, s, lb, w, key):
     """A post-LN block's h read twice: by a matmul and by the next residual add."""
     h = bdrln_block(x, b, r, s, lb, key, rate=0.0)

@@ -179,9 +179,9 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
 
     The result has fn's signature and pytree structure and composes with jit, grad,
     value_and_grad and vmap. fn is traced once per input structure/shape/dtype; matched
-    patterns (layer norm, bias+dropout+residual+layer norm, bias+GELU+dropout, attention,
-    softmax+dropout) call the fused ops, everything else runs exactly as before. See
-    `jaxsub.explain`.
+    patterns (layer norm, bias+dropout+residual+layer norm, bias+dropout+residual with no
+    layer norm after it, bias+GELU+dropout, attention, softmax+dropout) call the fused
+    ops, everything else runs exactly as before. See `jaxsub.explain`.
 
     When attention's q, k and v are three projections x·W_i (+ b_i) of one x used only by
     the attention (Flax's MultiHeadDotProductAttention, nnx.MultiHeadAttention), the three

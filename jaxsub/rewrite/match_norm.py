@@ -1,4 +1,5 @@
-"""Layer norm and bias-dropout-residual-layer-norm (BDRLN) matchers.
+"""Layer norm and bias-dropout-residual-layer-norm (BDRLN) matchers, and the residual
+with dropout that no layer norm follows (a pre-LN layer's second residual).
 
 Layer norm is recognized from its parts rather than from one spelling:
   y = centered * rstd [* scale] [+ bias], optionally inside an f32 upcast/downcast, where
@@ -17,15 +18,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
+
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout
+from jaxsub.ops import dropout as _dropout
 from jaxsub.ops import norm as _norm
 from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Copies, Match, NearMiss, Rebound, consumers,
                                      private_violation, read_after, shapes, split_vec, strip_row, strip_vec)
 
 LN = "layer_norm"
 BDRLN = "bias_dropout_residual_layer_norm"
+BDR = "bias_dropout_residual"
 
 
 @dataclasses.dataclass
@@ -395,3 +400,40 @@ def match_layer_norm(g, anchor, options):
     extra = ", x handed on to its later readers (their gradient added in the kernel)" if again else ""
     return Match(LN, anchor, ln.nodes, dict(x=ln.x, scale=ln.scale, bias=ln.bias), build,
                  _describe(ln, ln.x, extra), near_misses=misses)
+
+
+def match_bias_dropout_residual(g, anchor, options):
+    """residual + dropout(x [+ bias]) at `anchor` (the add) with no layer norm after it (a
+    layer norm after it makes it BDRLN's, anchored later in the graph and so tried first):
+    `ops.dropout.residual_add`, one kernel each way that draws the mask in the kernel and
+    again in the backward, where XLA would generate bernoulli's bits and keep the mask.
+    Without dropout there is nothing to fuse: XLA fuses the adds itself."""
+    if anchor.prim != "add":
+        return None
+    out = anchor.outs[0]
+    for c in _residual_candidates(g, out):
+        if (c.drop is None or c.x.shape != out.shape or c.residual.shape != out.shape
+                or c.x.dtype != out.dtype or c.residual.dtype != out.dtype or out.dtype not in ACTIVATION_DTYPES
+                or (c.bias is not None and c.bias.dtype not in (c.x.dtype, F32))):
+            continue
+        if not options.rewrite_dropout:
+            return NearMiss(BDR, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(c.drop.bernoulli)))
+        why = private_violation(g, c.nodes, anchor, {n: "residual sum" for n in c.nodes})
+        if why is not None:
+            return NearMiss(BDR, anchor, why, key=("bdr", id(anchor)))
+        return _bdr_match(anchor, c)
+    return None
+
+
+def _bdr_match(anchor, c):
+    rate = c.drop.rate
+
+    def build(read):
+        x = read(c.x)
+        bias = read(c.bias) if c.bias is not None else jnp.zeros(x.shape[-1:], x.dtype)
+        return [_dropout.residual_add(read(c.residual), x, bias, rate=rate, key=read(c.drop.key))]
+
+    inputs = dict(x=c.x, bias=c.bias, residual=c.residual, key=c.drop.key)
+    detail = (f"x {shapes(c.x)}, " + ("bias" if c.bias is not None else "no bias")
+              + f", dropout rate={rate:g}{c.drop.note}")
+    return Match(BDR, anchor, c.nodes, inputs, build, detail)
