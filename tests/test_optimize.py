@@ -179,7 +179,7 @@ def residual_dropout_block(x, b, r, key, *, bias=True):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_residual_dropout_without_layer_norm_uses_the_users_key(bias):
-    x, b, r, _, _, key = _bdrln_args()
+    _, b, _, _, _, key = _bdrln_args()
     x, r = _normal(0, (64, N)), _normal(2, (64, N))
     f = functools.partial(residual_dropout_block, bias=bias)
     opt = jaxsub.optimize(f)
@@ -457,17 +457,19 @@ def test_scan_products_through_the_gemm_target(monkeypatch):
     assert "dense" not in jaxsub.explain(lambda p, x: f32.apply(p, x, None)[0], p32, x32).totals
 
 
+def _attention_layer(w, h):
+    """One bf16 attention layer, written as einsums: a packed q/k/v product plus its bias,
+    and an out-projection contracting two axes whose pairs einsum lists in reverse order."""
+    qkv = jnp.einsum("bse,ethd->bsthd", h, w["qkv"]) + w["qkv_bias"]
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32), -1).astype(h.dtype), v)
+    return h + jnp.einsum("bshd,hde->bse", a, w["out"])
+
+
 def _attention_stack(ws, x):
-    """Two bf16 attention layers under lax.scan, written as einsums: a packed q/k/v
-    product plus its bias, and an out-projection contracting two axes whose pairs
-    einsum lists in reverse order."""
-    def layer(h, w):
-        qkv = jnp.einsum("bse,ethd->bsthd", h, w["qkv"]) + w["qkv_bias"]
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
-        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32), -1).astype(h.dtype), v)
-        return h + jnp.einsum("bshd,hde->bse", a, w["out"]), None
-    return jax.lax.scan(layer, x, ws)[0]
+    """Two of _attention_layer under lax.scan."""
+    return jax.lax.scan(lambda h, w: (_attention_layer(w, h), None), x, ws)[0]
 
 
 def test_scan_attention_products_through_the_gemm_target(monkeypatch):
@@ -497,15 +499,6 @@ def test_scan_attention_products_through_the_gemm_target(monkeypatch):
     assert "its input's other uses read it from there" in str(report)
     assert gemm_c_types(text).count("tensor<16x32xbf16>") == 1
     assert len([ln for ln in text.splitlines() if "stablehlo.add" in ln and "tensor<2x8x32xbf16>" in ln]) == 1
-
-
-def _attention_layer(w, h):
-    """One bf16 attention layer (no scan), written as einsums: _attention_stack's body."""
-    qkv = jnp.einsum("bse,ethd->bsthd", h, w["qkv"]) + w["qkv_bias"]
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
-    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32), -1).astype(h.dtype), v)
-    return h + jnp.einsum("bshd,hde->bse", a, w["out"])
 
 
 # GEMM-target calls in the gradient: the q/k/v product's forward and two gradients; "all"
