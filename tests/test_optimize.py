@@ -539,6 +539,38 @@ def test_single_layer_attention_product_through_the_gemm_target(monkeypatch, out
     assert gemm_c_types(text).count("tensor<16x32xbf16>") == 1 and not adds
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_flax_projections_through_the_gemm_target(monkeypatch, use_bias):
+    """Flax's three q/k/v DenseGenerals of a post-LN block's input (GPU forced): one
+    ops.dense_attention_packed on the weights and biases stacked, as the packed q/k/v
+    product runs (no attention_projected, no separate bias gradient, the residual's
+    gradient added by the dx product); same values and gradients, the three kernels' and
+    biases' included."""
+    from jaxsub.rewrite import scan_products
+
+    monkeypatch.setattr(scan_products, "LIBRARY", True)
+    bf = jnp.bfloat16
+    m = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=64, out_features=32, use_bias=use_bias,
+                                        dtype=bf, param_dtype=bf)
+    x = _normal(0, (2, 8, 32)).astype(bf)
+    params = jax.tree.map(lambda a: (a.astype(jnp.float32) / 2).astype(bf), m.init(jax.random.key(0), x))
+
+    def f(params, x):
+        return x + m.apply(params, x)
+
+    _assert_same(f, (params, x), bf, argnums=(0, 1))
+    report = str(jaxsub.explain(f, params, x))
+    assert "one ops.dense_attention_packed on the weights and biases stacked" in report, report
+    assert "its input's other uses read it from there" in report
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(jaxsub.optimize(f)(p, x).astype(jnp.float32)), (0, 1)))
+    text = grad.lower(params, x).as_text()
+    assert text.count("@jaxsub_attention_qkv_bwd(") == 1 and "@jaxsub_attention_bwd_dqkv(" not in text
+    assert "@jaxsub_bias_grad" not in text and "@jaxsub_bias_add" not in text
+    # The q/k/v product's forward and two gradients, the out-projection's two gradients.
+    assert text.count("stablehlo.custom_call @jaxsub_gemm") == 5
+    assert gemm_c_types(text).count("tensor<16x32xbf16>") == 1
+
+
 def test_outside_products_mode_is_checked(monkeypatch):
     from jaxsub.rewrite import scan_products
 

@@ -566,8 +566,14 @@ def match_attention(g, anchor, options):
     elif unpacked is not None:
         detail += f", q/k/v projections of one input not packed: {unpacked}"
     # For scan_products: the packed array's (product, bias) and the build taking it
-    # (`dense` only where the product writes the [B, S, 3, H, D] layout).
-    attrs = dict(biased=biased, attend=attend, dense_ok=packed[1] == 2) if biased is not None else {}
+    # (`dense` only where the product writes the [B, S, 3, H, D] layout), or Flax's three
+    # projections (the Packed that attention_projected takes) and the build.
+    if biased is not None:
+        attrs = dict(biased=biased, attend=attend, dense_ok=packed[1] == 2)
+    elif projected is not None and projected.apart:
+        attrs = dict(projected=projected, attend=attend)
+    else:
+        attrs = {}
     return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), attend, detail, attrs=attrs)
 
 

@@ -74,6 +74,14 @@ class Packed:
             return read(first.x), weights, None
         return read(first.x), weights, tuple(read(p.bias).reshape(p.bias.shape[2:]) for p in self.projections)
 
+    def stacked(self, read):
+        """(x, the weights stacked [E, 3, H, D], the biases stacked [3, H, D]) of the `apart`
+        form, for ops.dense_attention_packed (zero biases where the projections have none)."""
+        x, weights, biases = self.operands(read)
+        if biases is None:
+            biases = (jnp.zeros(weights[0].shape[1:], weights[0].dtype),) * 3
+        return x, jnp.stack(weights, axis=1), jnp.stack(biases)
+
     def build(self, read):
         first = self.projections[0]
         w = jnp.stack([read(p.w) for p in self.projections], axis=self.w_axis)

@@ -82,6 +82,38 @@ def dense_axes(node) -> int | None:
     return k
 
 
+def _projected(g: G.Graph, match: P.Match) -> P.Match:
+    """An attention match on Flax's three q/k/v projections (x [B, S, E] · w_i [E, H, D]
+    + b_i, `ops.attention_projected`'s form) as one ops.dense_attention_packed on the
+    weights and biases stacked, as the q/k/v product of a packed kernel runs: one product
+    through the GEMM target instead of three of XLA's, the bias gradient from the
+    attention's backward, and, where x is read again (a post-LN layer's residual), that
+    read's gradient added into dx by the dx product instead of by an XLA add. The stack
+    (6 MB for BERT-large) is the price; attention_projected stacks the weights in its
+    backward too."""
+    packed = match.attrs["projected"]
+    x = packed.projections[0].x
+    if not _gemm.in_place_pays(x.dtype):
+        return match
+    dots = {p.dot for p in packed.projections}
+    shared = x.value is None and P.consumers(g, x) > len(dots)
+
+    def build(read, attend=match.attrs["attend"]):
+        xv, w, bias = packed.stacked(read)
+        got = attend(read, dense=(xv, w, bias, 1, shared))
+        if not shared:
+            return got
+        outs, again = got
+        return P.Rebound(outs, {x: again})
+
+    return dataclasses.replace(
+        match, build=build,
+        description=f"{match.description}; run as one ops.dense_attention_packed on the weights and biases "
+                    "stacked (the bias gradient from the attention's backward)"
+                    + ("; its input's other uses read it from there (their gradient added in the "
+                       "product's backward)" if shared else ""))
+
+
 def fuse(g: G.Graph, plan: P.Plan, scan: bool) -> P.Plan:
     """`plan` with, on GPU and where the graph runs fused ops already (a scan body that
     does not keep lax.scan, and with it forward-mode differentiation): a packed q/k/v
@@ -103,6 +135,9 @@ def fuse(g: G.Graph, plan: P.Plan, scan: bool) -> P.Plan:
         return plan
     at, claimed = dict(plan.at), set()
     for anchor, match in plan.at.items():
+        if match.pattern == "attention" and "projected" in match.attrs:
+            at[anchor] = _projected(g, match)
+            continue
         biased = match.attrs.get("biased") if match.pattern == "attention" else None
         node = g.op(biased[0], "dot_general") if biased is not None and g.uses[biased[0]] == 1 else None
         k = dense_axes(node) if node is not None else None
