@@ -21,6 +21,7 @@ import pytest
 import jaxsub
 from bench import layers as L
 from jaxsub.flax import ReferenceEncoderLayer, to_flax_params
+from jaxsub.rewrite import scan_products
 from jaxsub.testing import assert_close
 
 B, S, E, H, F = 2, 16, 64, 4, 128
@@ -82,7 +83,9 @@ def test_layer_fully_matched(form, dtype, deterministic):
     f, params, x = _layer(form, dtype, deterministic)
     key = jax.random.key(1)
     report = jaxsub.explain(f, params, x, key)
-    assert dict(report.totals) == TOTALS, str(report)
+    # On a GPU backend the three plain products (out-projection, both MLP products) also go
+    # through jaxsub's GEMM target (rewrite.scan_products).
+    assert dict(report.totals) == {**TOTALS, **({"dense": 3} if scan_products._library() else {})}, str(report)
     assert not report.near_misses, str(report)
     opt = jaxsub.optimize(f)
     assert _fwd_counts(_targets(opt, params, x, key)) == FWD
@@ -95,7 +98,7 @@ def test_layer_fully_matched(form, dtype, deterministic):
         name = jnp.dtype(dtype).name
         # The rate is bernoulli's keep probability, not the rounded scale.
         assert all("dropout rate=0.1 " in m.detail and f"through a {name} constant" in m.detail
-                   for m in report.matches), str(report)
+                   for m in report.matches if m.pattern != "dense"), str(report)
 
 
 @pytest.mark.parametrize("form", FORMS)
