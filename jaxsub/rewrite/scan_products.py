@@ -106,12 +106,16 @@ def _projected(g: G.Graph, match: P.Match) -> P.Match:
         outs, again = got
         return P.Rebound(outs, {x: again})
 
+    first = packed.projections[0]
+    bias = " + bias" if first.bias is not None else ""
     return dataclasses.replace(
         match, build=build,
-        description=f"{match.description}; run as one ops.dense_attention_packed on the weights and biases "
-                    "stacked (the bias gradient from the attention's backward)"
-                    + ("; its input's other uses read it from there (their gradient added in the "
-                       "product's backward)" if shared else ""))
+        description=match.description.replace(f", {packed.describe()}", "")
+        + f", q/k/v projections x{list(first.x.shape)} @ w{list(first.w.shape)}{bias} as one "
+          "ops.dense_attention_packed on the weights and biases stacked (the bias gradient from the attention's "
+          "backward)"
+        + ("; its input's other uses read it from there (their gradient added in the product's backward)"
+           if shared else ""))
 
 
 def fuse(g: G.Graph, plan: P.Plan, scan: bool) -> P.Plan:
