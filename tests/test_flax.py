@@ -46,10 +46,12 @@ def test_matches_plain_flax(pre_layer_norm, masking):
         y = module.apply({"params": p}, x, mask)
         return jnp.sum(y * jnp.cos(y)), y
 
-    (_, y), (gp, gx) = jax.jit(jax.value_and_grad(lambda p, x: loss(layer, p, x), (0, 1), has_aux=True))(params, x)
-    flax_params = to_flax_params(params)
-    (_, y_ref), (gp_ref, gx_ref) = jax.jit(
-        jax.value_and_grad(lambda p, x: loss(ref, p, x), (0, 1), has_aux=True))(flax_params, x)
+    # f32 products in f32 on a GPU backend too (XLA's default there rounds them to TF32).
+    with jax.default_matmul_precision("highest"):
+        (_, y), (gp, gx) = jax.jit(jax.value_and_grad(lambda p, x: loss(layer, p, x), (0, 1), has_aux=True))(params, x)
+        flax_params = to_flax_params(params)
+        (_, y_ref), (gp_ref, gx_ref) = jax.jit(
+            jax.value_and_grad(lambda p, x: loss(ref, p, x), (0, 1), has_aux=True))(flax_params, x)
 
     # The layer chains reductions over E, S and F; its error grows with all of them.
     assert_close(y, y_ref, reduction=E * F, what="output")
