@@ -13,6 +13,17 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
 import pytest
 
 
+def pytest_configure(config):
+    """The unmarked tests are the CPU suite (CI, the README's test command): they check the
+    CPU handlers and the pass's structure at f32 tolerances, where on a GPU backend f32 attention
+    falls back to the unfused path, XLA rounds f32 products to TF32 and bf16 products go
+    through the GEMM target. So when only they are selected (the default `-m 'not gpu'`) they
+    run on the CPU backend on a GPU machine too, unless JAX_PLATFORMS says otherwise; the GPU
+    tests (`-m gpu`) run where JAX puts them."""
+    if config.getoption("markexpr").strip() == "not gpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
 @pytest.fixture
 def fresh_layout(tmp_path, monkeypatch):
     """Never touch the user's real layout cache (XDG_CACHE_HOME under tmp_path); forget
