@@ -580,6 +580,26 @@ def test_flax_projections_through_the_gemm_target(monkeypatch, use_bias):
     assert gemm_c_types(text).count("tensor<16x32xbf16>") == 1
 
 
+def test_nnx_projections_through_the_gemm_target(monkeypatch):
+    """The same for flax.nnx.MultiHeadAttention (its q is viewed [B, S, H, 1, D]): one
+    ops.dense_attention_packed on the stacked weights; values and the input's gradient."""
+    from jaxsub.rewrite import scan_products
+
+    monkeypatch.setattr(scan_products, "LIBRARY", True)
+    bf = jnp.bfloat16
+    layer = nnx.MultiHeadAttention(num_heads=2, in_features=32, qkv_features=64, decode=False, dtype=bf,
+                                   param_dtype=bf, rngs=nnx.Rngs(0))
+    x = _normal(0, (2, 8, 32)).astype(bf)
+
+    def f(x):
+        return x + layer(x)
+
+    _assert_same(f, (x,), bf)
+    assert "one ops.dense_attention_packed on the weights and biases stacked" in str(jaxsub.explain(f, x))
+    text = jax.jit(jax.grad(lambda x: jnp.sum(jaxsub.optimize(f)(x).astype(jnp.float32)))).lower(x).as_text()
+    assert text.count("@jaxsub_attention_qkv_bwd(") == 1 and "@jaxsub_attention_bwd_dqkv(" not in text
+
+
 def test_outside_products_mode_is_checked(monkeypatch):
     from jaxsub.rewrite import scan_products
 
