@@ -21,10 +21,10 @@ import math
 import jax.numpy as jnp
 
 from jaxsub import ops
-from jaxsub.rewrite import graph as G
-from jaxsub.rewrite import match_dropout
 from jaxsub.ops import dropout as _dropout
 from jaxsub.ops import norm as _norm
+from jaxsub.rewrite import graph as G
+from jaxsub.rewrite import match_dropout
 from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Copies, Match, NearMiss, Rebound, consumers,
                                      private_violation, read_after, shapes, split_vec, strip_row, strip_vec)
 

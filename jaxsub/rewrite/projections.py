@@ -103,14 +103,17 @@ class Packed:
         """The values `build` reads: x, the weights and the biases."""
         return [self.projections[0].x, *(r for p in self.projections for r in (p.w, p.bias) if r is not None)]
 
-    def describe(self) -> str:
+    def describe(self, dense: bool = False) -> str:
+        """How the match runs the projections; `dense`: as rewrite.scan_products runs the
+        `apart` form on the GPU (`stacked`)."""
         p = self.projections[0]
-        bias = " + bias" if p.bias is not None else ""
+        head = f"q/k/v projections x{list(p.x.shape)} @ w{list(p.w.shape)}" + (" + bias" if p.bias is not None else "")
+        if dense:
+            return (f"{head} as one ops.dense_attention_packed on the weights and biases stacked (the bias gradient "
+                    f"from the attention's backward)")
         if self.apart:
-            return (f"q/k/v projections x{list(p.x.shape)} @ w{list(p.w.shape)}{bias} as three products, "
-                    f"their gradient packed (attention_projected)")
-        return (f"q/k/v projections x{list(p.x.shape)} @ w{list(p.w.shape)}{bias} computed as one product "
-                f"with the weights stacked (attention_packed, axis 2)")
+            return f"{head} as three products, their gradient packed (attention_projected)"
+        return f"{head} computed as one product with the weights stacked (attention_packed, axis 2)"
 
 
 def _suffix(shape, of) -> bool:

@@ -100,22 +100,27 @@ def _projected(g: G.Graph, match: P.Match) -> P.Match:
 
     def build(read, attend=match.attrs["attend"]):
         xv, w, bias = packed.stacked(read)
-        got = attend(read, dense=(xv, w, bias, 1, shared))
-        if not shared:
-            return got
-        outs, again = got
-        return P.Rebound(outs, {x: again})
+        return _attend_dense(read, attend, x, (xv, w, bias, 1, shared))
 
-    first = packed.projections[0]
-    bias = " + bias" if first.bias is not None else ""
     return dataclasses.replace(
         match, build=build,
-        description=match.description.replace(f", {packed.describe()}", "")
-        + f", q/k/v projections x{list(first.x.shape)} @ w{list(first.w.shape)}{bias} as one "
-          "ops.dense_attention_packed on the weights and biases stacked (the bias gradient from the attention's "
-          "backward)"
-        + ("; its input's other uses read it from there (their gradient added in the product's backward)"
-           if shared else ""))
+        description=match.description.replace(packed.describe(), packed.describe(dense=True))
+        + (_SHARED if shared else ""))
+
+
+# explain's note for a product whose input is read again (`dense_and_input`'s hand-on).
+_SHARED = "; its input's other uses read it from there (their gradient added in the product's backward)"
+
+
+def _attend_dense(read, attend, x, dense):
+    """The attention match's outputs with its packed q/k/v as the product `dense` = (x, w,
+    bias, axes, shared), run as one ops.dense_attention_packed; with `shared`, x's later
+    readers take the copy it hands on (their gradient added by the dx product)."""
+    got = attend(read, dense=dense)
+    if not dense[4]:
+        return got
+    outs, again = got
+    return P.Rebound(outs, {x: again})
 
 
 def fuse(g: G.Graph, plan: P.Plan, scan: bool) -> P.Plan:
@@ -157,11 +162,7 @@ def fuse(g: G.Graph, plan: P.Plan, scan: bool) -> P.Plan:
         def build(read, x=x, w=w, bias=bias, k=k, attend=match.attrs["attend"], shared=shared,
                   together=match.attrs["dense_ok"]):
             if together:  # one ops.dense_attention_packed: the bias gradient from the attention's backward
-                got = attend(read, dense=(read(x), read(w), read(bias), k, shared))
-                if not shared:
-                    return got
-                outs, again = got
-                return P.Rebound(outs, {x: again})
+                return _attend_dense(read, attend, x, (read(x), read(w), read(bias), k, shared))
             if not shared:
                 return attend(read, ops.dense(read(x), read(w), read(bias), axes=k))
             y, again = _gemm.dense_and_input(read(x), read(w), read(bias), axes=k)
@@ -173,8 +174,7 @@ def fuse(g: G.Graph, plan: P.Plan, scan: bool) -> P.Plan:
             description=f"{match.description}; the q/k/v product and its bias as one ops.dense"
                         + (" run with the attention as one ops.dense_attention_packed (the bias gradient from "
                            "the attention's backward)" if match.attrs["dense_ok"] else "")
-                        + ("; its input's other uses read it from there (their gradient added in the "
-                           "product's backward)" if shared else ""))
+                        + (_SHARED if shared else ""))
     for node in g.nodes if mode == "all" else ():
         k = dense_axes(node)
         if (k is None or node in at or node in claimed or node in plan.skip
