@@ -381,6 +381,32 @@ def test_scanned_encoder_runs_each_forward_kernel_once():
         assert compiled == traced, layouts
 
 
+def test_layer_passes_each_op_a_quarter_of_one_seed_row(monkeypatch):
+    """One layer's four dropout keys become one row of seed words (one kernel on a GPU,
+    not one per key), each op given its 16-byte quarter: the same seeds, the same numbers
+    as each op given its own key."""
+    from jaxsub.ops import dropout as _dropout
+
+    layer, x, params = _setup(seed=9)
+
+    def loss(p, x):
+        return jnp.sum(layer.apply({"params": p}, x, None, False, rngs={"dropout": jax.random.key(1)}) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    text = step.lower(params, x).as_text()
+    calls = [line for line in text.split("\n") if "stablehlo.custom_call @jaxsub_" in line and "_fwd(" in line]
+    seeded = [line.rsplit(" : (", 1)[1].split(") ->")[0].split(", ")[-1] for line in calls
+              if "threshold" in line]
+    assert len(seeded) == 4 and set(seeded) == {"tensor<4xui32>"}, seeded
+    assert text.count("-> tensor<16xui32>") == 1
+    got = step(params, x)
+    monkeypatch.setattr(_dropout, "shared_seeds", lambda op, keys: list(keys))
+    apart = jax.jit(jax.value_and_grad(loss))
+    assert "tensor<16xui32>" not in apart.lower(params, x).as_text()
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(apart(params, x))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+
 def test_scanned_encoder_passes_each_op_sixteen_bytes_of_seed():
     """Each op with dropout in the scanned stack takes four seed words (a 16-byte slice of
     its layer's row), never two, so XLA reads one row per layer rather than one

@@ -211,6 +211,67 @@ def test_residual_dropout_without_layer_norm_uses_the_users_key(bias):
     assert np.mean(np.asarray(opt(x, b, r, jax.random.key(6)) != y)) > 0.05
 
 
+def gelu_then_residual_dropout(x, b, r, key):
+    """Two dropouts whose keys are the slices of one split (as a jnp layer draws them)."""
+    keys = jax.random.split(key, 2)
+    h = _bernoulli_dropout(keys[0], jax.nn.gelu(x + b, approximate=False), RATE)
+    return r + _bernoulli_dropout(keys[1], h + b, RATE)
+
+
+def _seed_operands(text):
+    """The seed operand types of the fused forward calls in lowered text."""
+    calls = [line for line in text.splitlines() if "custom_call @jaxsub_" in line and "_fwd(" in line]
+    return [line[line.rfind(": ("):].split(") -> ")[0].split(", ")[-1] for line in calls]
+
+
+def test_dropout_seeds_derived_in_the_program_share_one_row(monkeypatch):
+    x, r = _normal(0, (64, N)), _normal(2, (64, N))
+    b, key = _normal(1, (N,)), jax.random.key(5)
+    f = gelu_then_residual_dropout
+    opt = jaxsub.optimize(f)
+    text = jax.jit(opt).lower(x, b, r, key).as_text()
+    # Each fused op reads its seed from a 16-byte quarter of one row (one kernel on a GPU,
+    # where 8-byte slices of the split took a copy kernel each).
+    assert _seed_operands(text) == ["tensor<4xui32>"] * 2 and "bernoulli" not in text
+    assert text.count("-> tensor<8xui32>") == 1
+    ct = _normal(9, x.shape)
+
+    def value_and_grads(g):
+        return jax.value_and_grad(lambda x, b, r: jnp.sum(g(x, b, r, key) * ct), (0, 1, 2))(x, b, r)
+
+    got = value_and_grads(opt)
+    # The same seeds as each op given its own key: the user's split keys, bit for bit.
+    monkeypatch.setattr(ops.dropout, "shared_seeds", lambda op, keys: list(keys))
+    apart = jaxsub.optimize(f)
+    assert _seed_operands(jax.jit(apart).lower(x, b, r, key).as_text()) == ["tensor<2xui32>"] * 2
+    for a, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(value_and_grads(apart))):
+        np.testing.assert_array_equal(a, w)
+
+
+def test_dropout_keys_given_apart_are_read_in_place():
+    """Keys that are the program's inputs are not copied into a row: their words are read
+    where they are."""
+    x, r = _normal(0, (64, N)), _normal(2, (64, N))
+    b = _normal(1, (N,))
+
+    def f(x, b, r, k1, k2):
+        h = _bernoulli_dropout(k1, jax.nn.gelu(x + b, approximate=False), RATE)
+        return r + _bernoulli_dropout(k2, h + b, RATE)
+
+    text = jax.jit(jaxsub.optimize(f)).lower(x, b, r, jax.random.key(1), jax.random.key(2)).as_text()
+    assert _seed_operands(text) == ["tensor<2xui32>"] * 2 and "tensor<8xui32>" not in text
+
+
+def test_shared_seeds_row():
+    keys = [jax.random.key(3), None, jax.random.key(4)]
+    words = ops.dropout.shared_seeds("t", keys)
+    assert words[1] is None
+    for k, w in zip((keys[0], keys[2]), (words[0], words[2])):
+        np.testing.assert_array_equal(w.words, np.concatenate([jax.random.key_data(k), np.zeros(2, np.uint32)]))
+    one = [None, jax.random.key(3)]
+    assert ops.dropout.shared_seeds("t", one) == one
+
+
 def test_residual_dropout_left_alone_when_not_private_or_not_rewritten():
     x, b, r, _, _, key = _bdrln_args()
 

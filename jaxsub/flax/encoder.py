@@ -236,7 +236,11 @@ class EncoderLayer(_LayerFields):
         params["ffn_kernel"], params["ffn_bias"] = self._affine("mlp_out", self.mlp_dim, (self.mlp_dim, e), (e,))
         params["mlp_scale"], params["mlp_bias"] = self._norm("mlp_norm", e)
         det = bool(deterministic)
-        keys = self.dropout_keys(det) if dropout_keys is None else dropout_keys
+        if dropout_keys is None:  # the seeds as quarters of one row: one kernel on a GPU, not one per key
+            keys = self.dropout_keys(det)
+            keys = dict(zip(keys, _dropout.shared_seeds("jaxsub.flax.EncoderLayer", keys.values())))
+        else:
+            keys = dropout_keys
         return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det,
                              recompute_gelu=self.recompute_gelu, library_products=_library(self.library_products))
 
@@ -437,8 +441,7 @@ class Encoder(_LayerFields):
 
             def row(keys):
                 present[:] = [(n, k is not None) for n, k in keys.items()]
-                pad = lambda k: jnp.pad(_dropout.seed_from_key("jaxsub.flax.Encoder", k), (0, 2))  # noqa: E731
-                return jnp.concatenate([pad(k) if k is not None else jnp.zeros(4, jnp.uint32) for k in keys.values()])
+                return _dropout.seed_row("jaxsub.flax.Encoder", keys.values())
 
             seeds = jax.vmap(lambda k: row(draw(rngs={"dropout": k})))(
                 jax.random.split(self.make_rng("dropout"), self.num_layers))

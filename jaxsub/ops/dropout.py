@@ -47,10 +47,10 @@ def attrs(rate: float) -> dict:
 
 class Words:
     """A dropout seed already in the kernels' form, passed where a key goes and used as is:
-    uint32 words [2], or [4] whose first two are the seed (cuda/ABI.md). The scanned
-    `jaxsub.flax.Encoder` passes its layers' seeds this way: each op gets a 16-byte
-    quarter of its layer's row of seeds, so that XLA copies a row per layer out of the
-    table, not an 8-byte seed per op."""
+    uint32 words [2], or [4] whose first two are the seed (cuda/ABI.md). `shared_seeds`
+    (`optimize`, `jaxsub.flax.EncoderLayer`) and the scanned `jaxsub.flax.Encoder` pass
+    seeds this way: each op gets a 16-byte quarter of one row of seeds, which XLA writes
+    in one kernel, where 8-byte seeds took a copy each."""
 
     __slots__ = ("words",)
 
@@ -90,6 +90,27 @@ def seed_from_key(op: str, key) -> jax.Array:
         half = folded.shape[0] // 2
         folded = folded[:half] ^ folded[half:]
     return folded
+
+
+def seed_row(op: str, keys) -> jax.Array:
+    """The seeds of `keys` as one uint32 row of four words per key: key i's two seed words
+    at 4i and 4i + 1, then two zeros (four zeros for a None). Quarters of it are `Words`
+    (`shared_seeds`); `jaxsub.flax.Encoder` keeps one row per layer."""
+    return jnp.concatenate([jnp.pad(seed_from_key(op, k)[:2], (0, 2)) if k is not None else jnp.zeros(4, jnp.uint32)
+                            for k in keys])
+
+
+def shared_seeds(op: str, keys) -> list:
+    """The ops' seeds for several keys (None stays None) as quarters of one `seed_row`.
+    On a GPU, XLA computes the row, and with it the keys' derivations (a split, Flax's
+    `make_rng`s), in one kernel and hands each op its quarter; an 8-byte seed per op took
+    a copy kernel each (bench/NOTES.md, forty-fourth session). Fewer than two keys are
+    returned as they are: one key's words are read in place."""
+    keys = list(keys)
+    if sum(k is not None for k in keys) < 2:
+        return keys
+    row = seed_row(op, keys)
+    return [None if k is None else Words(row[4 * i:4 * i + 4]) for i, k in enumerate(keys)]
 
 
 NO_SEED = np.zeros((2,), np.uint32)

@@ -19,6 +19,7 @@ import numpy as np
 from jaxsub import stack
 from jaxsub.layout import select as _select
 from jaxsub.ops import config as _config
+from jaxsub.ops import dropout as _dropout
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import patterns as P
 
@@ -56,6 +57,31 @@ def _remat(node, plan, vals):
     return fn(*vals)
 
 
+def _seed_keys(g: G.Graph, plan: P.Plan):
+    """(keys, nodes): the dropout keys of `plan`'s matches that `g` derives (a split's
+    slices, Flax's `make_rng`s), in the order of their matches, and the nodes deriving
+    them in graph order, when there are at least two such keys and every such node is a
+    plain equation that no match took; else ([], [])."""
+    keys = []
+    for node in g.nodes:
+        match = plan.at.get(node)
+        key = match.inputs.get("key") if match is not None else None
+        if key is not None and key.value is None and key in g.producer and not any(key is k for k in keys):
+            keys.append(key)
+    if len(keys) < 2:
+        return [], []
+    need, todo = set(), list(keys)
+    while todo:
+        node = g.producer.get(ref := todo.pop())
+        if ref.value is not None or node is None or node in need:
+            continue
+        if node in plan.at or node in plan.skip or node.prim == G.SCAN or node.prim in G.REMAT:
+            return [], []
+        need.add(node)
+        todo.extend(node.ins)
+    return keys, [n for n in g.nodes if n in need]
+
+
 def run(g: G.Graph, plan: P.Plan, args):
     """The outputs of `g` on `args`, with `plan`'s matches replaced by fused ops. A match
     output given as `P.Copies` hands one copy to each node that reads it, in order (the
@@ -76,14 +102,22 @@ def run(g: G.Graph, plan: P.Plan, args):
             return handed[ref, node]
         return read
 
+    # The fused ops' dropout keys derived here are derived first, and the ops get their
+    # seeds as quarters of one row (ops.dropout.shared_seeds: one kernel on a GPU).
+    keys, early = _seed_keys(g, plan)
+    for node in early:
+        env.update(zip(node.outs, G.bind(node.eqn, [reader(node)(r) for r in node.ins])))
+    seeds = dict(zip(keys, _dropout.shared_seeds("jaxsub.optimize", [env[k] for k in keys])))
+    early = set(early)
+
     for node in g.nodes:
-        if node in plan.skip:
+        if node in plan.skip or node in early:
             continue
         match = plan.at.get(node)
         read = reader(node)
         vals = [read(r) for r in node.ins]
         if match is not None:
-            outs = match.build(read)
+            outs = match.build(functools.partial(_seeded, seeds, read) if seeds else read)
             if isinstance(outs, P.Rebound):
                 env.update(outs.values)
                 outs = outs.outs
@@ -96,6 +130,10 @@ def run(g: G.Graph, plan: P.Plan, args):
         env.update(zip(node.outs, outs))
     read = reader(None)
     return [read(r) for r in g.outvars]
+
+
+def _seeded(seeds, read, ref):
+    return seeds[ref] if ref in seeds else read(ref)
 
 
 @dataclasses.dataclass

@@ -574,7 +574,8 @@ def match_attention(g, anchor, options):
         attrs = dict(projected=projected, attend=attend)
     else:
         attrs = {}
-    return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v), attend, detail, attrs=attrs)
+    return Match(ATTN, anchor, att.nodes, dict(q=att.q, k=att.k, v=att.v, key=drop.key if drop is not None else None),
+                 attend, detail, attrs=attrs)
 
 
 def _describe(att, causal, rate):
