@@ -301,7 +301,8 @@ def test_host_cost_runs_on_a_small_config(capsys):
     assert _tool("host_cost").main(["--config", "small-b2s64-bf16"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
-        "small-b2s64-bf16 xla", "small-b2s64-bf16 jaxsub", "50 jaxsub layer_norm calls", "50 XLA fusions"]
+        "small-b2s64-bf16 xla", "small-b2s64-bf16 jaxsub", "50 jaxsub layer_norm calls",
+        "50 jaxsub bias_gelu_dropout calls", "50 jaxsub gemm calls", "50 jaxsub attention calls", "50 XLA fusions"]
     assert all("enqueue" in line for line in lines)
     assert _tool("host_cost").main(["--config", "small-b2s64-bf16", "--rows", "opt-flax"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("small-b2s64-bf16 opt-flax: enqueue")

@@ -3,8 +3,11 @@
 For bench.encoder rows (default: plain XLA and jaxsub's EncoderLayer; b8s512-bf16 step,
 heuristic layouts) it prints the host time to enqueue a step (10 steps dispatched back to
 back, before waiting) beside the time per step including the wait, and the latency of a
-single step on an idle device. Then the host cost of a custom call: 50 chained jaxsub
-layer_norm calls on a tiny input against 50 chained XLA fusions of similar work.
+single step on an idle device. Then the host cost of a custom call: chains of 50 calls of
+one jaxsub target each (layer norm, bias + GELU + dropout, the GEMM target, the fused
+attention) on tiny inputs against 50 chained XLA fusions. The jaxsub targets cost more host
+time inside XLA's command buffers than outside them: recording a custom call into a CUDA
+graph is part of a step's enqueue (bench/NOTES.md, forty-fourth session).
 A step is host-bound when its enqueue time approaches its time per step.
 
 Usage: python3 tools/host_cost.py [--config b8s512-bf16] [--rows xla,jaxsub]; any bench.encoder
@@ -62,24 +65,40 @@ def steps(config: str, rows: list[str]) -> None:
 
 
 def custom_calls(n: int = 50) -> None:
+    """Host time per call of chains of `n` calls of one jaxsub target each (tiny inputs),
+    against a chain of XLA fusions: what a custom call adds to a step's enqueue time."""
     x = jnp.ones((8, 128), jnp.bfloat16)
     p = jnp.ones((128,), jnp.float32)
+    pb = jnp.zeros((128,), jnp.bfloat16)
+    w = jnp.full((128, 128), 0.01, jnp.bfloat16)
+    q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+    key = jax.random.key(0)
 
-    def chain_jaxsub(x):
-        for _ in range(n):
-            x = jaxsub.ops.layer_norm(x, p, p)
-        return x
+    def chain(step):
+        def f(x, *rest):
+            for _ in range(n):
+                x = step(x, *rest)
+            return x
+        return f
 
-    def chain_xla(x):
-        for _ in range(n):
-            m = x.astype(jnp.float32).mean(-1, keepdims=True)
-            x = ((x - m) * 1.01).astype(x.dtype)
-        return x
+    def fusion(x):
+        m = x.astype(jnp.float32).mean(-1, keepdims=True)
+        return ((x - m) * 1.01).astype(x.dtype)
 
-    for label, f in ((f"{n} jaxsub layer_norm calls", chain_jaxsub), (f"{n} XLA fusions", chain_xla)):
-        g = jax.jit(f).lower(x).compile()
-        enqueue, total = _enqueue_and_total(g, (x,))
-        print(f"{label}: enqueue {enqueue:.0f} us, {total:.0f} us with the wait ({enqueue / n:.1f} us of host time each)")
+    chains = (
+        ("jaxsub layer_norm", chain(lambda x: jaxsub.ops.layer_norm(x, p, p)), (x,)),
+        ("jaxsub bias_gelu_dropout", chain(lambda x, k: jaxsub.ops.bias_gelu_dropout(x, pb, rate=0.1, key=k)),
+         (x, key)),
+        ("jaxsub gemm", chain(lambda x: jaxsub.ops.gemm.gemm(x, w)), (x,)),
+        ("jaxsub attention", chain(lambda q: jaxsub.ops.attention(q, q, q, implementation="fused")), (q,)),
+        ("XLA fusions", chain(fusion), (x,)),
+    )
+    for label, f, args in chains:
+        g = jax.jit(f).lower(*args).compile()
+        enqueue, total = _enqueue_and_total(g, args)
+        calls = "" if label.startswith("XLA") else " calls"
+        print(f"{n} {label}{calls}: enqueue {enqueue:.0f} us, {total:.0f} us with the wait "
+              f"({enqueue / n:.1f} us of host time each)")
 
 
 def main(argv: list[str]) -> int:
