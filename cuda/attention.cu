@@ -422,8 +422,9 @@ void launch_dq_bias(const AttnArgs& a, int64_t hd, cudaStream_t stream) {
   launch_dependent(attention_dq_bias_kernel<T, kFromAcc>, dim3(blocks, cols), dim3(kDqBiasX, kDqBiasY), 0, stream,
                    a.dq_acc, static_cast<T*>(a.o), a.dbias_ws, rows, groups, hd, a.scale, a.sq, a.grad_row,
                    a.dq_batch);
-  void* outs[3] = {a.dbias, nullptr, nullptr};
-  launch_column_sum<T>(a.dbias_ws, static_cast<int>(groups), 1, 3 * hd, false, outs, stream);
+  // The workspace's rows are [3, H * D]: three groups of H * D columns, one per part.
+  void* outs[3] = {a.dbias[0], a.dbias[1], a.dbias[2]};
+  launch_column_sum<T>(a.dbias_ws, static_cast<int>(groups), 3, hd, false, outs, stream);
 }
 
 // The backward (a.b * a.h and a.sq * a.sk nonzero): delta and the zeroed dq accumulator,
@@ -459,7 +460,7 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
         });
         if (e.failure()) return e;
         if (launched) {
-          if (a.dbias != nullptr) launch_dq_bias<T, false>(a, a.h * D, stream);  // dq's column sums
+          if (a.dbias[0] != nullptr) launch_dq_bias<T, false>(a, a.h * D, stream);  // dq's column sums
           return launch_status(op);
         }
         cudaGetLastError();  // a refused launch after a fitting answer: delta again, with the accumulator
@@ -478,7 +479,7 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
     if (e.failure()) return e;
     const int64_t n = rows * D, hd = a.h * D;
     auto* dq = static_cast<T*>(a.o);
-    if (a.dbias != nullptr) {
+    if (a.dbias[0] != nullptr) {
       launch_dq_bias<T, true>(a, hd, stream);
     } else if (a.grad_row == hd && a.dq_batch == a.sq * hd) {
       const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 8 + 255) / 256, 65535));

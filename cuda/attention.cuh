@@ -42,10 +42,11 @@ struct AttnArgs {
   float* lse;            // [B, H, Sq]
   float* delta;          // [B, H, Sq] workspace (backward): rowsum(dout * out)
   float* dq_acc;         // [B, Sq, H, D] f32 workspace (backward)
-  // Backward, packed gradients: dbias, T[3, H, D], the column sums of dq, dk and dv (the
-  // q/k/v projection's bias gradient), or none; dbias_ws its f32 [R, 3, H, D] row
-  // partials, R = B * ceil(S / 16) (attention_bwd.cuh, bwd_bias_sums).
-  void* dbias = nullptr;
+  // Backward, packed gradients: dbias[p], T[H, D], the column sums of dq, dk and dv (p = 0,
+  // 1, 2: the q/k/v projection's bias gradient, three parts of one [3, H, D] result or three
+  // results), or none (null); dbias_ws their f32 [R, 3, H, D] row partials, R = B * ceil(S /
+  // 16) (attention_bwd.cuh, bwd_bias_sums).
+  void* dbias[3] = {nullptr, nullptr, nullptr};
   float* dbias_ws = nullptr;
   int64_t b, h, sq, sk;
   int64_t bh0 = 0;  // the launch's first (b, h): blockIdx.y + bh0 (for_head_chunks)

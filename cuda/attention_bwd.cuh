@@ -222,7 +222,7 @@ __device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, i
           pack2<T>(DV(dn, 2 * r) * a.keep_scale, DV(dn, 2 * r + 1) * a.keep_scale);
     }
   }
-  if (a.dbias != nullptr) bwd_bias_sums<D>(a, DK, DV, bb, hh, k0, quad, tq);
+  if (a.dbias[0] != nullptr) bwd_bias_sums<D>(a, DK, DV, bb, hh, k0, quad, tq);
 }
 
 // delta[b, h, i] = sum_d dout * out, and dq_acc = 0 (when given). Each row (b, i, h) is

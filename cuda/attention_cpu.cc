@@ -271,20 +271,40 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
   });
 }
 
-// The packed gradients' optional bias gradient: dbias T[3, H, D] or T[0] (none); its GPU
-// workspace (f32[B * ceil(S / 16), 3, H, D] or f32[0]) is not touched here.
-ffi::Error check_dbias(const char* op, ffi::Result<ffi::AnyBuffer>& dbias, ffi::DataType t, const Dims& d) {
-  if (dbias->element_count() == 0) return ffi::Error::Success();
-  return check_buffer(op, "dbias", *dbias, t, 3 * d.h * d.d);
+// The packed gradients' optional bias gradient, as its three parts' outputs (null for
+// none): dbias T[3, H, D], T[0] (none), or, with `parts` holding two more results, dbias
+// T[H, D] for q and those for k and v (attention_qkv_bwd; the CUDA handler's set_dbias).
+// Its GPU workspace (f32[B * ceil(S / 16), 3, H, D] or f32[0]) is not touched here.
+ffi::Error check_dbias(const char* op, ffi::Result<ffi::AnyBuffer>& dbias, ffi::DataType t, const Dims& d,
+                       void* (&out)[3], const ffi::RemainingRets* parts = nullptr) {
+  out[0] = out[1] = out[2] = nullptr;
+  const size_t more = parts != nullptr ? parts->size() : 0, hd = d.h * d.d;
+  if (more != 0 && more != 2)
+    return invalid(op, "after its five results it takes two more (the k and v bias gradients) or none");
+  if (dbias->element_count() == 0 && more == 0) return ffi::Error::Success();
+  if (auto e = check_buffer(op, "dbias", *dbias, t, more ? hd : 3 * hd); e.failure()) return e;
+  char* q = static_cast<char*>(dbias->untyped_data());
+  out[0] = q;
+  for (size_t p = 1; p < 3; ++p) {
+    if (more == 0) {
+      out[p] = q + p * hd * ffi::ByteWidth(t);
+      continue;
+    }
+    auto r = parts->get<ffi::AnyBuffer>(p - 1);
+    if (r.has_error()) return invalid(op, "the k and v bias gradients must be results");
+    if (auto e = check_buffer(op, p == 1 ? "the k bias gradient" : "the v bias gradient", **r, t, hd); e.failure())
+      return e;
+    out[p] = (*r)->untyped_data();
+  }
+  return ffi::Error::Success();
 }
-// dbias[p, h, e] = the sum over b and s of part p's gradient (the written, rounded values
-// at g's strides, part p at element offset p * poff), in double; nothing for T[0].
+// out[p][h, e] = the sum over b and s of part p's gradient (the written, rounded values
+// at g's strides, part p at element offset p * poff), in double; nothing where out is null.
 template <typename T>
-void packed_column_sums(const T* grad, int64_t poff, const Dims& g, ffi::Result<ffi::AnyBuffer>& dbias) {
-  if (dbias->element_count() == 0) return;
+void packed_column_sums(const T* grad, int64_t poff, const Dims& g, void* const (&out)[3]) {
+  if (out[0] == nullptr) return;
   const int64_t hd = g.h * g.d;
   std::vector<double> sum(hd);
-  T* out = data<T>(dbias);
   for (int64_t p = 0; p < 3; ++p) {
     std::fill(sum.begin(), sum.end(), 0.0);
     for (int64_t b = 0; b < g.b; ++b)
@@ -292,7 +312,8 @@ void packed_column_sums(const T* grad, int64_t poff, const Dims& g, ffi::Result<
         const T* row = grad + p * poff + q_at(g, b, i, 0);
         for (int64_t c = 0; c < hd; ++c) sum[c] += to_float(row[c]);
       }
-    for (int64_t c = 0; c < hd; ++c) out[p * hd + c] = from_float<T>(static_cast<float>(sum[c]));
+    T* dst = static_cast<T*>(out[p]);
+    for (int64_t c = 0; c < hd; ++c) dst[c] = from_float<T>(static_cast<float>(sum[c]));
   }
 }
 
@@ -318,7 +339,8 @@ ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBu
   if (auto e = check_buffer(op, "out", out, t, nq); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, 3 * nq); e.failure()) return e;
-  if (auto e = check_dbias(op, dbias, t, d); e.failure()) return e;
+  void* dbias_out[3];
+  if (auto e = check_dbias(op, dbias, t, d, dbias_out); e.failure()) return e;
   const int64_t hd = d.h * d.d;
   const Dims g{d.b, d.sq, d.sk, d.h, d.d, 3 * hd, d.sq * 3 * hd, d.sq * 3 * hd};  // [B, S, 3, H, D]
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
@@ -327,7 +349,7 @@ ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBu
     T* dq = data<T>(dqkv);
     attention_bwd<T>(c, data<T>(dout), data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse), g, dq,
                      dq + hd, dq + 2 * hd);
-    packed_column_sums<T>(dq, hd, g, dbias);
+    packed_column_sums<T>(dq, hd, g, dbias_out);
     return ffi::Error::Success();
   });
 }
@@ -368,14 +390,15 @@ ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyB
 }
 
 // dout: T[B, S, H, D]; qkv; out: T[B, S, H, D]; lse: f32[B, H, S]; mask; seed
-//   -> dqkv: qkv's shape; dbias (check_dbias), its workspace; workspaces (GPU scratch, untouched here).
+//   -> dqkv: qkv's shape; dbias (check_dbias), its workspace; workspaces (GPU scratch, untouched here);
+//   then none, or the k and v bias gradients (check_dbias).
 ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                               ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind,
                               uint32_t threshold, float keep_scale, int32_t qkv_axis,
                               ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
                               ffi::Result<ffi::AnyBuffer> /*dbias workspace*/,
                               ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
-                              ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
+                              ffi::Result<ffi::AnyBuffer> /*dq workspace*/, ffi::RemainingRets dbias_kv) {
   const char* op = "attention_qkv_bwd";
   Dims d;
   MaskView m;
@@ -388,7 +411,8 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
   if (auto e = check_buffer(op, "out", out, t, no); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, qkv.element_count()); e.failure()) return e;
-  if (auto e = check_dbias(op, dbias, t, d); e.failure()) return e;
+  void* dbias_out[3];
+  if (auto e = check_dbias(op, dbias, t, d, dbias_out, &dbias_kv); e.failure()) return e;
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
@@ -396,7 +420,7 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
     T* dq = data<T>(dqkv);
     attention_bwd<T>(c, data<T>(dout), q, q + koff, q + 2 * koff, data<T>(out), data<float>(lse), d, dq, dq + koff,
                      dq + 2 * koff);
-    packed_column_sums<T>(dq, koff, d, dbias);
+    packed_column_sums<T>(dq, koff, d, dbias_out);
     return ffi::Error::Success();
   });
 }
@@ -467,4 +491,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCpu_attention_qkv_bwd, jaxsub::AttentionQkvB
                                   .Ret<xla::ffi::AnyBuffer>()   // dbias: T[3, H, D] or T[0]
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: dbias partials (GPU)
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace: delta
-                                  .Ret<xla::ffi::AnyBuffer>());  // workspace: dq accumulator
+                                  .Ret<xla::ffi::AnyBuffer>()   // workspace: dq accumulator
+                                  .RemainingRets());            // none, or dbias_k, dbias_v: T[H, D]

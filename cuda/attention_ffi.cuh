@@ -6,25 +6,45 @@
 namespace jaxsub {
 namespace {
 
-// The packed gradients' optional bias gradient: dbias T[3, H, D] (the column sums of the
-// dq, dk and dv parts over B and S) and its workspace f32[B * ceil(S / 16), 3, H, D], or
-// T[0] and f32[0] for none.
+// The packed gradients' optional bias gradient (the column sums of the dq, dk and dv parts
+// over B and S) and its workspace f32[B * ceil(S / 16), 3, H, D]: dbias T[3, H, D], or T[0]
+// and f32[0] for none; or, with `parts` (attention_qkv_bwd's remaining results) holding
+// two more, dbias T[H, D] for q and those two T[H, D] for k and v, so that three separate
+// parameters' gradients need no slicing (a Flax layer's three biases).
 ffi::Error set_dbias(const char* op, AttnArgs& a, int d, ffi::DataType t, ffi::Result<ffi::AnyBuffer>& dbias,
-                     ffi::Result<ffi::AnyBuffer>& ws) {
-  const size_t n = dbias->element_count();
-  if (n == 0 && ws->element_count() == 0) return ffi::Error::Success();
-  if (dbias->element_type() != t || n != static_cast<size_t>(3 * a.h * d))
-    return invalid(op, "dbias must be [3, H, D] in the gradient's dtype, or empty");
+                     ffi::Result<ffi::AnyBuffer>& ws, const ffi::RemainingRets* parts = nullptr) {
+  const size_t n = dbias->element_count(), hd = static_cast<size_t>(a.h * d);
+  const size_t more = parts != nullptr ? parts->size() : 0;
+  if (more != 0 && more != 2)
+    return invalid(op, "after its five results it takes two more (the k and v bias gradients) or none");
+  if (n == 0 && ws->element_count() == 0 && more == 0) return ffi::Error::Success();
+  if (dbias->element_type() != t || n != (more ? hd : 3 * hd))
+    return invalid(op, more ? "dbias must be [H, D] in the gradient's dtype (q's part; k's and v's follow)"
+                            : "dbias must be [3, H, D] in the gradient's dtype, or empty");
   if (ws->element_type() != ffi::DataType::F32 ||
-      ws->element_count() != static_cast<size_t>(a.b * ((a.sq + 15) / 16) * 3 * a.h * d))
+      ws->element_count() != static_cast<size_t>(a.b * ((a.sq + 15) / 16)) * 3 * hd)
     return invalid(op, "the dbias workspace must be f32[B * ceil(S / 16), 3, H, D]");
-  a.dbias = dbias->untyped_data();
+  char* q = static_cast<char*>(dbias->untyped_data());
+  const size_t part_bytes = hd * ffi::ByteWidth(t);
+  a.dbias[0] = q;
+  for (size_t p = 1; p < 3; ++p) {
+    if (more == 0) {
+      a.dbias[p] = q + p * part_bytes;
+      continue;
+    }
+    auto r = parts->get<ffi::AnyBuffer>(p - 1);
+    if (r.has_error() || (*r)->element_type() != t || (*r)->element_count() != hd)
+      return invalid(op, std::string(p == 1 ? "the k" : "the v") +
+                             " bias gradient must be [H, D] in the gradient's dtype");
+    a.dbias[p] = (*r)->untyped_data();
+  }
   a.dbias_ws = data<float>(ws);
   return ffi::Error::Success();
 }
 // A backward with no score at all (B, H or S zero): every column sum is zero.
-void zero_dbias(const AttnArgs& a, ffi::Result<ffi::AnyBuffer>& dbias, cudaStream_t stream) {
-  if (a.dbias != nullptr) cudaMemsetAsync(a.dbias, 0, dbias->size_bytes(), stream);
+void zero_dbias(const AttnArgs& a, int d, ffi::DataType t, cudaStream_t stream) {
+  for (void* part : a.dbias)
+    if (part != nullptr) cudaMemsetAsync(part, 0, static_cast<size_t>(a.h * d) * ffi::ByteWidth(t), stream);
 }
 
 // The backward's buffers besides q, k, v and their gradients.
@@ -94,7 +114,7 @@ ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32
     return invalid(op, "dqkv must be [B, S, 3, H, D] for q, k, v of shape [B, S, H, D]");
   if (auto e = set_dbias(op, a, d, q.element_type(), dbias, dbias_ws); e.failure()) return e;
   if (a.b * a.h * a.sq == 0) {  // dqkv is empty too
-    zero_dbias(a, dbias, stream);
+    zero_dbias(a, d, q.element_type(), stream);
     return launch_status(op);
   }
   const int64_t hd = a.h * d;
@@ -127,21 +147,22 @@ ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_
 }
 
 // dout: [B, S, H, D]; qkv; out: [B, S, H, D]; lse: [B, H, S]; mask; seed
-//   -> dqkv: qkv's shape; dbias and its workspace (set_dbias); delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32.
+//   -> dqkv: qkv's shape; dbias and its workspace (set_dbias); delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32;
+//   then none, or the k and v bias gradients (set_dbias).
 ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
                            float keep_scale, int32_t qkv_axis, ffi::AnyBuffer dout, ffi::AnyBuffer qkv,
                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
                            ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
                            ffi::Result<ffi::AnyBuffer> dbias_ws, ffi::Result<ffi::AnyBuffer> delta,
-                           ffi::Result<ffi::AnyBuffer> dq_acc) {
+                           ffi::Result<ffi::AnyBuffer> dq_acc, ffi::RemainingRets dbias_kv) {
   const char* op = "attention_qkv_bwd";
   AttnArgs a{};
   int d = 0;
   int64_t koff = 0;
   if (auto e = read_packed_shapes(op, qkv, qkv_axis, mask, mask_kind, a, d, koff); e.failure()) return e;
-  if (auto e = set_dbias(op, a, d, qkv.element_type(), dbias, dbias_ws); e.failure()) return e;
+  if (auto e = set_dbias(op, a, d, qkv.element_type(), dbias, dbias_ws, &dbias_kv); e.failure()) return e;
   if (a.b * a.h * a.sq == 0) {  // dqkv is empty too
-    zero_dbias(a, dbias, stream);
+    zero_dbias(a, d, qkv.element_type(), stream);
     return launch_status(op);
   }
   const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
@@ -224,5 +245,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsubCuda_attention_qkv_bwd, jaxsub::AttentionQkv
                                   .Ret<ffi::AnyBuffer>()  // dbias: T[3, H, D] or T[0]
                                   .Ret<ffi::AnyBuffer>()  // dbias workspace: f32[B * ceil(S / 16), 3, H, D] or f32[0]
                                   .Ret<ffi::AnyBuffer>()  // delta workspace
-                                  .Ret<ffi::AnyBuffer>(),  // dq_acc workspace
+                                  .Ret<ffi::AnyBuffer>()   // dq_acc workspace
+                                  .RemainingRets(),        // none, or dbias_k, dbias_v: T[H, D] (dbias then q's)
                               {ffi::Traits::kCmdBufferCompatible});

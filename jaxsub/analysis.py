@@ -93,7 +93,8 @@ _FUSED = {
 _WORKSPACES = {"jaxsub_layer_norm_bwd": (-1,), "jaxsub_bdrln_bwd": (-1,), "jaxsub_bias_gelu_dropout_bwd": (2,),
                "jaxsub_bias_dropout_bwd": (-1,),
                "jaxsub_attention_bwd": (-2, -1), "jaxsub_attention_bwd_dqkv": (-3, -2, -1),
-               "jaxsub_attention_qkv_bwd": (-3, -2, -1), "jaxsub_bias_grad": (-1,),
+               # after its five results, the k and v bias gradients where the biases are apart
+               "jaxsub_attention_qkv_bwd": (2, 3, 4), "jaxsub_bias_grad": (-1,),
                "jaxsub_gemm": (-1,)}
 
 

@@ -315,6 +315,59 @@ def test_dense_attention_packed_fused_takes_the_bias_gradient_from_the_attention
     assert text.count("stablehlo.custom_call @jaxsub_gemm") == 3
 
 
+@pytest.mark.parametrize("s,e,h,d,dtype,mask_kind,causal,rate,axes,with_input", DENSE_CASES[1:],
+                         ids=[f"s{c[0]}-{c[4].name}-p{c[7]}-axes{c[8]}-input{c[9]}" for c in DENSE_CASES[1:]])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dense_attention_packed_takes_three_biases(implementation, s, e, h, d, dtype, mask_kind, causal, rate, axes,
+                                                   with_input):
+    """Three [H, D] biases (separate parameters, as Flax's) give the values and gradients of
+    the same biases stacked, bit for bit, each bias its own gradient."""
+    b = 2
+    x, kernel, bias, dout, dx_other = dense_inputs(s * 7 + d, b, s, e, h, d, dtype, axes)
+    kw = dict(mask=make_mask(mask_kind, s + 1, b, h, s, s), key=jax.random.key(s), causal=causal,
+              dropout_rate=rate, implementation=implementation, axes=axes, with_input=with_input)
+    got_out, (gdx, gdk, gdb) = dense_op_vjp(x, kernel, tuple(bias), dout, dx_other, **kw)
+    want_out, (wdx, wdk, wdb) = dense_op_vjp(x, kernel, bias, dout, dx_other, **kw)
+    assert isinstance(gdb, tuple) and len(gdb) == 3 and all(g.shape == (h, d) and g.dtype == dtype for g in gdb)
+    for name, g, w in [("out", got_out, want_out), ("dx", gdx, wdx), ("dkernel", gdk, wdk),
+                       ("dbias", jnp.stack(gdb), wdb)]:
+        for ga, wa in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+            np.testing.assert_array_equal(np.asarray(ga, np.float32), np.asarray(wa, np.float32), err_msg=name)
+
+
+def test_dense_attention_packed_three_biases_get_three_results():
+    """The fused path with three biases: the attention backward writes the three bias
+    gradients as three results (no slices of one [3, H, D] gradient)."""
+    x, kernel, bias, dout, dx_other = dense_inputs(5, 2, 9, 12, 3, 4, F32)
+    kw = dict(dropout_rate=0.1, key=jax.random.key(2), implementation="fused", axes=1, with_input=True)
+    text = dense_op_vjp.lower(x, kernel, tuple(bias), dout, dx_other, **kw).as_text()
+    bwd = [ln for ln in text.splitlines() if "@jaxsub_attention_qkv_bwd(" in ln]
+    assert len(bwd) == 1
+    results = bwd[0].split("->")[1]
+    assert results.count("tensor<3x4xf32>") == 3 and "tensor<3x3x4xf32>" not in results, results
+    assert "stablehlo.slice" not in text and "@jaxsub_bias_grad" not in text
+
+
+@pytest.mark.parametrize("extra", [1, 3])
+def test_packed_backward_takes_two_more_results_or_none(extra):
+    """attention_qkv_bwd's results after its five: the k and v bias gradients, or none;
+    another count is refused with a message naming the target."""
+    b, s, h, d = 1, 4, 2, 8
+    rng = np.random.default_rng(3)
+    qkv, dout = normal(rng, (b, s, 3, h, d), F32), normal(rng, (b, s, h, d), F32)
+    mask4d, kind = _masks.normalize("t", None, (b, h), s, s, key_padding_ok=True)
+    seed = _dropout.seed_from_key("t", jax.random.key(3))
+    static = (1.0 / np.sqrt(d), False, kind, 0.0)
+    out, lse = attn._fwd_packed_call(qkv, 2, jnp.asarray(mask4d), seed, *static)
+    hd = jax.ShapeDtypeStruct((h, d), F32)
+    types = (jax.ShapeDtypeStruct(qkv.shape, F32), hd, jax.ShapeDtypeStruct((b, 3, h, d), F32),
+             jax.ShapeDtypeStruct((b, h, s), F32), jax.ShapeDtypeStruct((b, s, h, d), F32), *(hd,) * extra)
+    with pytest.raises(Exception, match="attention_qkv_bwd.*two more"):
+        jax.block_until_ready(jaxsub._ffi.call("jaxsub_attention_qkv_bwd", types, dout, qkv, out, lse,
+                                               jnp.asarray(mask4d), seed, qkv_axis=np.int32(2),
+                                               **_masks.attrs(*static)))
+
+
 @pytest.mark.parametrize("axis", [2, 0])
 def test_packed_backward_bias_result_is_the_gradient_column_sums(axis):
     """The targets' dbias result (CPU handler) equals dqkv summed over B and S, in f64."""
@@ -371,4 +424,24 @@ class TestCudaDense(CudaAgainstCpu):
         assert_dense_vjps_close(got, want, dtype, s, e, with_input, what="cuda vs cpu")
         # and against the two ops on the GPU (the bias gradient by the column-sum kernel)
         assert_dense_vjps_close(got, dense_ref_vjp(*args, **kw), dtype, s, e, with_input, what="cuda vs two ops")
+
+    @pytest.mark.parametrize("s,causal", [(512, False), (64, False), (130, True)])
+    def test_three_biases(self, s, causal):
+        """Three [H, D] biases on the GPU: the values and gradients of the stacked bias (the
+        same kernels, the column sums written to three arrays; bit for bit where dq is
+        reduced in clusters, S 64, within tolerance where atomics add it up, S 512 and
+        causal), and close to the CPU."""
+        b, e, h, d = 2, 256, 4, 64
+        x, kernel, bias, dout, dx_other = dense_inputs(9 + s, b, s, e, h, d, BF16)
+        kw = dict(key=jax.random.key(4), causal=causal, dropout_rate=0.1, implementation="fused", axes=1,
+                  with_input=True)
+        got = dense_op_vjp(x, kernel, tuple(bias), dout, dx_other, **kw)
+        want = dense_op_vjp(x, kernel, bias, dout, dx_other, **kw)
+        stack = lambda r: (r[0], (r[1][0], r[1][1], jnp.stack(r[1][2])))  # noqa: E731
+        if s <= 128 and not causal:
+            for g, w in zip(jax.tree.leaves(stack(got)), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        assert_dense_vjps_close(stack(got), want, BF16, s, e, True, what="three biases against one")
+        cpu = dense_op_vjp(*jax.device_put((x, kernel, tuple(bias), dout, dx_other), jax.devices("cpu")[0]), **kw)
+        assert_dense_vjps_close(stack(got), stack(cpu), BF16, s, e, True, what="three biases, cuda vs cpu")
 

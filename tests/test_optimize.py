@@ -636,6 +636,10 @@ def test_flax_projections_through_the_gemm_target(monkeypatch, use_bias):
     text = grad.lower(params, x).as_text()
     assert text.count("@jaxsub_attention_qkv_bwd(") == 1 and "@jaxsub_attention_bwd_dqkv(" not in text
     assert "@jaxsub_bias_grad" not in text and "@jaxsub_bias_add" not in text
+    # The three biases' gradients are three results of the attention's backward, not
+    # slices of one [3, H, D] result (each a copy kernel on the GPU).
+    bwd = next(ln for ln in text.splitlines() if "@jaxsub_attention_qkv_bwd(" in ln).split("->")[1]
+    assert bwd.count("tensor<2x32xbf16>") == 3 and "tensor<3x2x32xbf16>" not in bwd, bwd
     # The q/k/v product's forward and two gradients, the out-projection's two gradients.
     assert text.count("stablehlo.custom_call @jaxsub_gemm") == 5
     assert gemm_c_types(text).count("tensor<16x32xbf16>") == 1

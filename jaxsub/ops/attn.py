@@ -128,10 +128,20 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
 def _dbias(bias_grad, b, s, h, d, dtype):
     """The packed backward targets' dbias result and its workspace: dtype[3, H, D] (the column
     sums of dq, dk and dv, the q/k/v projection's bias gradient) and f32[B * ceil(S / 16), 3,
-    H, D] (the GPU's row partials), or dtype[0] and f32[0] (none)."""
+    H, D] (the GPU's row partials), or dtype[0] and f32[0] (none); with bias_grad "split"
+    (attention_qkv_bwd only), dtype[H, D], q's part, whose k and v parts are two more
+    results at the end (`_dbias_kv`)."""
     if not bias_grad:
         return jax.ShapeDtypeStruct((0,), dtype), jax.ShapeDtypeStruct((0,), _F32)
-    return jax.ShapeDtypeStruct((3, h, d), dtype), jax.ShapeDtypeStruct((b * -(-s // 16), 3, h, d), _F32)
+    return (jax.ShapeDtypeStruct((h, d) if bias_grad == "split" else (3, h, d), dtype),
+            jax.ShapeDtypeStruct((b * -(-s // 16), 3, h, d), _F32))
+
+
+def _dbias_kv(bias_grad, h, d, dtype):
+    """attention_qkv_bwd's remaining results: the k and v bias gradients dtype[H, D] with
+    bias_grad "split", so that three separate parameters get theirs without slicing one
+    [3, H, D] result (each slice a copy kernel on the GPU); else none."""
+    return (jax.ShapeDtypeStruct((h, d), dtype),) * 2 if bias_grad == "split" else ()
 
 
 def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=False):
@@ -161,18 +171,23 @@ def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
 
 
 def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=False):
+    """dqkv, and with bias_grad the bias gradient: one [3, H, D] array, or with "split" the
+    three [H, D] arrays (q, k, v)."""
     b, s, h, d = _packed_dims(qkv.shape, axis)
-    dqkv, dbias, _, _, _ = _ffi.call(
+    dqkv, dbias, _, _, _, *dbias_kv = _ffi.call(
         "jaxsub_attention_qkv_bwd",
         (
             jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
             *_dbias(bias_grad, b, s, h, d, qkv.dtype),
             jax.ShapeDtypeStruct((b, h, s), _F32),
             jax.ShapeDtypeStruct((b, s, h, d), _F32),
+            *_dbias_kv(bias_grad, h, d, qkv.dtype),
         ),
         dout, qkv, out, lse, mask4d, seed,
         qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
     )
+    if bias_grad == "split":
+        dbias = (dbias, *dbias_kv)
     return (dqkv, dbias) if bias_grad else dqkv
 
 

@@ -91,23 +91,35 @@ _fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd)
 # attention's backward hands on dqkv's column sums, which are the bias gradient: no column
 # sum reads dqkv again. `shared`: x is also returned, and the cotangent of that output
 # (x's other uses) is added into dx by the dx product (ops.gemm.dense_and_input).
+# `bias` is one [3, H, D] array or, for three separate parameters (a Flax layer's biases),
+# a tuple of three [H, D]: the forward stacks them for the GEMM's epilogue and the backward
+# gets their gradients as three results of the attention's backward (bias_grad "split"),
+# not as slices of one, which XLA would copy out one kernel each.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate):
     return _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)[0]
 
 
 def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate):
-    qkv = _gemm.forward(x, kernel, bias, axes)
+    qkv = _gemm.forward(x, kernel, _stacked(bias), axes)
     out, lse = _attn._fwd_packed_call(qkv, 2, mask4d, seed, scale, causal, kind, rate)
-    return ((out, x) if shared else out), (x, kernel, qkv, out, lse, mask4d, seed)
+    # The bias rides along for its form only (its gradient has the same structure); it is
+    # an input, so keeping it costs nothing.
+    return ((out, x) if shared else out), (x, kernel, bias, qkv, out, lse, mask4d, seed)
 
 
 def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, res, ct):
-    x, kernel, qkv, out, lse, mask4d, seed = res
+    x, kernel, bias, qkv, out, lse, mask4d, seed = res
     dout, dx_other = ct if shared else (ct, None)
-    dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=True)
+    dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate,
+                                      bias_grad="split" if isinstance(bias, tuple) else True)
     dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
     return dx, dkernel, db, None, None
+
+
+def _stacked(bias):
+    """A [3, H, D] bias as it is, three [H, D] ones stacked."""
+    return jnp.stack(bias) if isinstance(bias, tuple) else bias
 
 
 _fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
@@ -211,7 +223,7 @@ class _DensePacked:
     source for attn._attention; with `shared`, x is handed on too (ops.gemm.dense_and_input)."""
     x: jax.Array
     kernel: jax.Array
-    bias: jax.Array
+    bias: jax.Array | tuple  # [3, H, D], or three [H, D] (q, k, v)
     axes: int
     shared: bool
 
@@ -226,9 +238,9 @@ class _DensePacked:
     def product(self):
         """(qkv, its axis, x handed on or None) for the paths that attend to qkv itself."""
         if self.shared:
-            qkv, again = _gemm.dense_and_input(self.x, self.kernel, self.bias, axes=self.axes)
+            qkv, again = _gemm.dense_and_input(self.x, self.kernel, _stacked(self.bias), axes=self.axes)
             return qkv, 2, again
-        return _gemm.dense(self.x, self.kernel, self.bias, axes=self.axes), 2, None
+        return _gemm.dense(self.x, self.kernel, _stacked(self.bias), axes=self.axes), 2, None
 
     def result(self, out, again=None):
         return (out, self.x if again is None else again) if self.shared else out
@@ -247,7 +259,9 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
     Args:
       x: [B, S, *K]; float32, bfloat16 or float16.
       kernel: [*K, 3, H, D] (K the `axes` dims contracted), x's dtype.
-      bias: [3, H, D], x's dtype.
+      bias: [3, H, D], x's dtype; or three [H, D] arrays (q's, k's and v's, separate
+        parameters as in a Flax layer), whose gradients the fused path's backward writes
+        as three results, where slices of one [3, H, D] gradient would be three copies.
       axes: how many of x's trailing dims are contracted (static int >= 1).
       with_input: also return x, as `ops.gemm.dense_and_input` does, so that the gradient of
         x's other uses is added into dx by the dx product.
@@ -257,12 +271,18 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
       [B, S, H, D] in x's dtype; with `with_input`, (that, x).
     """
     op = "dense_attention_packed"
-    x, kernel, bias = _gemm.check_inputs(x, kernel, bias, axes, op=op)
+    three = isinstance(bias, (tuple, list))
+    x, kernel, checked = _gemm.check_inputs(x, kernel, None if three else bias, axes, op=op)
+    if not three:
+        bias = checked
     if bias is None:
-        raise TypeError(f"jaxsub.{op}: `bias` must be an array [3, H, D], got None")
+        raise TypeError(f"jaxsub.{op}: `bias` must be an array [3, H, D] or three [H, D], got None")
     if x.ndim - axes != 2 or kernel.ndim - axes != 3 or kernel.shape[axes] != 3:
         raise ValueError(f"jaxsub.{op}: `x` must be [B, S, *K] and `kernel` [*K, 3, H, D] with K {axes} dims "
                          f"(axes), got shapes {x.shape} and {kernel.shape}")
+    if three:
+        bias = _check_three(op, "bias", bias, tuple(kernel.shape[axes + 1:]), "[H, D], the kernel's last two dims,",
+                            x.dtype)
     packed = _DensePacked(x, kernel, bias, axes, bool(with_input))
     if os.environ.get("JAXSUB_QKV_BIAS_FROM_ATTENTION") == "0":  # the two ops apart (for comparisons)
         qkv, _, again = packed.product()
@@ -270,7 +290,7 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
                                                     dropout_rate=dropout_rate, key=key,
                                                     implementation=implementation), again)
     if not _gemm.supported(x, kernel):
-        y = _gemm.reference_dense(x, kernel, bias, axes=axes)
+        y = _gemm.reference_dense(x, kernel, _stacked(bias), axes=axes)
         return packed.result(_attn.attention_packed(y, axis=2, mask=mask, causal=causal, scale=scale,
                                               dropout_rate=dropout_rate, key=key, implementation=implementation))
     like = jax.ShapeDtypeStruct((*x.shape[:2], *kernel.shape[axes + 1:]), x.dtype)  # q's, k's and v's shape

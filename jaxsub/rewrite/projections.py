@@ -75,12 +75,13 @@ class Packed:
         return read(first.x), weights, tuple(read(p.bias).reshape(p.bias.shape[2:]) for p in self.projections)
 
     def stacked(self, read):
-        """(x, the weights stacked [E, 3, H, D], the biases stacked [3, H, D]) of the `apart`
-        form, for ops.dense_attention_packed (zero biases where the projections have none)."""
+        """(x, the weights stacked [E, 3, H, D], the three biases [H, D]) of the `apart` form,
+        for ops.dense_attention_packed (zero biases where the projections have none), which
+        stacks the biases for the GEMM's epilogue and gives their gradients apart."""
         x, weights, biases = self.operands(read)
         if biases is None:
             biases = (jnp.zeros(weights[0].shape[1:], weights[0].dtype),) * 3
-        return x, jnp.stack(weights, axis=1), jnp.stack(biases)
+        return x, jnp.stack(weights, axis=1), tuple(biases)
 
     def build(self, read):
         first = self.projections[0]
