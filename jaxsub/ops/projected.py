@@ -95,24 +95,24 @@ _fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd)
 # a tuple of three [H, D]: the forward stacks them for the GEMM's epilogue and the backward
 # gets their gradients as three results of the attention's backward (bias_grad "split"),
 # not as slices of one, which XLA would copy out one kernel each.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate):
-    return _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)[0]
+# `three` (static) says which form `bias` has, so that the backward returns its gradient in
+# that form without keeping the bias as a residual.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
+    return _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three)[0]
 
 
-def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate):
+def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
     qkv = _gemm.forward(x, kernel, _stacked(bias), axes)
     out, lse = _attn._fwd_packed_call(qkv, 2, mask4d, seed, scale, causal, kind, rate)
-    # The bias rides along for its form only (its gradient has the same structure); it is
-    # an input, so keeping it costs nothing.
-    return ((out, x) if shared else out), (x, kernel, bias, qkv, out, lse, mask4d, seed)
+    return ((out, x) if shared else out), (x, kernel, qkv, out, lse, mask4d, seed)
 
 
-def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, res, ct):
-    x, kernel, bias, qkv, out, lse, mask4d, seed = res
+def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, three, res, ct):
+    x, kernel, qkv, out, lse, mask4d, seed = res
     dout, dx_other = ct if shared else (ct, None)
     dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate,
-                                      bias_grad="split" if isinstance(bias, tuple) else True)
+                                      bias_grad="split" if three else True)
     dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
     return dx, dkernel, db, None, None
 
@@ -233,7 +233,7 @@ class _DensePacked:
 
     def fused(self, mask4d, seed, scale, causal, kind, rate):
         return _fused_dense(self.x, self.kernel, self.bias, mask4d, seed, self.axes, self.shared, scale, causal, kind,
-                            rate)
+                            rate, isinstance(self.bias, tuple))
 
     def product(self):
         """(qkv, its axis, x handed on or None) for the paths that attend to qkv itself."""
