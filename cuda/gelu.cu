@@ -29,7 +29,7 @@ struct GeluPtrs {
 template <typename T, int VEC, int NV, bool kBackward, bool kStoreY = false, bool kIdentity = false>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     gelu_kernel(GeluPtrs p, bool pf32, int64_t rows, int64_t n, bool approximate, uint32_t threshold,
-                float keep_scale) {
+                float keep_scale, int ahead) {
   wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
   dependents_may_launch();  // the column sum after this kernel
   constexpr bool kMaskOnly = kBackward && kIdentity;  // dx = dropout(dy)
@@ -42,10 +42,13 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   const uint32_t seed[2] = {p.seed[0], p.seed[1]};
   Tile<VEC, NV> b;  // the thread's columns of the bias, for every row it visits
   if constexpr (!kMaskOnly) load_param<T, VEC, NV>(p.bias, pf32, n, b);
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
-       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t r = base + threadIdx.y;
     const bool valid = r < rows;  // predicated, so that the loop body stays convergent
+    // The forward asks L2 for the x row it reads `ahead` iterations on (rows.cuh).
+    if (!kBackward && !kIdentity && ahead > 0 && r + ahead * stride < rows)
+      prefetch_row_l2<T, VEC>(p.x, r + ahead * stride, n);
     Tile<VEC, NV> t, d;
     load_tile<T, VEC, NV>(static_cast<const T*>(kMaskOnly ? p.dy : p.x) + r * n, n, valid, t);
     if constexpr (kBackward && !kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, d);
@@ -119,7 +122,7 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
                                        : gelu_kernel<T, VEC, NV, true>;
         const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
         launch_dependent(kernel, dim3(blocks), block, smem, stream, p, pf32, rc.rows, rc.cols, approximate,
-                         threshold, keep_scale);
+                         threshold, keep_scale, 0);
         status = launch_check(op, "gelu_kernel<bwd>", c, blocks, smem);
         if (status.failure()) return;
         void* outs[3] = {dbias, nullptr, nullptr};
@@ -131,7 +134,7 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
         auto kernel = identity ? gelu_kernel<T, VEC, NV, false, false, true> : gelu_kernel<T, VEC, NV, false>;
         const int blocks = partial_blocks(kernel, rc.rows, c, 0, rc.rows);
         launch_dependent(kernel, dim3(blocks), block, 0, stream, p, pf32, rc.rows, rc.cols, approximate, threshold,
-                         keep_scale);
+                         keep_scale, identity ? 0 : l2_ahead());
         status = launch_check(op, "gelu_kernel<fwd>", c, blocks, 0);
       }
     });
