@@ -43,13 +43,15 @@ inline int partial_blocks(Kernel kernel, int64_t rows, const RowConfig& c, size_
       std::max<int64_t>(1, std::min<int64_t>({groups, workspace_rows, static_cast<int64_t>(per_sm) * sm_count()})));
 }
 
-// Iterations ahead that the GELU forward's row loop asks L2 for its x rows
-// (JAXSUB_L2_PREFETCH, read once; default 1, 0 for none): while a row group works on one
-// row, the row it reads next is already on its way from DRAM, so the memory stream has no
-// gap while the group computes. GELU forward [4096, 4096] bf16 27.8 -> 26.7 us, [12288,
-// 4096] 76.3 -> 72.0; the same prefetch in the GELU backward and the norm kernels (and the
-// norm forwards as one wave walking rows) measured equal or slower (bench/NOTES.md,
-// forty-sixth session).
+// Iterations ahead that the streaming row kernels (the GELU forward, softmax_dropout's
+// forward and backward) ask L2 for the rows they will read (JAXSUB_L2_PREFETCH, read once;
+// default 1, 0 for none): while a row group works on one row, its next row is already on
+// its way from DRAM, so the memory stream has no gap while the group computes. Bulk
+// prefetch by the group's first thread (prefetch_row_l2). GELU forward [4096, 4096] bf16
+// 27.8 -> 26.7 us, [12288, 4096] 76.3 -> 72.0; softmax_dropout [8, 16, 512, 512] bf16
+// forward 52.4 -> 50.9, backward 63.4 -> 59.7 (its grid then one wave of blocks walking
+// rows, where it was a block per row group). The same prefetch in the GELU backward and
+// the norm kernels measured equal or slower (bench/NOTES.md, forty-sixth session).
 inline int l2_ahead() {
   static const int ahead = [] {
     const char* v = std::getenv("JAXSUB_L2_PREFETCH");

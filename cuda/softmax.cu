@@ -27,6 +27,7 @@ struct SoftmaxArgs {
   int mask_kind;
   uint32_t threshold;
   float keep_scale;
+  int ahead = 0;  // iterations ahead that the row loop asks L2 for its rows (rows.cuh); 0: none
 };
 
 // The scaled, masked scores of the thread's elements in row r in log2 units,
@@ -99,10 +100,11 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
     softmax_fwd_kernel(SoftmaxArgs a, int64_t rows) {
   __shared__ float scratch[32 * kMaxBlockRows];
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
-       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t r = base + threadIdx.y;
     const bool valid = r < rows;
+    if (a.ahead > 0 && r + a.ahead * stride < rows) prefetch_row_l2<T, VEC>(a.scores, r + a.ahead * stride, a.sk);
     Tile<VEC, NV> s;
     masked_scores<T, VEC, NV>(a, r, valid, s);
     float m = -INFINITY;
@@ -139,10 +141,14 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
     softmax_bwd_kernel(SoftmaxArgs a, int64_t rows) {
   __shared__ float scratch[32 * kMaxBlockRows];
   const uint32_t seed[2] = {a.seed[0], a.seed[1]};
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
-       base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t r = base + threadIdx.y;
     const bool valid = r < rows;
+    if (a.ahead > 0 && r + a.ahead * stride < rows) {
+      prefetch_row_l2<T, VEC>(a.scores, r + a.ahead * stride, a.sk);
+      prefetch_row_l2<T, VEC>(a.dy, r + a.ahead * stride, a.sk);
+    }
     Tile<VEC, NV> p, g;
     masked_scores<T, VEC, NV>(a, r, valid, p);
     load_tile<T, VEC, NV>(static_cast<const T*>(a.dy) + r * a.sk, a.sk, valid, g);
@@ -195,10 +201,14 @@ ffi::Error launch_softmax(cudaStream_t stream, const char* op, ffi::DataType t, 
     const RowConfig c = choose_rows(a.sk, sizeof(T), aligned, 32, 256);
     if (!c.ok) return invalid(op, "row too long for the kernel");
     const dim3 block(c.tx, c.ty);
-    const int blocks = row_blocks(rows, c);
     ffi::Error status = invalid(op, "no kernel for this row length");
+    // The resident blocks walk the rows, each row group asking L2 for the rows it reads on
+    // its next iteration (rows.cuh); with JAXSUB_L2_PREFETCH=0 a block per row group.
+    args.ahead = std::max(0, l2_ahead());
     dispatch_tile<16 / sizeof(T)>(c, [&](auto vec, auto nv) {
       constexpr int VEC = decltype(vec)::value, NV = decltype(nv)::value;
+      auto kernel = kBackward ? softmax_bwd_kernel<T, VEC, NV> : softmax_fwd_kernel<T, VEC, NV>;
+      const int blocks = args.ahead ? partial_blocks(kernel, rows, c, 0, rows) : row_blocks(rows, c);
       if constexpr (kBackward) {
         softmax_bwd_kernel<T, VEC, NV><<<blocks, block, 0, stream>>>(args, rows);
         status = launch_check(op, "softmax_bwd_kernel", c, blocks, 0);
