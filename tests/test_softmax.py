@@ -191,14 +191,21 @@ def test_check_grads(rate):
     check_grads(f, (scores,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-3)
 
 
-def test_mask_gets_no_gradient():
+def test_additive_mask_gets_its_gradient():
+    # A learned bias passed as the mask is trained like one (tests/test_mask_grad.py has
+    # the attention family); its -inf entries get zero gradient.
     scores = normal(31, (2, 4, 7))
-    mask = make_mask(32, "additive", (2, 4, 7)).at[..., 1:].set(normal(33, (2, 4, 6)))
+    mask = make_mask(32, "additive", (2, 4, 7))
     w = normal(34, (2, 4, 7))
-    loss = lambda s, m: (op(s, mask=m, rate=0.2, key=jax.random.key(35)) * w).sum()
+    key = jax.random.key(35)
+    loss = lambda s, m: (op(s, mask=m, rate=0.2, key=key) * w).sum()
     ds, dm = jax.jit(jax.grad(loss, (0, 1)))(scores, mask)
-    assert not np.asarray(dm).any()
-    assert np.asarray(ds).any()
+    keep = jaxsub.ops.dropout_mask(key, view4((2, 4, 7)), 0.2).reshape(2, 4, 7)
+    ref = lambda s, m: (reference_softmax_dropout(s, mask=m, keep=keep, rate=0.2) * w).sum()
+    want_ds, want_dm = jax.grad(ref, (0, 1))(scores, mask)
+    assert np.asarray(dm).any() and not np.asarray(dm)[np.isneginf(np.asarray(mask))].any()
+    assert_close(dm, want_dm, F32, reduction=7, grad=True, what="dmask")
+    assert_close(ds, want_ds, F32, reduction=7, grad=True, what="dscores")
 
 
 def test_vmap_over_leading_axis_and_masks_matches_loop():
@@ -331,8 +338,13 @@ def test_wide_rows_fall_back_to_reference(fallback_log):
     assert "jaxsub_dropout_mask" in hlo
     assert fallback_log and fallback_log[0][0] == "softmax_dropout" and str(shape[-1]) in fallback_log[0][1]
     check_against_oracles(scores, dy, mask, scale=0.5, causal=True, rate=0.1, key=key)
+    # The reference it falls back to differentiates the additive mask, as the kernels' path does.
     dm = jax.jit(jax.grad(lambda m: f(scores, m).astype(jnp.float32).sum()))(mask)
-    assert not np.asarray(dm).any()
+    keep = jaxsub.ops.dropout_mask(key, view4(shape), 0.1).reshape(shape)
+    ref = lambda m: reference_softmax_dropout(scores, scale=0.5, mask=m, causal=True, keep=keep, rate=0.1)
+    want = jax.jit(jax.grad(lambda m: ref(m).astype(jnp.float32).sum()))(mask)
+    assert np.asarray(dm).any()
+    assert_close(dm, want, F32, grad=True, what="dmask")
 
 
 @pytest.mark.parametrize("shape", [(0, 4, 5), (2, 0, 5), (2, 3, 0)])

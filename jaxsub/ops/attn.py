@@ -193,8 +193,26 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
 
 # ---------------------------------------------------------------------------------------
 # custom_vjp for the fused path. The mask and the seed are primals (they may be traced:
-# jit, vmap over masks or keys) that get no cotangent; scale, causal, the mask kind and
-# the rate are static attributes.
+# jit, vmap over masks or keys); the seed gets no cotangent, an additive mask one only
+# where the program differentiates it (masks.py: symbolic zeros); scale, causal, the mask
+# kind and the rate are static attributes.
+
+
+def mask_grad(q, k, v, mask4d, seed, dout, scale, causal, rate, op=_OP):
+    """The cotangent of an additive mask4d (`masks.mask_cotangent`) from the reference, with
+    the kernels' keep-mask."""
+    b, sq, h, _ = q.shape
+    keep = _dropout.seed_mask(seed, (b, h, sq, k.shape[1]), rate) if rate > 0.0 else None
+
+    def reference(m):
+        return reference_attention(q, k, v, mask=m, causal=causal, scale=scale, keep=keep, rate=rate)
+
+    return _masks.mask_cotangent(op, reference, mask4d, dout)
+
+
+def packed_slices(qkv, axis):
+    """q, k, v: the slices of a packed array along `axis`."""
+    return tuple(jax.lax.index_in_dim(qkv, i, axis, keepdims=False) for i in range(3))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -203,17 +221,21 @@ def _fused(q, k, v, mask4d, seed, scale, causal, kind, rate):
 
 
 def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate):
+    grad_mask = _masks.grad_mask(kind, mask4d)
+    q, k, v, mask4d, seed = _masks.primals(q, k, v, mask4d, seed)
     out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
-    return out, (q, k, v, out, lse, mask4d, seed)
+    return out, (q, k, v, out, lse, mask4d, seed, grad_mask)
 
 
 def _fused_bwd(scale, causal, kind, rate, res, dout):
-    q, k, v, out, lse, mask4d, seed = res
+    q, k, v, out, lse, mask4d, seed, grad_mask = res
+    dout = _masks.cotangent(dout)
     dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
-    return dq, dk, dv, None, None
+    dmask = None if grad_mask is None else mask_grad(q, k, v, mask4d, seed, dout, scale, causal, rate)
+    return dq, dk, dv, dmask, None
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -222,16 +244,23 @@ def _fused_packed(qkv, mask4d, seed, axis, scale, causal, kind, rate):
 
 
 def _fused_packed_fwd(qkv, mask4d, seed, axis, scale, causal, kind, rate):
+    grad_mask = _masks.grad_mask(kind, mask4d)
+    qkv, mask4d, seed = _masks.primals(qkv, mask4d, seed)
     out, lse = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)
-    return out, (qkv, out, lse, mask4d, seed)
+    return out, (qkv, out, lse, mask4d, seed, grad_mask)
 
 
 def _fused_packed_bwd(axis, scale, causal, kind, rate, res, dout):
-    qkv, out, lse, mask4d, seed = res
-    return _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate), None, None
+    qkv, out, lse, mask4d, seed, grad_mask = res
+    dout = _masks.cotangent(dout)
+    dqkv = _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate)
+    dmask = None
+    if grad_mask is not None:
+        dmask = mask_grad(*packed_slices(qkv, axis), mask4d, seed, dout, scale, causal, rate, op="attention_packed")
+    return dqkv, dmask, None
 
 
-_fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd)
+_fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd, symbolic_zeros=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,7 +377,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       k, v: keys and values [B, Sk, H, D], q's dtype, B, H and D.
       mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
         (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
-        mask broadcastable to [B, H, Sq, Sk]. The mask is a constant: it gets no gradient.
+        mask broadcastable to [B, H, Sq, Sk]. An additive mask that the program
+        differentiates (a learned relative-position bias) gets its gradient, which the
+        reference computes: the kernels do not write the [B, H, Sq, Sk] score gradient, so
+        it is held in f32 in memory for this (a one-time log line says so).
       causal: query i attends to keys j <= i + (Sk - Sq), i.e. the causal diagonal is
         aligned to the bottom-right corner, so that with Sq < Sk the queries are the last
         Sq positions of the key sequence (decoding with a cache). With Sq > Sk the first
@@ -422,7 +454,6 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     rate = _dropout.check_rate(op, dropout_rate, "dropout_rate")
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
     mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True)
-    mask4d = jax.lax.stop_gradient(mask4d)
     source = None if packed is None or isinstance(packed, tuple) else packed
     # An array: its platform, dtype and head dim.
     data = q if packed is None else packed[0] if source is None else source.data
@@ -454,5 +485,5 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
         qkv, axis, extra = source.product()
         packed = (qkv, axis)
     if packed is not None:
-        q, k, v = (jax.lax.index_in_dim(packed[0], i, packed[1], keepdims=False) for i in range(3))
+        q, k, v = packed_slices(*packed)
     return result(_unfused(q, k, v, mask4d, kind, causal, scale, rate, key if rate > 0.0 else None), extra)

@@ -116,7 +116,7 @@ def shared_seeds(op: str, keys) -> list:
 NO_SEED = np.zeros((2,), np.uint32)
 
 
-def _mask(seed, shape, rate):
+def seed_mask(seed, shape, rate):
     """The keep-mask of `shape` for seed words (the `jaxsub_dropout_mask` target)."""
     return _ffi.call("jaxsub_dropout_mask", jax.ShapeDtypeStruct(shape, jnp.bool_), seed, threshold=threshold(rate))
 
@@ -131,7 +131,7 @@ def dropout_mask(key, shape, rate) -> jax.Array:
     shape = tuple(int(d) for d in shape)
     if rate == 0.0:
         return jnp.ones(shape, jnp.bool_)
-    return _mask(seed_from_key("dropout_mask", key), shape, rate)
+    return seed_mask(seed_from_key("dropout_mask", key), shape, rate)
 
 
 def apply_reference(v: jax.Array, keep, rate: float) -> jax.Array:
@@ -166,7 +166,7 @@ def _drop_bias(y, bias, keep, rate):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _residual_add_jnp(x, y, bias, seed, rate):
-    return x + _drop_bias(y, bias, _mask(seed, y.shape, rate), rate)
+    return x + _drop_bias(y, bias, seed_mask(seed, y.shape, rate), rate)
 
 
 def _residual_add_jnp_fwd(x, y, bias, seed, rate):
@@ -178,7 +178,7 @@ def _residual_add_jnp_fwd(x, y, bias, seed, rate):
 def _residual_add_jnp_bwd(rate, res, g):
     bias, seed, x0, y0 = res
     shape = y0.shape[:-1] + (bias.shape[-1],)
-    keep = _mask(seed, shape, rate)
+    keep = seed_mask(seed, shape, rate)
     # The select's and the bias add's transposes, exactly as autodiff of the forward makes
     # them (the forward's values are dead code for XLA).
     _, vjp = jax.vjp(lambda y, b: _drop_bias(y, b, keep, rate), jnp.zeros(shape, y0.dtype), bias)

@@ -6,6 +6,13 @@ broadcastable to the probability tensor [..., Sq, Sk] — becomes a 4-D buffer
 [Bm, Hm, Sqm, Skm] whose dims are each 1 (broadcast) or full, plus `mask_kind`
 (0 none, 1 boolean with True = attend, 2 additive f32). Broadcast dims stay size 1, so a
 [B, 1, 1, Sk] padding mask is never expanded to [B, H, Sq, Sk].
+
+An additive mask is differentiable (a learned relative-position bias is one). The kernels
+take it as a constant and never write dS, so the custom_vjp rules of the family are
+defined with `symbolic_zeros=True`, which tells their forward rule whether the program
+differentiates the mask (`grad_mask` below); only then does the backward rule take the
+mask's cotangent from the op's reference (`mask_cotangent`), with [B, H, Sq, Sk] in f32
+in memory. Otherwise the rules save and compute nothing more.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from jaxsub import _ffi
 from jaxsub.ops import dropout
 
 NONE, BOOLEAN, ADDITIVE = 0, 1, 2
@@ -79,3 +88,32 @@ def check_scale(op: str, scale) -> float:
 def attrs(scale: float, causal: bool, kind: int, rate: float) -> dict:
     """The FFI attributes every attention-family target takes (cuda/ABI.md)."""
     return dict(scale=np.float32(scale), causal=bool(causal), mask_kind=np.int32(kind), **dropout.attrs(rate))
+
+
+# ---------------------------------------------------------------------------------------
+# custom_vjp rules with symbolic zeros (the module docstring): primals arrive as
+# CustomVJPPrimal leaves and cotangents may be SymbolicZero.
+
+
+def primals(*args):
+    """The values of a forward rule's primal arguments."""
+    return jax.tree.map(lambda p: p.value, args, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+
+
+def grad_mask(kind: int, mask: CustomVJPPrimal):
+    """The mask's value where the program differentiates an additive mask, else None: the
+    residual by which the backward rule knows whether to compute the mask's cotangent."""
+    return mask.value if kind == ADDITIVE and mask.perturbed else None
+
+
+def cotangent(ct):
+    """A backward rule's cotangent with its symbolic zeros made arrays of zeros."""
+    return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, ct,
+                        is_leaf=lambda t: isinstance(t, SymbolicZero))
+
+
+def mask_cotangent(op: str, reference, mask4d, dy):
+    """The cotangent of an additive mask4d from `reference(mask) -> y` and y's cotangent dy,
+    with a one-time log line (the kernels do not write dS)."""
+    _ffi.fallback(op, "gradient of an additive mask", instead="the reference for it ([B, H, Sq, Sk] f32 in memory)")
+    return jax.vjp(reference, mask4d)[1](dy)[0]

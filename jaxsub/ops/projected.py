@@ -30,11 +30,12 @@ import numpy as np
 from jaxsub.ops import attn as _attn
 from jaxsub.ops import bias as _bias
 from jaxsub.ops import gemm as _gemm
+from jaxsub.ops import masks as _masks
 
 
 # ---------------------------------------------------------------------------------------
-# custom_vjp for the fused paths (the mask and the seed primals without cotangents, the
-# rest static, as in attn.py).
+# custom_vjp for the fused paths (the seed a primal without a cotangent, an additive mask
+# with one where the program differentiates it, the rest static, as in attn.py).
 
 
 def _projections(x, weights, biases):
@@ -64,13 +65,16 @@ def _fused_projected(x, weights, biases, mask4d, seed, scale, causal, kind, rate
 
 
 def _fused_projected_fwd(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
+    grad_mask = _masks.grad_mask(kind, mask4d)
+    x, weights, biases, mask4d, seed = _masks.primals(x, weights, biases, mask4d, seed)
     q, k, v = _projections(x, weights, biases)
     out, lse = _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
-    return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed)
+    return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed, grad_mask)
 
 
 def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
-    x, weights, biases, q, k, v, out, lse, mask4d, seed = res
+    x, weights, biases, q, k, v, out, lse, mask4d, seed, grad_mask = res
+    dout = _masks.cotangent(dout)
     # The bias gradient: dqkv's column sums, taken by the backward itself.
     got = _attn._bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate,
                          bias_grad=biases is not None)
@@ -80,10 +84,13 @@ def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
     dw = jax.lax.dot_general(x, dqkv, (((0, 1), (0, 1)), ((), ())))
     dws = tuple(dw[:, i] for i in range(3))  # x, the weights and the biases share one dtype
     dbs = None if db is None else tuple(db[i] for i in range(3))
-    return dx, dws, dbs, None, None
+    dmask = None
+    if grad_mask is not None:
+        dmask = _attn.mask_grad(q, k, v, mask4d, seed, dout, scale, causal, rate, op="attention_projected")
+    return dx, dws, dbs, dmask, None
 
 
-_fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd)
+_fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd, symbolic_zeros=True)
 
 
 # dense_attention_packed's fused path: the packed product by jaxsub's GEMM target, its bias
@@ -99,22 +106,33 @@ _fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd)
 # that form without keeping the bias as a residual.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
 def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
-    return _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three)[0]
+    return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)[0]
 
 
-def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
+def _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate):
     qkv = _gemm.forward(x, kernel, _stacked(bias), axes)
     out, lse = _attn._fwd_packed_call(qkv, 2, mask4d, seed, scale, causal, kind, rate)
     return ((out, x) if shared else out), (x, kernel, qkv, out, lse, mask4d, seed)
 
 
+def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
+    grad_mask = _masks.grad_mask(kind, mask4d)
+    x, kernel, bias, mask4d, seed = _masks.primals(x, kernel, bias, mask4d, seed)
+    y, res = _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)
+    return y, (*res, grad_mask)
+
+
 def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, three, res, ct):
-    x, kernel, qkv, out, lse, mask4d, seed = res
-    dout, dx_other = ct if shared else (ct, None)
+    x, kernel, qkv, out, lse, mask4d, seed, grad_mask = res
+    dout, dx_other = _masks.cotangent(ct) if shared else (_masks.cotangent(ct), None)
     dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate,
                                       bias_grad="split" if three else True)
     dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
-    return dx, dkernel, db, None, None
+    dmask = None
+    if grad_mask is not None:
+        dmask = _attn.mask_grad(*_attn.packed_slices(qkv, 2), mask4d, seed, dout, scale, causal, rate,
+                                op="dense_attention_packed")
+    return dx, dkernel, db, dmask, None
 
 
 def _stacked(bias):
@@ -122,7 +140,7 @@ def _stacked(bias):
     return jnp.stack(bias) if isinstance(bias, tuple) else bias
 
 
-_fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
+_fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd, symbolic_zeros=True)
 
 
 # ---------------------------------------------------------------------------------------

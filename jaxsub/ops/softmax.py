@@ -84,8 +84,9 @@ def _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate):
 
 # ---------------------------------------------------------------------------------------
 # custom_vjp. The mask and the seed are primals so that they may be traced (jit, vmap over
-# masks or keys); neither is differentiated: an additive mask gets a zero cotangent, like
-# the integer seed. scale, causal, mask kind and rate are static.
+# masks or keys); the seed gets no cotangent, an additive mask one only where the program
+# differentiates it (masks.py: symbolic zeros). scale, causal, mask kind and rate are
+# static.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -94,16 +95,27 @@ def _fused(scores, mask, seed, scale, causal, kind, rate):
 
 
 def _fused_fwd(scores, mask, seed, scale, causal, kind, rate):
+    grad_mask = _masks.grad_mask(kind, mask)
+    scores, mask, seed = _masks.primals(scores, mask, seed)
     y, lse = _fwd_call(scores, mask, seed, scale, causal, kind, rate)
-    return y, (scores, lse, mask, seed)
+    return y, (scores, lse, mask, seed, grad_mask)
 
 
 def _fused_bwd(scale, causal, kind, rate, res, dy):
-    scores, lse, mask, seed = res
-    return _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate), None, None
+    scores, lse, mask, seed, grad_mask = res
+    dy = _masks.cotangent(dy)
+    dmask = None
+    if grad_mask is not None:
+        keep = _dropout.seed_mask(seed, scores.shape, rate) if rate > 0.0 else None
+
+        def reference(m):
+            return reference_softmax_dropout(scores, scale=scale, mask=m, causal=causal, keep=keep, rate=rate)
+
+        dmask = _masks.mask_cotangent(_OP, reference, mask, dy)
+    return _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate), dmask, None
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -127,7 +139,9 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
         [B, H, Sq, Sk].
       scale: static finite Python number multiplying the scores before the mask.
       mask: None, or an array broadcastable to scores: boolean (True = attend) or
-        floating (additive, added to the scaled scores in f32). It is not differentiated.
+        floating (additive, added to the scaled scores in f32). An additive mask that the
+        program differentiates (a learned bias) gets its gradient, which the reference
+        computes ([B, H, Sq, Sk] in f32; a one-time log line says so).
       causal: query i sees keys j <= i + (Sk - Sq), i.e. bottom-right aligned, so with
         Sq < Sk the last query sees every key (decoding with a cache). Combines with mask.
       rate: dropout probability, a static float in [0, 1).
@@ -163,8 +177,6 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
         keep = None
         if rate > 0.0 and scores.size:
             keep = _dropout.dropout_mask(key, (b, h, sq, sk), rate).reshape(scores.shape)
-        if mask is not None:
-            mask = jax.lax.stop_gradient(jnp.asarray(mask))
         return reference_softmax_dropout(scores, scale=scale, mask=mask, causal=causal, keep=keep, rate=rate)
     y = _fused(scores.reshape(b, h, sq, sk), jnp.asarray(mask4), jnp.asarray(seed), scale, causal, kind, rate)
     return y.reshape(scores.shape)

@@ -1,0 +1,228 @@
+"""The gradient of an additive mask (a learned bias added to the attention scores) through
+every op of the attention family and through `optimize`'s rewrite, against the float64
+reference; and no extra work where the program does not differentiate the mask."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxsub
+from jaxsub.ops.attn import reference_attention
+from jaxsub.ops.softmax import reference_softmax_dropout
+from jaxsub.testing import assert_close
+
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+IMPLEMENTATIONS = ("fused", "unfused")
+
+
+def normal(rng, shape, dtype=F32, scale=1.0):
+    return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32), dtype)
+
+
+def additive_mask(rng, shape):
+    """A learned-bias-like additive mask with some -inf (hidden keys); the last key stays
+    visible so that no row is empty."""
+    m = rng.standard_normal(shape).astype(np.float32)
+    m[rng.random(shape) < 0.15] = -np.inf
+    m[..., -1] = 0.25
+    return jnp.asarray(m)
+
+
+def f64(a):
+    return None if a is None else jnp.asarray(np.asarray(a, np.float64))
+
+
+def keep_mask(key, shape, rate):
+    return None if rate == 0.0 else jaxsub.ops.dropout_mask(key, shape, rate)
+
+
+def reference_grads(q, k, v, dout, mask, keep, *, causal, rate, scale=None):
+    """d(q, k, v, mask) of the float64 reference."""
+    with jax.enable_x64(True):
+        f = lambda q, k, v, m: reference_attention(q, k, v, mask=m, causal=causal, scale=scale, keep=keep, rate=rate)
+        _, vjp = jax.vjp(f, f64(q), f64(k), f64(v), f64(mask))
+        return tuple(np.asarray(g, np.float64) for g in vjp(f64(dout)))
+
+
+def check_grads_against(got, want, dtype, n, names=("dq", "dk", "dv", "dmask")):
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        assert_close(g, w, dtype, reduction=n, grad=True, what=name)
+
+
+# (B, Sq, Sk, H, D, dtype, mask shape, causal, rate)
+CASES = [
+    (2, 7, 7, 3, 8, F32, "hqk", False, 0.0),
+    (2, 7, 130, 3, 8, F32, "hqk", True, 0.1),
+    (2, 130, 7, 1, 16, F32, "b1qk", False, 0.1),
+    (2, 16, 16, 2, 8, F32, "bk", True, 0.0),
+    (1, 33, 33, 2, 64, BF16, "qk", False, 0.1),
+    (2, 9, 12, 2, 32, BF16, "1h1k", True, 0.2),
+]
+SHAPES = {"hqk": lambda b, h, sq, sk: (h, sq, sk), "b1qk": lambda b, h, sq, sk: (b, 1, sq, sk),
+          "bk": lambda b, h, sq, sk: (b, sk), "qk": lambda b, h, sq, sk: (sq, sk),
+          "1h1k": lambda b, h, sq, sk: (1, h, 1, sk)}
+
+
+def case_inputs(i, b, sq, sk, h, d, dtype, shape):
+    rng = np.random.default_rng(400 + i)
+    q = normal(rng, (b, sq, h, d), dtype, 2.0)
+    k, v = normal(rng, (b, sk, h, d), dtype), normal(rng, (b, sk, h, d), dtype)
+    dout = normal(rng, (b, sq, h, d), dtype)
+    return q, k, v, dout, additive_mask(rng, SHAPES[shape](b, h, sq, sk)), jax.random.key(500 + i)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_attention_mask_gradient_matches_reference(case, implementation, fallback_log):
+    b, sq, sk, h, d, dtype, shape, causal, rate = CASES[case]
+    q, k, v, dout, mask, key = case_inputs(case, b, sq, sk, h, d, dtype, shape)
+
+    def f(q, k, v, m):
+        return jaxsub.ops.attention(q, k, v, mask=m, causal=causal, dropout_rate=rate, key=key,
+                                    implementation=implementation)
+
+    got = jax.jit(lambda *a: jax.vjp(f, *a)[1](dout))(q, k, v, mask)
+    want = reference_grads(q, k, v, dout, mask, keep_mask(key, (b, h, sq, sk), rate), causal=causal, rate=rate)
+    check_grads_against(got, want, dtype, max(sq, sk, d))
+    assert np.abs(np.asarray(got[3], np.float64)).max() > 0  # not the zero cotangent of a constant
+    assert any("additive mask" in reason for _, reason in fallback_log)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_attention_check_grads_wrt_mask(implementation):
+    rng = np.random.default_rng(7)
+    q, k, v = (normal(rng, (1, 5, 2, 8)) for _ in range(3))
+    mask = normal(rng, (2, 5, 5))
+    f = lambda m: jaxsub.ops.attention(q, k, v, mask=m, causal=True, implementation=implementation)
+    check_grads(f, (mask,), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("form", ["packed", "projected", "dense"])
+def test_packed_and_projected_mask_gradients(form, implementation, fallback_log):
+    b, s, h, d, e, rate = 2, 12, 2, 8, 16, 0.1
+    rng = np.random.default_rng(11)
+    x = normal(rng, (b, s, e))
+    ws = tuple(normal(rng, (e, h, d), scale=0.3) for _ in range(3))
+    bs = tuple(normal(rng, (h, d), scale=0.1) for _ in range(3))
+    dout = normal(rng, (b, s, h, d))
+    mask = additive_mask(rng, (h, s, s))
+    key = jax.random.key(12)
+    kw = dict(mask=None, causal=True, dropout_rate=rate, key=key, implementation=implementation)
+
+    def run(m, x, ws, bs):
+        kw["mask"] = m
+        if form == "packed":
+            qkv = jnp.stack([jnp.einsum("bse,ehd->bshd", x, w) + bb for w, bb in zip(ws, bs)], axis=2)
+            return jaxsub.ops.attention_packed(qkv, **kw)
+        if form == "projected":
+            return jaxsub.ops.attention_projected(x, ws, bs, **kw)
+        return jaxsub.ops.dense_attention_packed(x, jnp.stack(ws, axis=1), bs, **kw)
+
+    def plain(m, x, ws, bs):
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, w) + bb for w, bb in zip(ws, bs))
+        return reference_attention(q, k, v, mask=m, causal=True, keep=keep_mask(key, (b, h, s, s), rate), rate=rate)
+
+    got = jax.jit(lambda *a: jax.vjp(run, *a)[1](dout))(mask, x, ws, bs)
+    want = jax.jit(lambda *a: jax.vjp(plain, *a)[1](dout))(mask, x, ws, bs)
+    assert_close(got[0], want[0], F32, reduction=s, grad=True, what="dmask")
+    assert_close(got[1], want[1], F32, reduction=s * e, grad=True, what="dx")
+    for g, w in zip(jax.tree.leaves(got[2:]), jax.tree.leaves(want[2:])):
+        assert_close(g, w, F32, reduction=b * s, grad=True, what="dparams")
+    assert any("additive mask" in reason for _, reason in fallback_log)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_softmax_dropout_mask_gradient(dtype, fallback_log):
+    rng = np.random.default_rng(21)
+    scores = normal(rng, (2, 3, 7, 40), dtype, 2.0)
+    dy = normal(rng, (2, 3, 7, 40), dtype)
+    mask = additive_mask(rng, (3, 1, 40))
+    key, rate = jax.random.key(22), 0.1
+    f = lambda s, m: jaxsub.ops.softmax_dropout(s, scale=0.5, mask=m, causal=True, rate=rate, key=key)
+    got = jax.jit(lambda s, m: jax.vjp(f, s, m)[1](dy))(scores, mask)
+    keep = keep_mask(key, scores.shape, rate)
+    with jax.enable_x64(True):
+        g = lambda s, m: reference_softmax_dropout(s, scale=0.5, mask=m, causal=True, keep=keep, rate=rate)
+        want = jax.vjp(g, f64(scores), f64(mask))[1](f64(dy))
+    assert_close(got[0], want[0], dtype, reduction=40, grad=True, what="dscores")
+    assert_close(got[1], want[1], dtype, reduction=2 * 7 * 40, grad=True, what="dmask")
+    assert any("additive mask" in reason for _, reason in fallback_log)
+
+
+def test_mask_not_differentiated_costs_nothing_more(fallback_log):
+    """With the mask a constant of the differentiated program (a padding mask), the backward
+    is what it was: no keep-mask target (the reference's dropout), no [B, H, Sq, Sk] f32
+    array, no log line."""
+    b, s, h, d = 2, 24, 3, 16
+    rng = np.random.default_rng(31)
+    q, k, v = (normal(rng, (b, s, h, d)) for _ in range(3))
+    mask = additive_mask(rng, (b, 1, 1, s))
+    key = jax.random.key(32)
+    for implementation in IMPLEMENTATIONS:
+        loss = lambda q, k, v, m: jaxsub.ops.attention(q, k, v, mask=m, dropout_rate=0.1, key=key,
+                                                       implementation=implementation).sum()
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, mask).as_text()
+        assert "jaxsub_dropout_mask" not in hlo, implementation
+        if implementation == "fused":
+            assert f"tensor<{b}x{h}x{s}x{s}xf32>" not in hlo
+    assert not fallback_log
+
+
+def test_vmap_over_masks_with_their_gradients():
+    rng = np.random.default_rng(41)
+    q, k, v = (normal(rng, (1, 6, 2, 8)) for _ in range(3))
+    masks = normal(rng, (3, 2, 6, 6))
+    loss = lambda m, impl: (jaxsub.ops.attention(q, k, v, mask=m, implementation=impl) ** 2).sum()
+    ref = lambda m: (reference_attention(q, k, v, mask=m) ** 2).sum()
+    want = jax.vmap(jax.grad(ref))(masks)
+    for impl in IMPLEMENTATIONS:
+        got = jax.jit(jax.vmap(jax.grad(lambda m: loss(m, impl))))(masks)
+        assert_close(got, want, F32, reduction=6, grad=True, what=impl)
+
+
+def test_optimize_keeps_a_learned_relative_bias_trainable():
+    """`optimize` rewrites attention whose scores get a learned bias (T5, Swin) into the
+    fused op with that bias as its additive mask: the bias's gradient must survive."""
+    b, s, h, d = 2, 8, 2, 16
+    rng = np.random.default_rng(51)
+    q, k, v = (normal(rng, (b, s, h, d)) for _ in range(3))
+    params = {"rel_bias": normal(rng, (h, s, s))}
+
+    def loss(params, q, k, v):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d) + params["rel_bias"][None]
+        p = jax.nn.softmax(scores, axis=-1)
+        return (jnp.einsum("bhqk,bkhd->bqhd", p, v) ** 2).sum()
+
+    assert "attention" in str(jaxsub.explain(loss, params, q, k, v))
+    want = jax.grad(loss, argnums=(0, 1))(params, q, k, v)
+    got = jax.jit(jax.grad(jaxsub.optimize(loss), argnums=(0, 1)))(params, q, k, v)
+    assert np.abs(np.asarray(want[0]["rel_bias"])).max() > 0
+    assert_close(got[0]["rel_bias"], want[0]["rel_bias"], F32, reduction=s * b, grad=True, what="rel_bias")
+    assert_close(got[1], want[1], F32, reduction=s, grad=True, what="dq")
+
+
+@pytest.mark.gpu
+class TestCuda:
+    def test_fused_bf16_mask_gradient_matches_cpu(self):
+        b, s, h, d, rate = 2, 128, 4, 64, 0.1
+        rng = np.random.default_rng(61)
+        q, k, v = (normal(rng, (b, s, h, d), BF16) for _ in range(3))
+        dout = normal(rng, (b, s, h, d), BF16)
+        mask = additive_mask(rng, (h, s, s))
+        key = jax.random.key(62)
+
+        def grads(q, k, v, m, dout, key):
+            f = lambda q, k, v, m: jaxsub.ops.attention(q, k, v, mask=m, dropout_rate=rate, key=key,
+                                                        implementation="fused")
+            return jax.vjp(f, q, k, v, m)[1](dout)
+
+        run = jax.jit(grads)
+        args = (q, k, v, mask, dout, key)
+        want = run(*jax.device_put(args, jax.devices("cpu")[0]))
+        got = run(*jax.device_put(args, jax.devices()[0]))
+        for name, g, w in zip(("dq", "dk", "dv", "dmask"), got, want):
+            assert_close(g, w, BF16, reduction=s, grad=True, what=name)
