@@ -1,6 +1,12 @@
-"""Evaluating jaxpr equations, shared by the jaxpr pass and `jaxsub.stack`."""
+"""JAX internals shared across the package: evaluating jaxpr equations (the jaxpr pass and
+`jaxsub.stack`) and the arguments of custom_vjp rules defined with symbolic zeros (the
+attention family's and `jaxsub.stack`'s)."""
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 
 def bind(eqn, vals):
@@ -11,3 +17,23 @@ def bind(eqn, vals):
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _is_primal(p) -> bool:
+    return isinstance(p, CustomVJPPrimal)
+
+
+def primal_values(tree):
+    """A forward rule's primal arguments (CustomVJPPrimal leaves) as their values."""
+    return jax.tree.map(lambda p: p.value, tree, is_leaf=_is_primal)
+
+
+def perturbed(tree) -> list:
+    """Per leaf of a forward rule's primal arguments: whether the program differentiates it."""
+    return [p.perturbed for p in jax.tree.leaves(tree, is_leaf=_is_primal)]
+
+
+def dense_cotangent(ct):
+    """A backward rule's cotangent with its symbolic zeros made arrays of zeros."""
+    return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, ct,
+                        is_leaf=lambda t: isinstance(t, SymbolicZero))

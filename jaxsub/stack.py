@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxsub._jaxpr import bind
+from jaxsub._jaxpr import bind, dense_cotangent, perturbed, primal_values
 
 _OP = "jaxsub.stack.scan"
 _SMALL = 1 << 20  # bytes: residuals up to this size share one buffer per dtype
@@ -85,6 +85,7 @@ class _Plan:
     fixed: tuple = ()  # (j, value): residual j is a constant (value), not stored
     views: tuple = ()  # (j, k, make): residual j is make(leaf k of x), not stored
     unroll: int = 1  # steps per iteration of both loops (lax.scan's unroll)
+    live: tuple = ()  # per leaf of consts: whether the step's pullback differentiates it
 
     @property
     def held(self) -> tuple:
@@ -129,12 +130,21 @@ class _Plan:
         return stored
 
 
-def _pullback(body, consts, carry, x):
-    """Run body under jax.vjp; return its (carry, y), the pullback's tree, each leaf's
-    source and the leaves to store."""
-    out, pullback = jax.vjp(body, consts, carry, x)
+def _pullback(body, consts, carry, x, live):
+    """Run body under jax.vjp with respect to the carry, x and the leaves of consts that
+    `live` marks (the others are constants to it: an attention mask the program does not
+    differentiate); return its (carry, y), the pullback's tree, each leaf's source and the
+    leaves to store. The pullback gives (the live const leaves' gradients, dcarry, dx)."""
+    const_leaves, const_tree = jax.tree.flatten(consts)
+
+    def step(live_leaves, carry, x):
+        it = iter(live_leaves)
+        return body(jax.tree.unflatten(const_tree, [next(it) if d else c for c, d in zip(const_leaves, live)]),
+                    carry, x)
+
+    out, pullback = jax.vjp(step, [c for c, d in zip(const_leaves, live) if d], carry, x)
     leaves, tree = jax.tree.flatten(pullback)
-    inputs = (("const", jax.tree.leaves(consts)), ("x", jax.tree.leaves(x)), ("carry", jax.tree.leaves(carry)))
+    inputs = (("const", const_leaves), ("x", jax.tree.leaves(x)), ("carry", jax.tree.leaves(carry)))
     sources, stored = [], []
     for leaf in leaves:
         source = next(((kind, j) for kind, group in inputs for j, a in enumerate(group) if a is leaf), None)
@@ -153,6 +163,10 @@ def _is_float(a) -> bool:
     return jnp.issubdtype(_dtype(a), jnp.inexact)
 
 
+def _float_leaves(tree) -> tuple:
+    return tuple(_is_float(a) for a in jax.tree.leaves(tree))
+
+
 def _length(xs, length) -> int:
     sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree.leaves(xs)}
     if length is not None:
@@ -169,12 +183,15 @@ def _avals(tree):
     return jax.tree.map(lambda a: (tuple(jnp.shape(a)), jnp.dtype(_dtype(a))), tree)
 
 
-def _plan(body, consts, carry, xs, length, reverse) -> _Plan:
+def _plan(body, consts, carry, xs, length, reverse, unroll=1, live=None) -> _Plan:
+    """The step's plan; `live`: which const leaves its pullback differentiates (default:
+    every floating-point one)."""
+    live = _float_leaves(consts) if live is None else live
     x0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], _dtype(a)), xs)
     found = {}
 
     def probe(consts, carry, x):
-        out, tree, sources, stored = _pullback(body, consts, carry, x)
+        out, tree, sources, stored = _pullback(body, consts, carry, x, live)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError(f"{_OP}: `body` must return a pair (carry, y), got {type(out).__name__}")
         found.update(tree=tree, sources=sources)
@@ -198,7 +215,7 @@ def _plan(body, consts, carry, xs, length, reverse) -> _Plan:
     made = {j for j, v in enumerate(stored_vars) if _jaxsub_result(producer, v) is not None}
     skip = {j for j, _ in same} | constant | made
     return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse, _groups(stored, skip), same,
-                 fixed, views)
+                 fixed, views, unroll, live)
 
 
 def _groups(stored, skip) -> tuple:
@@ -341,14 +358,36 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
     length = _length(xs, length)
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise ValueError(f"{_OP}: `unroll` must be an int >= 1, got {unroll!r}")
-    plan = dataclasses.replace(_plan(body, consts, init, xs, length, reverse), unroll=unroll)
-    return _scan(body, plan, consts, init, xs)
+    plans = _Plans(body, length, reverse, unroll)
+    plans.get(_float_leaves(consts), consts, init, xs)  # checks body now
+    return _scan(body, plans, consts, init, xs)
+
+
+class _Plans:
+    """The step's plan for each set of live const leaves (`_Plan.live`), made once. Which
+    leaves of consts the program differentiates is known only in the forward rule
+    (`_scan` has symbolic zeros): a float leaf it does not differentiate (an additive
+    padding mask) is a constant to the step's pullback, so that no op in the step
+    computes a gradient for it (attention's mask gradient takes the reference:
+    jaxsub/ops/masks.py) only for the loop to drop it."""
+
+    def __init__(self, body, length, reverse, unroll):
+        self.body, self.length, self.reverse, self.unroll = body, length, reverse, unroll
+        self._made = {}
+
+    def get(self, live, consts, init, xs) -> _Plan:
+        if live not in self._made:
+            self._made[live] = _plan(self.body, consts, init, xs, self.length, self.reverse, self.unroll, live)
+        return self._made[live]
+
+    def made(self, live) -> _Plan:
+        return self._made[live]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scan(body, plan, consts, init, xs):
-    return lax.scan(lambda h, x: body(consts, h, x), init, xs, length=plan.length, reverse=plan.reverse,
-                    unroll=plan.unroll)
+def _scan(body, plans, consts, init, xs):
+    return lax.scan(lambda h, x: body(consts, h, x), init, xs, length=plans.length, reverse=plans.reverse,
+                    unroll=plans.unroll)
 
 
 def _empty_stack(length, a):
@@ -433,7 +472,10 @@ def _writing(fn, args, wanted, stacks, at):
     return outs, stacks, set(early.values())
 
 
-def _scan_fwd(body, plan, consts, init, xs):
+def _scan_fwd(body, plans, consts, init, xs):
+    live = tuple(p and _is_float(a) for p, a in zip(perturbed(consts), jax.tree.leaves(primal_values(consts))))
+    consts, init, xs = primal_values((consts, init, xs))
+    plan = plans.get(live, consts, init, xs)
     n = plan.length
     buffers = [_empty_stack(n, a) for a in plan.buffers()]
     ys = jax.tree.map(lambda a: _empty_stack(n, a), plan.ys)
@@ -449,7 +491,7 @@ def _scan_fwd(body, plan, consts, init, xs):
     free = [None if j in held else a for j, a in enumerate(carry_leaves)]
 
     def fn(consts, h, x):
-        out, _, found["sources"], stored = _pullback(body, consts, h, x)
+        out, _, found["sources"], stored = _pullback(body, consts, h, x, live)
         return out, stored
 
     def step(state, _):
@@ -483,19 +525,20 @@ def _scan_fwd(body, plan, consts, init, xs):
     carry = jax.tree.unflatten(carry_tree, [
         lax.dynamic_index_in_dim(inputs[held.index(j)], last, 0, keepdims=False) if j in held else a
         for j, a in enumerate(free)])
-    return (carry, ys), (consts, xs, buffers, inputs)
+    # `live` travels as the residuals' structure (no leaves): () for a live leaf, else None.
+    return (carry, ys), (consts, xs, buffers, inputs, tuple(() if d else None for d in live))
 
 
-def _scan_bwd(body, plan, residuals, cotangents):
-    consts, xs, buffers, inputs = residuals
-    dcarry, dys = cotangents
+def _scan_bwd(body, plans, residuals, cotangents):
+    consts, xs, buffers, inputs, marks = residuals
+    plan = plans.made(tuple(m is not None for m in marks))
+    dcarry, dys = dense_cotangent(cotangents)
     off = 1 if plan.reverse else 0  # the held carry leaves: layer at's input in slot at + off
     n = plan.length
-    const_leaves = jax.tree.leaves(consts)
+    const_leaves, const_tree = jax.tree.flatten(consts)
     x_leaves, x_tree = jax.tree.flatten(xs)
-    is_none = lambda a: a is None  # noqa: E731 - the integer leaves' place in a tree
     grads = [lax.empty(jnp.shape(a), _dtype(a)) if _is_float(a) else None for a in x_leaves]
-    dconsts = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), _dtype(a)) if _is_float(a) else None, consts)
+    dconsts = [jnp.zeros(jnp.shape(a), _dtype(a)) for a, d in zip(const_leaves, plan.live) if d]
     floats = [k for k, g in enumerate(grads) if g is not None]
 
     def fn(leaves, dh, dy):
@@ -511,11 +554,11 @@ def _scan_bwd(body, plan, residuals, cotangents):
         leaves = [const_leaves[j] if kind == "const" else x_at[j] if kind == "x"
                   else carry_at[plan.held.index(j)] if kind == "carry" else stored[j]
                   for kind, j in plan.sources]
-        # fn's flat outputs: d_consts' leaves, dh's, then d_x's (x_leaves' order)
+        # fn's flat outputs: the live const leaves' gradients, dh's, then d_x's (x_leaves' order)
         wanted = lambda out: {len(jax.tree.leaves(out[:2])) + k: j for j, k in enumerate(floats)}  # noqa: E731
         (d_consts, dh, d_x), written_grads, written = _writing(
             fn, (leaves, dh, dy), wanted, [grads[k] for k in floats], at)
-        dconsts = jax.tree.map(lambda acc, d: None if acc is None else acc + d, dconsts, d_consts, is_leaf=is_none)
+        dconsts = [acc + d for acc, d in zip(dconsts, d_consts)]
         # d_x has x's leaves (float0 arrays for the integer ones), in x_leaves' order.
         d_leaves = jax.tree.leaves(d_x)
         if len(d_leaves) != len(grads):
@@ -528,7 +571,9 @@ def _scan_bwd(body, plan, residuals, cotangents):
 
     state = (jnp.int32(0), dcarry, dconsts, grads)
     (_, dinit, dconsts, grads), _ = lax.scan(step, state, None, length=n, unroll=plan.unroll)
+    it = iter(dconsts)
+    dconsts = jax.tree.unflatten(const_tree, [next(it) if d else None for d in plan.live])
     return dconsts, dinit, jax.tree.unflatten(x_tree, grads)
 
 
-_scan.defvjp(_scan_fwd, _scan_bwd)
+_scan.defvjp(_scan_fwd, _scan_bwd, symbolic_zeros=True)

@@ -213,6 +213,38 @@ def test_a_residual_stored_once_when_two_are_views_of_it():
     assert stack._plan(transposed, c, h, xs, L, False).same == ()
 
 
+def test_consts_the_program_does_not_differentiate_are_constants_to_the_step(fallback_log):
+    """An additive attention mask in consts: where the program differentiates it, its
+    gradient equals lax.scan's; where it does not (a padding mask), no step computes one
+    (attention would take it from the reference, with a log line) and the loop carries none."""
+    b, s, h, d = 2, 6, 2, 8
+    rng = np.random.default_rng(17)
+    x0 = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32)
+    ws = jnp.asarray(rng.standard_normal((3, d, d)) * 0.3, jnp.float32)
+    mask = jnp.asarray(rng.standard_normal((h, s, s)), jnp.float32)
+
+    def body(mask, x, w):
+        y = jaxsub.ops.attention(x, x, x @ w, mask=mask, implementation="fused")
+        return jnp.tanh(y), None
+
+    def loss(scan_fn):
+        return lambda mask, ws: jnp.sum(scan_fn(mask, ws) ** 2)
+
+    ours = lambda mask, ws: stack.scan(body, x0, ws, mask)[0]  # noqa: E731
+    ref = lambda mask, ws: lax.scan(lambda x, w: body(mask, x, w), x0, ws)[0]  # noqa: E731
+    got = jax.jit(jax.grad(loss(ours), argnums=1))(mask, ws)
+    assert not fallback_log
+    assert "while" in jax.jit(jax.grad(loss(ours), argnums=1)).lower(mask, ws).as_text()
+    want = jax.jit(jax.grad(loss(ref), argnums=1))(mask, ws)
+    assert_close(got, want, reduction=N * L, grad=True, what="dws")
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(mask, ws)
+    assert fallback_log and "additive mask" in fallback_log[0][1]
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(mask, ws)
+    assert np.abs(np.asarray(want[0])).max() > 0
+    for g, w, what in zip(got, want, ("dmask", "dws")):
+        assert_close(g, w, reduction=N * L, grad=True, what=what)
+
+
 def test_no_gradient_is_plain_lax_scan():
     c, h, xs = _inputs(seed=9)
     ours, ref = _pair(False)

@@ -23,9 +23,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jaxsub import _ffi
+from jaxsub import _ffi, _jaxpr
 from jaxsub.ops import dropout
 
 NONE, BOOLEAN, ADDITIVE = 0, 1, 2
@@ -91,25 +90,21 @@ def attrs(scale: float, causal: bool, kind: int, rate: float) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# custom_vjp rules with symbolic zeros (the module docstring): primals arrive as
-# CustomVJPPrimal leaves and cotangents may be SymbolicZero.
+# custom_vjp rules with symbolic zeros (the module docstring).
+
+cotangent = _jaxpr.dense_cotangent
 
 
 def primals(*args):
-    """The values of a forward rule's primal arguments."""
-    return jax.tree.map(lambda p: p.value, args, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+    """The values of a forward rule's primal arguments, as a tuple."""
+    return _jaxpr.primal_values(args)
 
 
-def grad_mask(kind: int, mask: CustomVJPPrimal):
+def grad_mask(kind: int, mask):
     """The mask's value where the program differentiates an additive mask, else None: the
-    residual by which the backward rule knows whether to compute the mask's cotangent."""
-    return mask.value if kind == ADDITIVE and mask.perturbed else None
-
-
-def cotangent(ct):
-    """A backward rule's cotangent with its symbolic zeros made arrays of zeros."""
-    return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, ct,
-                        is_leaf=lambda t: isinstance(t, SymbolicZero))
+    residual by which the backward rule knows whether to compute the mask's cotangent.
+    `mask`: the forward rule's primal (a CustomVJPPrimal)."""
+    return mask.value if kind == ADDITIVE and _jaxpr.perturbed(mask)[0] else None
 
 
 def mask_cotangent(op: str, reference, mask4d, dy):
