@@ -21,12 +21,14 @@ def normal(rng, shape, dtype=F32, scale=1.0):
     return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32), dtype)
 
 
-def additive_mask(rng, shape):
+def additive_mask(rng, shape, empty_row=False):
     """A learned-bias-like additive mask with some -inf (hidden keys); the last key stays
-    visible so that no row is empty."""
+    visible so that no row is empty, unless `empty_row`: then query 0 sees no key."""
     m = rng.standard_normal(shape).astype(np.float32)
     m[rng.random(shape) < 0.15] = -np.inf
     m[..., -1] = 0.25
+    if empty_row:
+        m[..., 0, :] = -np.inf
     return jnp.asarray(m)
 
 
@@ -60,10 +62,12 @@ CASES = [
     (2, 16, 16, 2, 8, F32, "bk", True, 0.0),
     (1, 33, 33, 2, 64, BF16, "qk", False, 0.1),
     (2, 9, 12, 2, 32, BF16, "1h1k", True, 0.2),
+    (2, 9, 5, 2, 8, F32, "hqk", True, 0.1),  # causal with Sq > Sk: queries 0-3 see no key
+    (2, 7, 7, 3, 8, F32, "hqk-empty", False, 0.1),  # query 0 sees no key
 ]
 SHAPES = {"hqk": lambda b, h, sq, sk: (h, sq, sk), "b1qk": lambda b, h, sq, sk: (b, 1, sq, sk),
           "bk": lambda b, h, sq, sk: (b, sk), "qk": lambda b, h, sq, sk: (sq, sk),
-          "1h1k": lambda b, h, sq, sk: (1, h, 1, sk)}
+          "1h1k": lambda b, h, sq, sk: (1, h, 1, sk), "hqk-empty": lambda b, h, sq, sk: (h, sq, sk)}
 
 
 def case_inputs(i, b, sq, sk, h, d, dtype, shape):
@@ -71,7 +75,8 @@ def case_inputs(i, b, sq, sk, h, d, dtype, shape):
     q = normal(rng, (b, sq, h, d), dtype, 2.0)
     k, v = normal(rng, (b, sk, h, d), dtype), normal(rng, (b, sk, h, d), dtype)
     dout = normal(rng, (b, sq, h, d), dtype)
-    return q, k, v, dout, additive_mask(rng, SHAPES[shape](b, h, sq, sk)), jax.random.key(500 + i)
+    mask = additive_mask(rng, SHAPES[shape](b, h, sq, sk), empty_row=shape.endswith("empty"))
+    return q, k, v, dout, mask, jax.random.key(500 + i)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -86,6 +91,7 @@ def test_attention_mask_gradient_matches_reference(case, implementation, fallbac
 
     got = jax.jit(lambda *a: jax.vjp(f, *a)[1](dout))(q, k, v, mask)
     want = reference_grads(q, k, v, dout, mask, keep_mask(key, (b, h, sq, sk), rate), causal=causal, rate=rate)
+    assert all(np.isfinite(np.asarray(g, np.float64)).all() for g in got)
     check_grads_against(got, want, dtype, max(sq, sk, d))
     assert np.abs(np.asarray(got[3], np.float64)).max() > 0  # not the zero cotangent of a constant
     assert any("additive mask" in reason for _, reason in fallback_log)
@@ -140,7 +146,7 @@ def test_softmax_dropout_mask_gradient(dtype, fallback_log):
     rng = np.random.default_rng(21)
     scores = normal(rng, (2, 3, 7, 40), dtype, 2.0)
     dy = normal(rng, (2, 3, 7, 40), dtype)
-    mask = additive_mask(rng, (3, 1, 40))
+    mask = additive_mask(rng, (3, 1, 40)).at[1].set(-jnp.inf)  # head 1: every row empty
     key, rate = jax.random.key(22), 0.1
     f = lambda s, m: jaxsub.ops.softmax_dropout(s, scale=0.5, mask=m, causal=True, rate=rate, key=key)
     got = jax.jit(lambda s, m: jax.vjp(f, s, m)[1](dy))(scores, mask)
@@ -148,6 +154,7 @@ def test_softmax_dropout_mask_gradient(dtype, fallback_log):
     with jax.enable_x64(True):
         g = lambda s, m: reference_softmax_dropout(s, scale=0.5, mask=m, causal=True, keep=keep, rate=rate)
         want = jax.vjp(g, f64(scores), f64(mask))[1](f64(dy))
+    assert all(np.isfinite(np.asarray(g, np.float64)).all() for g in got)
     assert_close(got[0], want[0], dtype, reduction=40, grad=True, what="dscores")
     assert_close(got[1], want[1], dtype, reduction=2 * 7 * 40, grad=True, what="dmask")
     assert any("additive mask" in reason for _, reason in fallback_log)

@@ -198,16 +198,18 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
 # kind and the rate are static attributes.
 
 
-def mask_grad(q, k, v, mask4d, seed, dout, scale, causal, rate, op=_OP):
-    """The cotangent of an additive mask4d (`masks.mask_cotangent`) from the reference, with
-    the kernels' keep-mask."""
+def mask_grad(q, k, v, lse, mask4d, seed, dout, scale, causal, rate, op=_OP):
+    """The cotangent of an additive mask4d (`masks.mask_cotangent`): the scores and dP = dout
+    Vᵀ again, products in the inputs' dtype with f32 results (f32 inputs: full precision),
+    and the kernels' keep-mask."""
     b, sq, h, _ = q.shape
-    keep = _dropout.seed_mask(seed, (b, h, sq, k.shape[1]), rate) if rate > 0.0 else None
-
-    def reference(m):
-        return reference_attention(q, k, v, mask=m, causal=causal, scale=scale, keep=keep, rate=rate)
-
-    return _masks.mask_cotangent(op, reference, mask4d, dout)
+    hi = jax.lax.Precision.HIGHEST if q.dtype == _F32 else None
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=hi, preferred_element_type=_F32) * np.float32(scale) + mask4d
+    g = jnp.einsum("bqhd,bkhd->bhqk", dout, v, precision=hi, preferred_element_type=_F32)
+    if rate > 0.0:
+        keep = _dropout.seed_mask(seed, (b, h, sq, k.shape[1]), rate)
+        g = jnp.where(keep, g * _dropout.keep_scale(rate), 0.0)
+    return _masks.mask_cotangent(op, s, lse, g, causal, mask4d.shape)
 
 
 def packed_slices(qkv, axis):
@@ -231,7 +233,7 @@ def _fused_bwd(scale, causal, kind, rate, res, dout):
     q, k, v, out, lse, mask4d, seed, grad_mask = res
     dout = _masks.cotangent(dout)
     dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
-    dmask = None if grad_mask is None else mask_grad(q, k, v, mask4d, seed, dout, scale, causal, rate)
+    dmask = None if grad_mask is None else mask_grad(q, k, v, lse, mask4d, seed, dout, scale, causal, rate)
     return dq, dk, dv, dmask, None
 
 
@@ -256,7 +258,8 @@ def _fused_packed_bwd(axis, scale, causal, kind, rate, res, dout):
     dqkv = _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate)
     dmask = None
     if grad_mask is not None:
-        dmask = mask_grad(*packed_slices(qkv, axis), mask4d, seed, dout, scale, causal, rate, op="attention_packed")
+        dmask = mask_grad(*packed_slices(qkv, axis), lse, mask4d, seed, dout, scale, causal, rate,
+                          op="attention_packed")
     return dqkv, dmask, None
 
 
@@ -378,9 +381,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
         (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
         mask broadcastable to [B, H, Sq, Sk]. An additive mask that the program
-        differentiates (a learned relative-position bias) gets its gradient, which the
-        reference computes: the kernels do not write the [B, H, Sq, Sk] score gradient, so
-        it is held in f32 in memory for this (a one-time log line says so).
+        differentiates (a learned relative-position bias) gets its gradient. The kernels do
+        not write the [B, H, Sq, Sk] score gradient, so XLA computes it for this, in f32
+        in memory (a one-time log line says so).
       causal: query i attends to keys j <= i + (Sk - Sq), i.e. the causal diagonal is
         aligned to the bottom-right corner, so that with Sq < Sk the queries are the last
         Sq positions of the key sequence (decoding with a cache). With Sq > Sk the first

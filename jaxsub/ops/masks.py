@@ -10,9 +10,9 @@ broadcastable to the probability tensor [..., Sq, Sk] — becomes a 4-D buffer
 An additive mask is differentiable (a learned relative-position bias is one). The kernels
 take it as a constant and never write dS, so the custom_vjp rules of the family are
 defined with `symbolic_zeros=True`, which tells their forward rule whether the program
-differentiates the mask (`grad_mask` below); only then does the backward rule take the
-mask's cotangent from the op's reference (`mask_cotangent`), with [B, H, Sq, Sk] in f32
-in memory. Otherwise the rules save and compute nothing more.
+differentiates the mask (`grad_mask` below); only then does the backward rule compute the
+mask's cotangent with XLA from the forward's log-sum-exp (`mask_cotangent`), with
+[B, H, Sq, Sk] in f32 in memory. Otherwise the rules save and compute nothing more.
 """
 
 from __future__ import annotations
@@ -107,8 +107,18 @@ def grad_mask(kind: int, mask):
     return mask.value if kind == ADDITIVE and _jaxpr.perturbed(mask)[0] else None
 
 
-def mask_cotangent(op: str, reference, mask4d, dy):
-    """The cotangent of an additive mask4d from `reference(mask) -> y` and y's cotangent dy,
-    with a one-time log line (the kernels do not write dS)."""
-    _ffi.fallback(op, "gradient of an additive mask", instead="the reference for it ([B, H, Sq, Sk] f32 in memory)")
-    return jax.vjp(reference, mask4d)[1](dy)[0]
+def mask_cotangent(op: str, s, lse, g, causal: bool, mask_shape):
+    """The cotangent of an additive mask of `mask_shape` (4-D, broadcasting to s's
+    [B, H, Sq, Sk]): dS = P (g - rowsum(P g)) summed over the mask's broadcast dims, with
+    P = exp(s - lse) from the forward's log-sum-exp (natural log, -inf for a row with no
+    visible key, whose P is 0). s: the scaled scores plus the mask, f32 (-inf where hidden);
+    g: P's cotangent after dropout (kept: scaled by 1 / (1 - rate); dropped: 0), f32. With
+    a one-time log line: the kernels do not write dS, so XLA makes it here."""
+    _ffi.fallback(op, "gradient of an additive mask", instead="XLA for it ([B, H, Sq, Sk] f32 in memory)")
+    sq, sk = s.shape[-2:]
+    if causal:
+        s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
+    empty = jnp.isneginf(lse)[..., None]
+    p = jnp.where(empty, 0.0, jnp.exp(s - jnp.where(empty, 0.0, lse[..., None])))
+    ds = p * (g - jnp.sum(p * g, axis=-1, keepdims=True))
+    return jnp.sum(ds, axis=tuple(i for i, m in enumerate(mask_shape) if m == 1), keepdims=True)

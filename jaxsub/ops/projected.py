@@ -86,7 +86,7 @@ def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
     dbs = None if db is None else tuple(db[i] for i in range(3))
     dmask = None
     if grad_mask is not None:
-        dmask = _attn.mask_grad(q, k, v, mask4d, seed, dout, scale, causal, rate, op="attention_projected")
+        dmask = _attn.mask_grad(q, k, v, lse, mask4d, seed, dout, scale, causal, rate, op="attention_projected")
     return dx, dws, dbs, dmask, None
 
 
@@ -130,7 +130,7 @@ def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, three, res, ct):
     dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
     dmask = None
     if grad_mask is not None:
-        dmask = _attn.mask_grad(*_attn.packed_slices(qkv, 2), mask4d, seed, dout, scale, causal, rate,
+        dmask = _attn.mask_grad(*_attn.packed_slices(qkv, 2), lse, mask4d, seed, dout, scale, causal, rate,
                                 op="dense_attention_packed")
     return dx, dkernel, db, dmask, None
 

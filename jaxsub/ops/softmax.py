@@ -106,12 +106,10 @@ def _fused_bwd(scale, causal, kind, rate, res, dy):
     dy = _masks.cotangent(dy)
     dmask = None
     if grad_mask is not None:
-        keep = _dropout.seed_mask(seed, scores.shape, rate) if rate > 0.0 else None
-
-        def reference(m):
-            return reference_softmax_dropout(scores, scale=scale, mask=m, causal=causal, keep=keep, rate=rate)
-
-        dmask = _masks.mask_cotangent(_OP, reference, mask, dy)
+        g = dy.astype(_F32)
+        if rate > 0.0:
+            g = jnp.where(_dropout.seed_mask(seed, scores.shape, rate), g * _dropout.keep_scale(rate), 0.0)
+        dmask = _masks.mask_cotangent(_OP, scores.astype(_F32) * np.float32(scale) + mask, lse, g, causal, mask.shape)
     return _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate), dmask, None
 
 
@@ -140,8 +138,8 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
       scale: static finite Python number multiplying the scores before the mask.
       mask: None, or an array broadcastable to scores: boolean (True = attend) or
         floating (additive, added to the scaled scores in f32). An additive mask that the
-        program differentiates (a learned bias) gets its gradient, which the reference
-        computes ([B, H, Sq, Sk] in f32; a one-time log line says so).
+        program differentiates (a learned bias) gets its gradient, which XLA computes
+        ([B, H, Sq, Sk] in f32; a one-time log line says so).
       causal: query i sees keys j <= i + (Sk - Sq), i.e. bottom-right aligned, so with
         Sq < Sk the last query sees every key (decoding with a cache). Combines with mask.
       rate: dropout probability, a static float in [0, 1).
