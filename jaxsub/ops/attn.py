@@ -59,9 +59,7 @@ def _visible(kind, mask4d, causal, sq, sk):
     if kind == _masks.BOOLEAN:
         vis = vis & mask4d
     if causal:
-        i = jnp.arange(sq)[:, None]
-        j = jnp.arange(sk)[None, :]
-        vis = vis & (j <= i + (sk - sq))
+        vis = vis & _masks.causal_visible(sq, sk)
     return vis
 
 
@@ -199,17 +197,12 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
 
 
 def mask_grad(q, k, v, lse, mask4d, seed, dout, scale, causal, rate, op=_OP):
-    """The cotangent of an additive mask4d (`masks.mask_cotangent`): the scores and dP = dout
-    Vᵀ again, products in the inputs' dtype with f32 results (f32 inputs: full precision),
-    and the kernels' keep-mask."""
-    b, sq, h, _ = q.shape
+    """The cotangent of an additive mask4d (`masks.mask_cotangent`): the scores and dout Vᵀ
+    again, products in the inputs' dtype with f32 results (f32 inputs: full precision)."""
     hi = jax.lax.Precision.HIGHEST if q.dtype == _F32 else None
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=hi, preferred_element_type=_F32) * np.float32(scale) + mask4d
-    g = jnp.einsum("bqhd,bkhd->bhqk", dout, v, precision=hi, preferred_element_type=_F32)
-    if rate > 0.0:
-        keep = _dropout.seed_mask(seed, (b, h, sq, k.shape[1]), rate)
-        g = jnp.where(keep, g * _dropout.keep_scale(rate), 0.0)
-    return _masks.mask_cotangent(op, s, lse, g, causal, mask4d.shape)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", dout, v, precision=hi, preferred_element_type=_F32)
+    return _masks.mask_cotangent(op, s, lse, dp, seed, rate, causal, mask4d.shape)
 
 
 def packed_slices(qkv, axis):

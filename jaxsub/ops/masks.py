@@ -71,6 +71,12 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
     return mask.reshape(bm, h_m, shape[-2], shape[-1]), kind
 
 
+def causal_visible(sq: int, sk: int):
+    """Bool [Sq, Sk]: query i sees key j when j <= i + (Sk - Sq) (causal, bottom-right
+    aligned), for the references and the mask gradient."""
+    return jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
+
+
 def check_scale(op: str, scale) -> float:
     """A static, finite Python number (strings and booleans are not scales)."""
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)):
@@ -107,17 +113,20 @@ def grad_mask(kind: int, mask):
     return mask.value if kind == ADDITIVE and _jaxpr.perturbed(mask)[0] else None
 
 
-def mask_cotangent(op: str, s, lse, g, causal: bool, mask_shape):
+def mask_cotangent(op: str, s, lse, dy, seed, rate: float, causal: bool, mask_shape):
     """The cotangent of an additive mask of `mask_shape` (4-D, broadcasting to s's
     [B, H, Sq, Sk]): dS = P (g - rowsum(P g)) summed over the mask's broadcast dims, with
     P = exp(s - lse) from the forward's log-sum-exp (natural log, -inf for a row with no
-    visible key, whose P is 0). s: the scaled scores plus the mask, f32 (-inf where hidden);
-    g: P's cotangent after dropout (kept: scaled by 1 / (1 - rate); dropped: 0), f32. With
+    visible key, whose P is 0) and g the cotangent of P: dy, the cotangent of the dropped
+    probabilities, through the kernels' keep-mask of `seed` (kept: scaled by 1 / (1 - rate);
+    dropped: 0). s: the scaled scores plus the mask, f32 (-inf where hidden); dy: f32. With
     a one-time log line: the kernels do not write dS, so XLA makes it here."""
     _ffi.fallback(op, "gradient of an additive mask", instead="XLA for it ([B, H, Sq, Sk] f32 in memory)")
-    sq, sk = s.shape[-2:]
+    g = dy
+    if rate > 0.0:
+        g = jnp.where(dropout.seed_mask(seed, s.shape, rate), dy * dropout.keep_scale(rate), 0.0)
     if causal:
-        s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
+        s = jnp.where(causal_visible(*s.shape[-2:]), s, -jnp.inf)
     empty = jnp.isneginf(lse)[..., None]
     p = jnp.where(empty, 0.0, jnp.exp(s - jnp.where(empty, 0.0, lse[..., None])))
     ds = p * (g - jnp.sum(p * g, axis=-1, keepdims=True))

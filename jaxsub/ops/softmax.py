@@ -30,11 +30,6 @@ _DTYPES = (_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Reference: fp32 compute, output in scores.dtype. The test oracle and the fallback.
 
 
-def _causal_visible(sq: int, sk: int):
-    """[Sq, Sk] bool: query i sees key j when j <= i + (Sk - Sq) (bottom-right aligned)."""
-    return jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
-
-
 def reference_softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, keep=None, rate=0.0):
     """Pure-JAX softmax(scale * scores (+ mask)) over the last axis, then dropout.
 
@@ -52,7 +47,7 @@ def reference_softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, kee
         else:
             s = s + mask.astype(_F32)
     if causal:
-        c = _causal_visible(*scores.shape[-2:])
+        c = _masks.causal_visible(*scores.shape[-2:])
         visible = c if visible is None else visible & c
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
@@ -106,10 +101,8 @@ def _fused_bwd(scale, causal, kind, rate, res, dy):
     dy = _masks.cotangent(dy)
     dmask = None
     if grad_mask is not None:
-        g = dy.astype(_F32)
-        if rate > 0.0:
-            g = jnp.where(_dropout.seed_mask(seed, scores.shape, rate), g * _dropout.keep_scale(rate), 0.0)
-        dmask = _masks.mask_cotangent(_OP, scores.astype(_F32) * np.float32(scale) + mask, lse, g, causal, mask.shape)
+        dmask = _masks.mask_cotangent(_OP, scores.astype(_F32) * np.float32(scale) + mask, lse, dy.astype(_F32), seed,
+                                      rate, causal, mask.shape)
     return _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate), dmask, None
 
 
