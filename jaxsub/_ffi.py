@@ -10,6 +10,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxsub import _partition
+
 log = logging.getLogger("jaxsub")
 
 # Longest row (last dimension) the row kernels take (ABI.md); wider rows use the reference.
@@ -151,14 +153,25 @@ def workspace(x, k: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((min(max(rows, 1), WORKSPACE_ROWS), k, x.shape[-1]), jnp.float32)
 
 
-def call(target: str, out_types, *args, barrier: bool = True, **attrs):
+def call(target: str, out_types, *args, barrier: bool = True, rule: str | None = None, shard: str = "",
+         **attrs):
     """An ffi_call of a jaxsub target. Kernels treat leading axes as rows, so `vmap` maps
     the call sequentially: that keeps every argument's meaning (per-example keys,
     batched parameters) exact. `barrier=False`: the results without the barrier below,
     for a call whose result XLA should write straight into a dynamic-update-slice that
-    is its only user (the gemm target's gradients, jaxsub/ops/gemm.py)."""
+    is its only user (the gemm target's gradients, jaxsub/ops/gemm.py). `rule` and
+    `shard`: how the call runs on several devices (jaxsub/_partition.py; None: gathered
+    onto each device whole). A process with one device has nothing to partition, and
+    skips the rule's wrappers (their tracing costs ~1.5 ms per call)."""
     register()
-    out = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)
+    if rule is None or jax.device_count() == 1:
+        out = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)
+    else:
+        single = not isinstance(out_types, (tuple, list))
+        out = _partition.sharded_call(
+            lambda types, *xs: jax.ffi.ffi_call(target, types, vmap_method="sequential")(*xs, **attrs),
+            rule, shard, args, (out_types,) if single else out_types)
+        out = out[0] if single else out
     if not barrier:
         return out
     # The results pass through an optimization barrier (an identity that costs nothing):

@@ -49,6 +49,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxsub import _partition
 from jaxsub import _timing
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import interpreter
@@ -161,13 +162,14 @@ def _contraction_flops(node) -> int:
     return 2 * out * math.prod(rhs) // rhs[node.params["dimension_numbers"].rhs_spec[0]]
 
 
-def _fused_row(node):
-    target = node.params["target_name"]
+def _fused_row(node, call):
+    """call: the ffi_call equation that node is or wraps (_partition.inner_call)."""
+    target = call.params["target_name"]
     cls, per_element = _FUSED.get(target, (ELEMENTWISE, 0))
     scratch = {i % len(node.outs) for i in _WORKSPACES.get(target, ())}
     results = [r for i, r in enumerate(node.outs) if i not in scratch]
     if target == "jaxsub_gemm":  # d [M, N] from a contraction over K
-        a, trans_a = node.ins[0].shape, dict(node.params.get("attributes", ())).get("trans_a", False)
+        a, trans_a = node.ins[0].shape, dict(call.params.get("attributes", ())).get("trans_a", False)
         flops = 2 * _size(results[0]) * (a[0] if trans_a else a[1])
     elif target == "jaxsub_dense_gelu_fwd":  # y, h [M, N] from x [M, K]: the product and the GELU
         flops = (2 * node.ins[0].shape[1] + _FUSED["jaxsub_bias_gelu_dropout_fwd"][1]) * _size(results[0])
@@ -228,8 +230,9 @@ def _kind(node) -> str:
 
 
 def _row(g, node, norm, count, scope) -> OpStat:
-    if node.prim == "ffi_call":
-        op, cls, outs, flops, moved = _fused_row(node)
+    call = _partition.inner_call(node.eqn)
+    if call is not None:
+        op, cls, outs, flops, moved = _fused_row(node, call)
     else:
         op, cls, outs, flops, moved = node.prim, _kind(node), node.outs, 0, 0
         if cls != STRUCTURAL:

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
+from jaxsub import _partition
 from jaxsub._jaxpr import bind, dense_cotangent, perturbed, primal_values
 
 _OP = "jaxsub.stack.scan"
@@ -244,7 +245,8 @@ def _fixed(closed, producer, stored_vars) -> tuple:
         if v in known:
             return known[v]
         eqn = producer.get(v)
-        if eqn is None or depth > 32 or eqn.primitive.name in ("ffi_call", "custom_vjp_call", "custom_jvp_call"):
+        if eqn is None or depth > 32 or eqn.primitive.name in ("ffi_call", "custom_vjp_call", "custom_jvp_call",
+                                                                  *_partition.WRAPPERS):
             return None
         ins = [value(u, depth + 1) for u in eqn.invars]
         if any(x is None for x in ins):
@@ -410,8 +412,8 @@ def _jaxsub_result(producer, v):
     custom call `call`; else None."""
     root = _origin(producer, v)
     call = None if isinstance(root, jcore.Literal) else producer.get(root)
-    if (call is None or call.primitive.name != "ffi_call"
-            or not str(call.params.get("target_name", "")).startswith("jaxsub_")):
+    inner = None if call is None else _partition.inner_call(call)
+    if inner is None or not str(inner.params.get("target_name", "")).startswith("jaxsub_"):
         return None
     return root, call
 

@@ -1,15 +1,22 @@
 """The fused ops on several devices (four CPU devices in a subprocess, since the device
 count is fixed when JAX starts): under `jit` with the batch sharded, values and gradients
-equal the single-device ones (dropout indexed on the whole logical tensor); under
-`shard_map` each device runs the op on its own shard, whose dropout is indexed on that
-shard, as `jax.random` inside `shard_map` is."""
+equal the single-device ones (dropout indexed on the whole logical tensor); without
+dropout each device runs the custom call on its own slices (jaxsub/_partition.py: no
+all-gather, parameter gradients summed by one all-reduce); under `shard_map` each device
+runs the op on its own shard, whose dropout is indexed on that shard, as `jax.random`
+inside `shard_map` is."""
 
 import os
 import subprocess
 import sys
 import textwrap
 
+import jax
+import numpy as np
+import pytest
+
 import jaxsub
+from jaxsub import _partition
 
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -50,10 +57,133 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_ops_on_four_devices():
+# Without dropout, on a 2 x 2 mesh ("data", "model"): each case is (name, function, its
+# arguments, their partition specs, a shape (result or operand) of each device's first jaxsub call,
+# the number of all-reduces the compiled program must have). Every case must equal the
+# single-device values and compile with no all-gather.
+_PARTITIONED = textwrap.dedent("""
+    import re
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxsub
+    from jaxsub.ops import gemm as G
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    rng = np.random.default_rng(0)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    x, scale, bias, w = r(8, 12, 64), r(64), r(64), r(64, 48) * 0.1
+    q, qkv, xp = r(8, 12, 4, 16), r(8, 12, 3, 4, 16), r(8, 12, 32)
+    ws, bs = [r(32, 4, 8) * 0.2 for _ in range(3)], [r(4, 8) for _ in range(3)]
+    pad = jnp.asarray(rng.random((8, 12)) > 0.2)
+    sq = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    grads = lambda f, n: jax.grad(sq(f), argnums=tuple(range(n)))
+    cases = [
+        ("layer_norm", grads(lambda x, s, b: jaxsub.ops.layer_norm(x, s, b), 3), (x, scale, bias),
+         (P("data", "model"), P(), P()), "f32[4,6,64]", 1),
+        ("bdrln", grads(lambda x, b, res: jaxsub.ops.bias_dropout_residual_layer_norm(
+             x, b, res, scale, bias, rate=0.0, key=None), 3), (x, bias, x * 0.5), (P("data"), P(), P("data")),
+         "f32[4,12,64]", 1),
+        ("bias_gelu", grads(lambda x, b: jaxsub.ops.bias_gelu_dropout(x, b, rate=0.0, key=None), 2), (x, bias),
+         (P("data"), P()), "f32[4,12,64]", 1),
+        ("bias_add", grads(lambda x, b: jaxsub.ops.bias_add(x, b), 2), (x, bias), (P("data"), P()),
+         "f32[48,64]", 1),
+        ("softmax", grads(lambda s, m: jaxsub.ops.softmax_dropout(s, mask=m, scale=0.5), 2),
+         (r(8, 4, 12, 12), r(1, 4, 12, 12)), (P("data", "model"), P()), "f32[4,2,12,12]", 1),
+        ("attention", grads(lambda q, m: jaxsub.ops.attention(q, q, q, mask=m, implementation="fused"), 1),
+         (q, pad), (P("data", None, "model"), P("data")), "f32[4,12,2,16]", 0),
+        ("attention_packed", grads(lambda qkv: jaxsub.ops.attention_packed(qkv, causal=True, implementation="fused"), 1), (qkv,),
+         (P("data", None, None, "model"),), "f32[4,12,2,16]", 0),
+        ("attention_projected", grads(lambda x, ws, bs: jaxsub.ops.attention_projected(
+             x, ws, bs, mask=pad, implementation="fused"), 3), (xp, ws, bs), (P("data"), P(), P()),
+         "f32[4,12,4,8]", 1),
+        ("dense", grads(lambda x, w: jaxsub.ops.dense(x, w), 2), (x, w), (P("data"), P()), "f32[48,48]", 1),
+        ("gemm k sliced, with c", lambda a, b, c: G.gemm(a, b, jnp.ones(8), c), (r(16, 64), r(64, 8), r(16, 8)),
+         (P(None, "data"), P("data"), P()), "f32[16,8]", 1),
+        ("gemm n sliced", lambda a, b: G.gemm(a, b, trans_b=True), (r(16, 64), r(8, 64)), (P(), P("model")),
+         "f32[16,4]", 0),
+    ]
+    for name, f, args, specs, first, reduces in cases:
+        sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        jf = jax.jit(f)
+        got, want = jf(*sharded), f(*args)
+        # Sums over devices add in another order: within 1e-6 of the case's largest value
+        # (the k bias's gradient is zero up to rounding, its noise of the others' size).
+        largest = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            err = float(jnp.abs(g - w).max())
+            assert err <= 1e-6 * (1.0 + largest), (name, err, largest)
+        hlo = jf.lower(*sharded).compile().as_text()
+        calls = [l for l in hlo.splitlines() if 'custom_call_target="jaxsub_' in l]
+        assert calls and "all-gather" not in hlo, (name, [l for l in hlo.splitlines() if "all-gather" in l][:3])
+        assert first in calls[0], (name, first, calls[0][:300])  # a result or an operand (layout constraints)
+        assert len(re.findall(r"all-reduce[(]", hlo)) == reduces, (name, hlo.count("all-reduce("))
+    # vmap of an op still maps it call by call, sharded or not.
+    f = jax.vmap(lambda x: jaxsub.ops.layer_norm(x, scale, bias))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    assert float(jnp.abs(jax.jit(f)(xs) - f(x)).max()) == 0.0
+    # The analysis names a wrapped call by its target.
+    rows = jaxsub.analyze(lambda x: jaxsub.ops.layer_norm(x, scale, bias), x, compare_optimized=False)
+    assert "jaxsub_layer_norm_fwd" in str(rows), str(rows)[:2000]
+    # The scanned encoder: its layers' calls run on the batch's slices inside the loop.
+    enc = jaxsub.flax.Encoder(num_layers=2, num_heads=4, mlp_dim=128, dropout_rate=0.1, scan_layers=True)
+    params = enc.init(jax.random.key(0), x, deterministic=True)
+    run = lambda p, x: enc.apply(p, x, deterministic=True)
+    jr = jax.jit(run)
+    got, want = jr(params, xs), run(params, x)
+    assert float(jnp.abs(got - want).max()) <= 1e-5 * (1.0 + float(jnp.abs(want).max()))
+    hlo = jr.lower(params, xs).compile().as_text()
+    calls = [l for l in hlo.splitlines() if 'custom_call_target="jaxsub_bdrln_fwd"' in l]
+    assert calls and all("f32[4,12,64]" in l for l in calls), calls[:2]
+    print("ok")
+""")
+
+
+def _run(script):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     # The jaxsub this test imported (the installed one, or a development tree's).
     here = os.path.dirname(os.path.dirname(jaxsub.__file__))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_ops_on_four_devices():
+    _run(_SCRIPT)
+
+
+def test_calls_without_dropout_run_on_each_devices_slices():
+    _run(_PARTITIONED)
+
+
+def _rule(rule, shard, ins, outs):
+    return _partition._Rule(rule, shard, ins, outs)
+
+
+def test_rule_letters():
+    # Rows expand to as many letters as the operand has leading dims; a size-1 dim and an
+    # empty operand get letters of their own; only shardable letters are offered.
+    r = _rule("... n, n, b h q k, _ -> ... n, !_ _ n", "...", [(8, 12, 64), (64,), (8, 1, 1, 12), (0,)],
+              [(8, 12, 64), (5, 2, 64)])
+    assert r.sdy() == "r0 r1 n, n, b u0 u1 k, u2 -> r0 r1 n, u3 u4 n"
+    assert r.shard == ["r0", "r1"]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    spec = jax.sharding.PartitionSpec
+    named = lambda *entries: jax.sharding.NamedSharding(mesh, spec(*entries))
+    got = r.assign(mesh, [named("data", "model", None), named(None), named("model", None, None, None), None])
+    assert got == {"r0": ("data",), "r1": ("model",)}  # the first operand that slices a letter decides
+    got = r.assign(mesh, [named(None, None, "data"), named("data"), named("data", None, None, None), None])
+    assert got == {}  # n is not shardable, and b is not offered
+    assert r.summed(got, 0) == () and r.summed(got, 1) == ()  # the second result is scratch
+
+
+def test_rule_sums_results_without_a_sliced_letter_and_ties_workspaces():
+    r = _rule("b q h d, _ -> b q h d, h d, !b~ _ h d", "b h", [(4, 32, 2, 8), (2,)],
+              [(4, 32, 2, 8), (2, 8), (8, 3, 2, 8)])
+    got = {"b": ("data",)}
+    assert r.summed(got, 1) == ("data",) and r.summed(got, 0) == () and r.summed(got, 2) == ()
+    assert r.axes(got, r.letters[4][0]) == ("data",)  # the workspace's rows follow b
+
+
+def test_rule_checks_ranks():
+    with pytest.raises(ValueError, match="partition rule"):
+        _rule("... n, n -> ... n", "...", [(8, 64), (4, 64)], [(8, 64)])

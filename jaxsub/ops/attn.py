@@ -102,6 +102,7 @@ def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
         "jaxsub_attention_fwd",
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)),
         q, k, v, mask4d, seed,
+        rule="b q h d, b k h d, b k h e, b h q k, _ -> b q h e, b h q", shard=_dropout.shard(rate, "b h"),
         **_masks.attrs(scale, causal, kind, rate),
     )
 
@@ -118,7 +119,9 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
         dout, q, k, v, out, lse, mask4d, seed,
-        **_masks.attrs(scale, causal, kind, rate),
+        rule="b q h e, b q h d, b k h d, b k h e, b q h e, b h q, b h q k, _ "
+             "-> b q h d, b k h d, b k h e, !b h q, !b q h d",
+        shard=_dropout.shard(rate, "b h"), **_masks.attrs(scale, causal, kind, rate),
     )
     return dq, dk, dv
 
@@ -133,6 +136,17 @@ def _dbias(bias_grad, b, s, h, d, dtype):
         return jax.ShapeDtypeStruct((0,), dtype), jax.ShapeDtypeStruct((0,), _F32)
     return (jax.ShapeDtypeStruct((h, d) if bias_grad == "split" else (3, h, d), dtype),
             jax.ShapeDtypeStruct((b * -(-s // 16), 3, h, d), _F32))
+
+
+# The dbias result (a sum over b and s: summed over devices where b is sliced) and its GPU
+# workspace, whose rows are b * ceil(S / 16): as many fewer per device as b's slices.
+def _dbias_rule(bias_grad):
+    return ("h d" if bias_grad == "split" else "_ h d") + ", !b~ _ h d"
+
+
+def _packed_rule(axis):
+    """The letters of a packed qkv array with the 3 on `axis` (0 or 2)."""
+    return "b s _ h d" if axis == 2 else "_ b s h d"
 
 
 def _dbias_kv(bias_grad, h, d, dtype):
@@ -153,7 +167,9 @@ def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, r
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
         dout, q, k, v, out, lse, mask4d, seed,
-        **_masks.attrs(scale, causal, kind, rate),
+        rule=f"b s h d, b s h d, b s h d, b s h d, b s h d, b h s, b h q k, _ "
+             f"-> b s _ h d, {_dbias_rule(bias_grad)}, !b h s, !b s h d",
+        shard=_dropout.shard(rate, "b h"), **_masks.attrs(scale, causal, kind, rate),
     )
     return (dqkv, dbias) if bias_grad else dqkv
 
@@ -164,6 +180,7 @@ def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
         "jaxsub_attention_qkv_fwd",
         (jax.ShapeDtypeStruct((b, s, h, d), qkv.dtype), jax.ShapeDtypeStruct((b, h, s), _F32)),
         qkv, mask4d, seed,
+        rule=f"{_packed_rule(axis)}, b h q k, _ -> b s h d, b h s", shard=_dropout.shard(rate, "b h"),
         qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
     )
 
@@ -182,7 +199,10 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
             *_dbias_kv(bias_grad, h, d, qkv.dtype),
         ),
         dout, qkv, out, lse, mask4d, seed,
-        qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
+        rule=f"b s h d, {_packed_rule(axis)}, b s h d, b h s, b h q k, _ "
+             f"-> {_packed_rule(axis)}, {_dbias_rule(bias_grad)}, !b h s, !b s h d"
+             f"{', h d, h d' if bias_grad == 'split' else ''}",
+        shard=_dropout.shard(rate, "b h"), qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
     )
     if bias_grad == "split":
         dbias = (dbias, *dbias_kv)

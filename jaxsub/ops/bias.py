@@ -51,7 +51,7 @@ def _grad_call(dy, bias):
     dbias, _ = _ffi.call(
         "jaxsub_bias_grad",
         (jax.ShapeDtypeStruct((n,), bias.dtype), _ffi.workspace(rows, 1)),
-        rows,
+        rows, rule="r n -> n, !_ _ n", shard="r",
     )
     return dbias.reshape(bias.shape)
 

@@ -45,6 +45,13 @@ def attrs(rate: float) -> dict:
     return dict(threshold=threshold(rate), keep_scale=keep_scale(rate))
 
 
+def shard(rate: float, letters: str) -> str:
+    """The letters of a call with dropout at `rate` that may run on each device's slice
+    (jaxsub/_partition.py): all of `letters` without dropout, none with it, since the
+    kernels index the keep decisions on the whole tensor and take no slice's offset yet."""
+    return letters if threshold(rate) == 0 else ""
+
+
 class Words:
     """A dropout seed already in the kernels' form, passed where a key goes and used as is:
     uint32 words [2], or [4] whose first two are the seed (cuda/ABI.md). `shared_seeds`
@@ -193,7 +200,7 @@ _DEFAULT_LAUNCH = _config.KernelConfig().attrs("fwd")  # the kernels' default la
 
 def _residual_fwd_call(x, y, bias, seed, rate):
     return _ffi.call("jaxsub_bias_dropout_residual_fwd", jax.ShapeDtypeStruct(y.shape, y.dtype), y, bias, x, seed,
-                     **attrs(rate), **_DEFAULT_LAUNCH)
+                     rule="... n, n, ... n, _ -> ... n", shard=shard(rate, "..."), **attrs(rate), **_DEFAULT_LAUNCH)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -211,7 +218,7 @@ def _residual_add_fused_bwd(rate, res, g):
     dy, dbias, _ = _ffi.call(
         "jaxsub_bias_dropout_bwd",
         (jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(g.shape[-1:], bias0.dtype), _ffi.workspace(g, 1)),
-        g, seed, **attrs(rate), **_DEFAULT_LAUNCH)
+        g, seed, rule="... n, _ -> ... n, n, !_ _ n", shard=shard(rate, "..."), **attrs(rate), **_DEFAULT_LAUNCH)
     return g, dy, dbias, None
 
 

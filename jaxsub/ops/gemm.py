@@ -71,8 +71,15 @@ def gemm(a, b, bias=None, c=None, *, trans_a=False, trans_b=False, barrier=True)
     c = jnp.zeros((0,), a.dtype) if c is None else c
     d, _ = _ffi.call(_TARGET, (jax.ShapeDtypeStruct((m, n), a.dtype),
                                jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
-                     a, b, bias, c, trans_a=trans_a, trans_b=trans_b, barrier=barrier)
+                     a, b, bias, c, rule=_rule(trans_a, trans_b), shard="m k n", trans_a=trans_a, trans_b=trans_b,
+                     barrier=barrier)
     return d
+
+
+def _rule(trans_a, trans_b):
+    """The call's letters (jaxsub/_partition.py): a sliced k gives each device a partial
+    product, summed over devices, to which only the first adds the bias and c."""
+    return f"{'k m' if trans_a else 'm k'}, {'n k' if trans_b else 'k n'}, +n, +m n -> m n, !_"
 
 
 # ---------------------------------------------------------------------------------------

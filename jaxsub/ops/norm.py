@@ -81,7 +81,7 @@ def _row_stats(x):
 
 def _layer_norm_fwd_call(x, scale, bias, eps, kernel):
     return _ffi.call("jaxsub_layer_norm_fwd", (_like(x), *_row_stats(x)), x, scale, bias,
-                     eps=np.float32(eps), **kernel.attrs("fwd"))
+                     rule="... n, n, n -> ... n, ..., ...", shard="...", eps=np.float32(eps), **kernel.attrs("fwd"))
 
 
 def _optional(a, like):
@@ -93,7 +93,8 @@ def _layer_norm_bwd_call(dy, x, scale, mean, rstd, kernel, dh=None):
     """dh: a cotangent of x itself, added to dx inside the kernel; None: none."""
     dx, dscale, dbias, _ = _ffi.call(
         "jaxsub_layer_norm_bwd", (_like(x), _like(scale), _like(scale), _ffi.workspace(x, 2)),
-        dy, _optional(dh, dy), x, scale, mean, rstd, **kernel.attrs("bwd"))
+        dy, _optional(dh, dy), x, scale, mean, rstd,
+        rule="... n, ... n, ... n, n, ..., ... -> ... n, n, n, !_ _ n", shard="...", **kernel.attrs("bwd"))
     return dx, dscale, dbias
 
 
@@ -102,7 +103,9 @@ def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, 
     an empty [0] array (the kernel does not write it)."""
     h = _like(x) if keep_h else jax.ShapeDtypeStruct((0,), x.dtype)
     return _ffi.call("jaxsub_bdrln_fwd", (_like(x), *_row_stats(x), h), x, bias, residual, scale,
-                     ln_bias, seed, eps=np.float32(eps), **dropout.attrs(rate), **kernel.attrs("fwd"))
+                     ln_bias, seed, rule="... n, n, ... n, n, n, _ -> ... n, ..., ..., ... n",
+                     shard=dropout.shard(rate, "..."), eps=np.float32(eps), **dropout.attrs(rate),
+                     **kernel.attrs("fwd"))
 
 
 def _bdrln_bwd_call(dy, dy2, x, bias, residual, scale, mean, rstd, seed, rate, kernel, dh=None):
@@ -112,7 +115,8 @@ def _bdrln_bwd_call(dy, dy2, x, bias, residual, scale, mean, rstd, seed, rate, k
         "jaxsub_bdrln_bwd",
         (_like(x), _like(bias), _like(x), _like(scale), _like(scale), _ffi.workspace(x, 3)),
         dy, _optional(dy2, dy), _optional(dh, dy), x, bias, residual, scale, mean, rstd, seed,
-        **dropout.attrs(rate), **kernel.attrs("bwd"))
+        rule="... n, ... n, ... n, ... n, n, ... n, n, ..., ..., _ -> ... n, n, ... n, n, n, !_ _ n",
+        shard=dropout.shard(rate, "..."), **dropout.attrs(rate), **kernel.attrs("bwd"))
     return grads
 
 

@@ -68,13 +68,15 @@ def _fwd_call(scores, mask, seed, scale, causal, kind, rate):
     return _ffi.call(
         "jaxsub_softmax_dropout_fwd",
         (jax.ShapeDtypeStruct(scores.shape, scores.dtype), jax.ShapeDtypeStruct(scores.shape[:-1], _F32)),
-        scores, mask, seed, **_masks.attrs(scale, causal, kind, rate))
+        scores, mask, seed, rule="b h q k, b h q k, _ -> b h q k, b h q", shard=_dropout.shard(rate, "b h"),
+        **_masks.attrs(scale, causal, kind, rate))
 
 
 def _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate):
     return _ffi.call(
         "jaxsub_softmax_dropout_bwd", jax.ShapeDtypeStruct(scores.shape, scores.dtype),
-        dy, scores, lse, mask, seed, **_masks.attrs(scale, causal, kind, rate))
+        dy, scores, lse, mask, seed, rule="b h q k, b h q k, b h q, b h q k, _ -> b h q k",
+        shard=_dropout.shard(rate, "b h"), **_masks.attrs(scale, causal, kind, rate))
 
 
 # ---------------------------------------------------------------------------------------

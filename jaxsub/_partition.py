@@ -1,0 +1,201 @@
+"""How a jaxsub custom call runs on several devices: one partitioning rule for every target.
+
+XLA cannot look inside a custom call, so under `jit` with sharded operands it gathers them
+onto every device and runs the call on the whole arrays. `sharded_call` wraps a target's
+ffi_call in `jax.experimental.custom_partitioning` with a rule written as letters, one per
+dimension, like an einsum:
+
+    "... n, n, n -> ... n, ..., ..."          (layer norm's forward)
+    "b q h d, b k h d, b k h d -> b q h d, b h q"
+
+Equal letters are the same dimension. `...` stands for the leading (row) dimensions, the
+same number in every operand that has it. The letters in `shard` are the dimensions the
+kernel may run on a slice of: each device then calls the target on its slices, with no
+gathering. Every other dimension is whole on every device. A result without one of the
+sharded letters is a sum over it (a parameter's gradient: the kernel's column sums), and
+is summed over the devices (one all-reduce). Marks:
+
+- `!` before a result: scratch (a workspace) that nobody reads; never summed. A scratch
+  dimension `_` keeps its size on every device (the kernels use any prefix of it).
+- `+` before an operand: added into a result that is summed over devices (the GEMM's
+  bias and C operand); only the first device of the sum adds it.
+- `_`: a dimension of its own, never sharded.
+- `b~` (any letter with `~`): a dimension of its own whose size is a multiple of b's, cut
+  into as many slices as b (a workspace with rows per b).
+
+An operand of size 0 (an optional operand left out) and a dimension of size 1 (a
+broadcast mask) are dimensions of their own. A letter is sharded only where its size
+divides by the devices that hold it, so no device runs on padding.
+
+On one device (and inside `shard_map`) JAX lowers the wrapped function as it is, so the
+program is the same as without the wrapper. `custom_partitioning` has no batching rule;
+`jax.custom_batching.sequential_vmap` gives the wrapped call one (a loop of calls, as
+`ffi_call(vmap_method="sequential")` has).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+SCRATCH, ADDEND, OWN, ROWS = "!", "+", "_", "..."
+
+
+def _parse(side: str) -> list[tuple[str, list[str]]]:
+    """[(mark, letters)] for one side of a rule; mark is "", "!" or "+"."""
+    out = []
+    for operand in side.split(","):
+        words = operand.split()
+        mark = ""
+        if words and words[0][0] in (SCRATCH, ADDEND):
+            mark, words[0] = words[0][0], words[0][1:]
+            if not words[0]:
+                words = words[1:]
+        out.append((mark, words))
+    return out
+
+
+class _Rule:
+    """A rule bound to shapes: each operand's and result's letters, one per dimension."""
+
+    def __init__(self, rule: str, shard: str, in_shapes, out_shapes):
+        ins, outs = (_parse(s) for s in rule.split("->"))
+        if len(ins) != len(in_shapes) or len(outs) != len(out_shapes):
+            raise ValueError(f"partition rule {rule!r}: {len(in_shapes)} operands, {len(out_shapes)} results")
+        fresh = (f"u{i}" for i in itertools.count())
+        rows = None
+        for (_, words), shape in zip(ins + outs, list(in_shapes) + list(out_shapes)):
+            if ROWS in words and math.prod(shape) != 0:
+                rows = len(shape) - len(words) + 1
+                break
+        shard_letters = set(shard.split())
+        self.sizes: dict[str, int] = {}
+        self.tied: dict[str, str] = {}
+        self.letters: list[list[str]] = []
+        self.marks = [m for m, _ in ins + outs]
+        self.n_in = len(ins)
+        for (_, words), shape in zip(ins + outs, list(in_shapes) + list(out_shapes)):
+            expanded = []
+            for w in words:
+                expanded += [f"r{i}" for i in range(rows or 0)] if w == ROWS else [w]
+            if math.prod(shape) == 0:
+                expanded = [OWN] * len(shape)  # an optional operand left out
+            elif len(expanded) != len(shape):
+                raise ValueError(f"partition rule {rule!r}: {words} for an array of shape {shape}")
+            letters = []
+            for w, size in zip(expanded, shape):
+                if w.endswith("~"):
+                    parent, w = w[:-1], next(fresh)
+                    self.tied[w] = parent
+                elif w == OWN or size == 1 or self.sizes.get(w, size) != size:
+                    w = next(fresh)
+                self.sizes.setdefault(w, size)
+                letters.append(w)
+            self.letters.append(letters)
+        if ROWS in shard_letters:
+            shard_letters |= {f"r{i}" for i in range(rows or 0)}
+        self.shard = [w for w in self.sizes if w in shard_letters]
+
+    def sdy(self) -> str:
+        def side(ls):
+            return ", ".join(" ".join(x) if x else "" for x in ls)
+        return side(self.letters[:self.n_in]) + " -> " + side(self.letters[self.n_in:])
+
+    def assign(self, mesh, shardings) -> dict[str, tuple[str, ...]]:
+        """letter -> mesh axes, from the operands' shardings in order (the first operand
+        that shards a letter decides; a mesh axis serves one letter)."""
+        got, used = {}, set()
+        for letters, s in zip(self.letters, shardings):
+            spec = tuple(s.spec) if isinstance(s, NamedSharding) else ()
+            for w, entry in zip(letters, spec):
+                if entry is None or w not in self.shard or w in got:
+                    continue
+                axes = (entry,) if isinstance(entry, str) else tuple(entry)
+                if used & set(axes) or self.sizes[w] % math.prod(mesh.shape[a] for a in axes):
+                    continue
+                got[w] = axes
+                used |= set(axes)
+        return got
+
+    def axes(self, got, w) -> tuple[str, ...]:
+        return got.get(w) or got.get(self.tied.get(w), ())
+
+    def sharding(self, mesh, got, i):
+        return NamedSharding(mesh, PartitionSpec(*(_entry(self.axes(got, w)) for w in self.letters[i])))
+
+    def local(self, mesh, got, i, shape):
+        return tuple(size // math.prod(mesh.shape[a] for a in self.axes(got, w))
+                     for w, size in zip(self.letters[i], shape))
+
+    def summed(self, got, j) -> tuple[str, ...]:
+        """The mesh axes result j is summed over (none for scratch)."""
+        i = self.n_in + j
+        if self.marks[i] == SCRATCH:
+            return ()
+        return tuple(a for w, axes in got.items() if w not in self.letters[i] for a in axes)
+
+
+def _entry(axes):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def sharded_call(call, rule: str, shard: str, args, out_types):
+    """call(out_types, *args) -> results (a tuple, one per out_types), run through the
+    rule above. `call` is invoked again on each device's slices with their shapes."""
+    out_types = tuple(out_types)
+    bound = _Rule(rule, shard, [a.shape for a in args], [t.shape for t in out_types])
+    if not bound.shard:
+        return call(out_types, *args)
+
+    def lowering(mesh, got):
+        types = tuple(jax.ShapeDtypeStruct(bound.local(mesh, got, bound.n_in + j, t.shape), t.dtype)
+                      for j, t in enumerate(out_types))
+        summed = [bound.summed(got, j) for j in range(len(out_types))]
+        first_axes = tuple(dict.fromkeys(a for axes in summed for a in axes))
+
+        def lower(*local):
+            if first_axes:
+                first = jax.lax.axis_index(first_axes) == 0
+                local = [jax.numpy.where(first, a, 0).astype(a.dtype) if bound.marks[i] == ADDEND and a.size else a
+                         for i, a in enumerate(local)]
+            outs = call(types, *local)
+            return tuple(jax.lax.psum(o, axes) if axes else o for o, axes in zip(outs, summed))
+        return lower
+
+    def partition(mesh, arg_shapes, result_shape):
+        got = bound.assign(mesh, [a.sharding for a in arg_shapes])
+        ins = tuple(bound.sharding(mesh, got, i) for i in range(bound.n_in))
+        outs = tuple(bound.sharding(mesh, got, bound.n_in + j) for j in range(len(out_types)))
+        return mesh, lowering(mesh, got), outs, ins
+
+    def infer(mesh, arg_shapes, result_shape):
+        got = bound.assign(mesh, [a.sharding for a in arg_shapes])
+        return tuple(bound.sharding(mesh, got, bound.n_in + j) for j in range(len(out_types)))
+
+    @custom_partitioning
+    def wrapped(*xs):
+        return tuple(call(out_types, *xs))
+
+    wrapped.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=bound.sdy())
+    return jax.custom_batching.sequential_vmap(wrapped)(*args)
+
+
+WRAPPERS = ("custom_vmap_call", "custom_partitioning")
+
+
+def inner_call(eqn):
+    """The ffi_call equation that `eqn` is, or wraps (through `sharded_call`'s wrappers);
+    None if it is neither."""
+    while eqn.primitive.name in WRAPPERS:
+        inner = eqn.params["call"].jaxpr
+        calls = [e for e in inner.eqns if e.primitive.name in WRAPPERS + ("ffi_call",)]
+        if len(calls) != 1:
+            return None
+        eqn = calls[0]
+    return eqn if eqn.primitive.name == "ffi_call" else None
