@@ -221,7 +221,11 @@ def _plan(body, consts, carry, xs, length, reverse, unroll=1, live=None) -> _Pla
 
 def _groups(stored, skip) -> tuple:
     """Small residuals of one dtype, two or more, to share a buffer (those in `skip` are
-    not stored or have buffers of their own)."""
+    not stored or have buffers of their own). None where the process has several devices:
+    a shared buffer is flat, and XLA gathers a sharded residual to flatten it (the
+    residuals' own stacks keep their shardings)."""
+    if jax.device_count() > 1:
+        return ()
     by_dtype = {}
     for j, a in enumerate(stored):
         if (j not in skip and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
