@@ -13,6 +13,11 @@ neighbours drives the loss far below the chance level log(vocab).
     python examples/flax_bert.py                 # --size tiny on CPU, large on a GPU
     python examples/flax_bert.py --size large    # BERT-large (24 x 1024, 16 heads), bf16
     python examples/flax_bert.py --steps 100 --log-every 10
+    python examples/flax_bert.py --data-parallel # the batch sharded over every device
+
+With --data-parallel the batch (the size's batch per device) is sharded over all devices
+and the parameters and optimizer state are replicated; `jit` then partitions the step as
+usual, and jaxsub's kernels run on each device's examples (README, "Several devices").
 
 Prints the training loss and masked-token accuracy as it goes, steps/s, and a final
 evaluation without dropout. Needs optax (`pip install optax`, or jaxsub's `examples` extra).
@@ -98,11 +103,18 @@ def masked_loss(logits, labels, weights):
     return jnp.sum(losses * weights) / total, jnp.sum(correct * weights) / total
 
 
-def train(size_name: str, steps: int, seed: int = 0, log_every: int = 25, log=print) -> dict:
+def train(size_name: str, steps: int, seed: int = 0, log_every: int = 25, log=print, devices=None) -> dict:
     """Trains for `steps` steps; returns the per-step losses and accuracies, steps/s
-    (after the first, compiling, step) and a final evaluation without dropout."""
+    (after the first, compiling, step) and a final evaluation without dropout. `devices`:
+    a list of devices to shard the batch over (data parallelism, the size's batch on each),
+    or None (one device)."""
     size = SIZES[size_name]
     model = BertMLM(size)
+    if devices is not None:
+        size = dataclasses.replace(size, batch=size.batch * len(devices))
+        mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        batch_sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     rng = np.random.default_rng(seed)
     tokens, labels, weights = make_batch(rng, size)
     params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]
@@ -110,6 +122,12 @@ def train(size_name: str, steps: int, seed: int = 0, log_every: int = 25, log=pr
     schedule = optax.warmup_cosine_decay_schedule(0.0, size.lr, max(1, steps // 10), max(steps, 2))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     opt_state = tx.init(params)
+    if devices is not None:
+        params, opt_state = jax.device_put((params, opt_state), replicated)
+
+    def batch(rng):
+        b = make_batch(rng, size)
+        return b if devices is None else jax.device_put(b, batch_sharded)
 
     @jax.jit
     def step(params, opt_state, tokens, labels, weights, key):
@@ -125,9 +143,10 @@ def train(size_name: str, steps: int, seed: int = 0, log_every: int = 25, log=pr
     def evaluate(params, tokens, labels, weights):
         return masked_loss(model.apply({"params": params}, tokens), labels, weights)
 
+    where = f"{len(devices)} devices, batch sharded" if devices is not None else "device"
     log(f"BERT-{size_name}: {size.layers} layers x {size.hidden}, {size.heads} heads, vocab {size.vocab}, "
         f"sequence {size.seq}, batch {size.batch}, {jnp.dtype(size.dtype).name}, "
-        f"{n_params / 1e6:.2f}M parameters; device {jax.devices()[0].device_kind}; "
+        f"{n_params / 1e6:.2f}M parameters; {where} {jax.devices()[0].device_kind}; "
         f"chance loss log(vocab) = {np.log(size.vocab - FIRST_TOKEN):.2f}")
     losses, accs = [], []
     key = jax.random.key(seed + 1)
@@ -136,7 +155,7 @@ def train(size_name: str, steps: int, seed: int = 0, log_every: int = 25, log=pr
         if i == 1:
             jax.block_until_ready(params)
             start = time.perf_counter()     # step 0 compiles
-        tokens, labels, weights = make_batch(rng, size)
+        tokens, labels, weights = batch(rng)
         params, opt_state, loss, acc = step(params, opt_state, tokens, labels, weights, jax.random.fold_in(key, i))
         if (i + 1) % log_every == 0 or i == 0 or i == steps - 1:
             rate = "" if start is None or i == 0 else f"  {i / (time.perf_counter() - start):.1f} steps/s"
@@ -145,7 +164,7 @@ def train(size_name: str, steps: int, seed: int = 0, log_every: int = 25, log=pr
         accs.append(acc)
     jax.block_until_ready(params)
     steps_per_s = (steps - 1) / (time.perf_counter() - start) if start is not None and steps > 1 else None
-    eval_loss, eval_acc = evaluate(params, *make_batch(np.random.default_rng(seed + 99), size))
+    eval_loss, eval_acc = evaluate(params, *batch(np.random.default_rng(seed + 99)))
     result = {"losses": [float(x) for x in losses], "accuracies": [float(x) for x in accs],
               "steps_per_s": steps_per_s, "eval_loss": float(eval_loss), "eval_accuracy": float(eval_acc)}
     log(f"done: {steps} steps, {steps_per_s or float('nan'):.2f} steps/s; eval without dropout: "
@@ -161,10 +180,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-parallel", action="store_true",
+                   help="shard the batch over every device (the size's batch on each)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    result = train(args.size, args.steps, args.seed, args.log_every)
+    result = train(args.size, args.steps, args.seed, args.log_every,
+                   devices=jax.devices() if args.data_parallel else None)
     first, last = np.mean(result["losses"][:5]), np.mean(result["losses"][-5:])
     print(f"loss: first steps {first:.3f} -> last steps {last:.3f}")
     return 0 if last < first else 1

@@ -1,10 +1,17 @@
 """The examples run on CPU: decorate.py's optimized layer matches the undecorated one, and
-flax_bert.py's loss goes down in a short tiny run."""
+flax_bert.py's loss goes down in a short tiny run, and its data-parallel training on four
+CPU devices follows the one-device training."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
+
+import jaxsub
 
 # `examples` is not part of the installed package: tests/conftest.py puts the repository
 # root on sys.path.
@@ -32,3 +39,33 @@ def test_flax_bert_tiny_loss_decreases():
     assert losses.shape == (40,) and np.isfinite(losses).all()
     assert losses[-5:].mean() < losses[:5].mean() - 0.2, losses
     assert result["steps_per_s"] > 0 and np.isfinite(result["eval_loss"])
+
+
+_DATA_PARALLEL = textwrap.dedent("""
+    import dataclasses
+    import jax, numpy as np
+    from examples import flax_bert
+
+    assert len(jax.devices()) == 4
+    # The same global batch (4 x 32) on one device and sharded over four.
+    flax_bert.SIZES["tiny128"] = dataclasses.replace(flax_bert.SIZES["tiny"], batch=128)
+    quiet = lambda *_: None
+    one = flax_bert.train("tiny128", steps=4, log=quiet)
+    four = flax_bert.train("tiny", steps=4, log=quiet, devices=jax.devices())
+    for key in ("losses", "accuracies"):
+        np.testing.assert_allclose(four[key], one[key], rtol=2e-5, atol=2e-5, err_msg=key)
+    np.testing.assert_allclose(four["eval_loss"], one["eval_loss"], rtol=2e-5)
+    print("ok", one["losses"], four["losses"])
+""")
+
+
+def test_flax_bert_data_parallel_follows_one_device():
+    # The jaxsub this test imported (installed, or a development tree's) first, then the
+    # repository root for `examples`.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    path = (os.path.dirname(os.path.dirname(jaxsub.__file__)), root, env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    out = subprocess.run([sys.executable, "-c", _DATA_PARALLEL], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
