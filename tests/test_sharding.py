@@ -177,9 +177,11 @@ def test_rule_letters():
     named = lambda *entries: jax.sharding.NamedSharding(mesh, spec(*entries))
     got = r.assign(mesh, [named("data", "model", None), named(None), named("model", None, None, None), None])
     assert got == {"r0": ("data",), "r1": ("model",)}  # the first operand that slices a letter decides
+    assert r.summed(got, 0) == () and r.summed(got, 1) == ()  # the second result is scratch: not summed
+    assert r.sharding(mesh, got, 4).spec == spec("data", "model", None)
+    assert r.local(mesh, got, 4, (8, 12, 64)) == (8, 12, 64)  # one device per axis here
     got = r.assign(mesh, [named(None, None, "data"), named("data"), named("data", None, None, None), None])
     assert got == {}  # n is not shardable, and b is not offered
-    assert r.summed(got, 0) == () and r.summed(got, 1) == ()  # the second result is scratch
 
 
 def test_rule_sums_results_without_a_sliced_letter_and_ties_workspaces():
