@@ -68,3 +68,24 @@ def host_check(tmp_path):
         return out.stdout
 
     return run
+
+
+@pytest.fixture
+def four_cpu_devices():
+    """Runs a Python script in a subprocess with four CPU devices (the device count is fixed
+    when JAX starts) and fails the test unless it exits 0 and prints "ok". The subprocess
+    imports the jaxsub this test imported (installed, or a development tree's) and can
+    import the repository's `examples` and `bench`."""
+    import jaxsub
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+
+    def run(script: str) -> str:
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+        path = (os.path.dirname(os.path.dirname(jaxsub.__file__)), root, env.get("PYTHONPATH"))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+        return out.stdout
+
+    return run

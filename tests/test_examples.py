@@ -4,14 +4,9 @@ CPU devices follows the one-device training."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
-
-import jaxsub
 
 # `examples` is not part of the installed package: tests/conftest.py puts the repository
 # root on sys.path.
@@ -59,13 +54,5 @@ _DATA_PARALLEL = textwrap.dedent("""
 """)
 
 
-def test_flax_bert_data_parallel_follows_one_device():
-    # The jaxsub this test imported (installed, or a development tree's) first, then the
-    # repository root for `examples`.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    path = (os.path.dirname(os.path.dirname(jaxsub.__file__)), root, env.get("PYTHONPATH"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
-    out = subprocess.run([sys.executable, "-c", _DATA_PARALLEL], capture_output=True, text=True, timeout=600,
-                         env=env)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+def test_flax_bert_data_parallel_follows_one_device(four_cpu_devices):
+    four_cpu_devices(_DATA_PARALLEL)

@@ -6,16 +6,12 @@ all-gather, parameter gradients summed by one all-reduce); under `shard_map` eac
 runs the op on its own shard, whose dropout is indexed on that shard, as `jax.random`
 inside `shard_map` is."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import numpy as np
 import pytest
 
-import jaxsub
 from jaxsub import _partition
 
 _SCRIPT = textwrap.dedent("""
@@ -144,21 +140,12 @@ _PARTITIONED = textwrap.dedent("""
 """)
 
 
-def _run(script):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    # The jaxsub this test imported (the installed one, or a development tree's).
-    here = os.path.dirname(os.path.dirname(jaxsub.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+def test_ops_on_four_devices(four_cpu_devices):
+    four_cpu_devices(_SCRIPT)
 
 
-def test_ops_on_four_devices():
-    _run(_SCRIPT)
-
-
-def test_calls_without_dropout_run_on_each_devices_slices():
-    _run(_PARTITIONED)
+def test_calls_without_dropout_run_on_each_devices_slices(four_cpu_devices):
+    four_cpu_devices(_PARTITIONED)
 
 
 def _rule(rule, shard, ins, outs):
