@@ -271,33 +271,6 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
   });
 }
 
-// The packed gradients' optional bias gradient, as its three parts' outputs (null for
-// none): dbias T[3, H, D], T[0] (none), or, with `parts` holding two more results, dbias
-// T[H, D] for q and those for k and v (attention_qkv_bwd; the CUDA handler's set_dbias).
-// Its GPU workspace (f32[B * ceil(S / 16), 3, H, D] or f32[0]) is not touched here.
-ffi::Error check_dbias(const char* op, ffi::Result<ffi::AnyBuffer>& dbias, ffi::DataType t, const Dims& d,
-                       void* (&out)[3], const ffi::RemainingRets* parts = nullptr) {
-  out[0] = out[1] = out[2] = nullptr;
-  const size_t more = parts != nullptr ? parts->size() : 0, hd = d.h * d.d;
-  if (more != 0 && more != 2)
-    return invalid(op, "after its five results it takes two more (the k and v bias gradients) or none");
-  if (dbias->element_count() == 0 && more == 0) return ffi::Error::Success();
-  if (auto e = check_buffer(op, "dbias", *dbias, t, more ? hd : 3 * hd); e.failure()) return e;
-  char* q = static_cast<char*>(dbias->untyped_data());
-  out[0] = q;
-  for (size_t p = 1; p < 3; ++p) {
-    if (more == 0) {
-      out[p] = q + p * hd * ffi::ByteWidth(t);
-      continue;
-    }
-    auto r = parts->get<ffi::AnyBuffer>(p - 1);
-    if (r.has_error()) return invalid(op, "the k and v bias gradients must be results");
-    if (auto e = check_buffer(op, p == 1 ? "the k bias gradient" : "the v bias gradient", **r, t, hd); e.failure())
-      return e;
-    out[p] = (*r)->untyped_data();
-  }
-  return ffi::Error::Success();
-}
 // out[p][h, e] = the sum over b and s of part p's gradient (the written, rounded values
 // at g's strides, part p at element offset p * poff), in double; nothing where out is null.
 template <typename T>
@@ -318,7 +291,7 @@ void packed_column_sums(const T* grad, int64_t poff, const Dims& g, void* const 
 }
 
 // Self-attention on separate q, k, v (T[B, S, H, D] each) with the gradient packed:
-// dout; q; k; v; out; lse; mask; seed -> dqkv: T[B, S, 3, H, D]; dbias (check_dbias), its workspace;
+// dout; q; k; v; out; lse; mask; seed -> dqkv: T[B, S, 3, H, D]; dbias (dbias_parts in common.h), its workspace;
 // workspaces (untouched).
 ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::AnyBuffer seed,
@@ -339,8 +312,8 @@ ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBu
   if (auto e = check_buffer(op, "out", out, t, nq); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, 3 * nq); e.failure()) return e;
-  void* dbias_out[3];
-  if (auto e = check_dbias(op, dbias, t, d, dbias_out); e.failure()) return e;
+  void* dbias_out[3];  // its GPU workspace (the next result) is not touched here
+  if (auto e = dbias_parts(op, *dbias, t, d.h * d.d, nullptr, dbias_out); e.failure()) return e;
   const int64_t hd = d.h * d.d;
   const Dims g{d.b, d.sq, d.sk, d.h, d.d, 3 * hd, d.sq * 3 * hd, d.sq * 3 * hd};  // [B, S, 3, H, D]
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
@@ -390,8 +363,8 @@ ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyB
 }
 
 // dout: T[B, S, H, D]; qkv; out: T[B, S, H, D]; lse: f32[B, H, S]; mask; seed
-//   -> dqkv: qkv's shape; dbias (check_dbias), its workspace; workspaces (GPU scratch, untouched here);
-//   then none, or the k and v bias gradients (check_dbias).
+//   -> dqkv: qkv's shape; dbias (dbias_parts in common.h), its workspace; workspaces (GPU scratch, untouched here);
+//   then none, or the k and v bias gradients (dbias_parts).
 ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                               ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind,
                               uint32_t threshold, float keep_scale, int32_t qkv_axis,
@@ -412,7 +385,7 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
   if (auto e = check_buffer(op, "lse", lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, qkv.element_count()); e.failure()) return e;
   void* dbias_out[3];
-  if (auto e = check_dbias(op, dbias, t, d, dbias_out, &dbias_kv); e.failure()) return e;
+  if (auto e = dbias_parts(op, *dbias, t, d.h * d.d, &dbias_kv, dbias_out); e.failure()) return e;
   const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;

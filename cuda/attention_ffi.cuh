@@ -7,38 +7,16 @@ namespace jaxsub {
 namespace {
 
 // The packed gradients' optional bias gradient (the column sums of the dq, dk and dv parts
-// over B and S) and its workspace f32[B * ceil(S / 16), 3, H, D]: dbias T[3, H, D], or T[0]
-// and f32[0] for none; or, with `parts` (attention_qkv_bwd's remaining results) holding
-// two more, dbias T[H, D] for q and those two T[H, D] for k and v, so that three separate
-// parameters' gradients need no slicing (a Flax layer's three biases).
+// over B and S; its forms: dbias_parts in common.h) and its workspace f32[B * ceil(S / 16),
+// 3, H, D], f32[0] without a bias gradient.
 ffi::Error set_dbias(const char* op, AttnArgs& a, int d, ffi::DataType t, ffi::Result<ffi::AnyBuffer>& dbias,
                      ffi::Result<ffi::AnyBuffer>& ws, const ffi::RemainingRets* parts = nullptr) {
-  const size_t n = dbias->element_count(), hd = static_cast<size_t>(a.h * d);
-  const size_t more = parts != nullptr ? parts->size() : 0;
-  if (more != 0 && more != 2)
-    return invalid(op, "after its five results it takes two more (the k and v bias gradients) or none");
-  if (n == 0 && ws->element_count() == 0 && more == 0) return ffi::Error::Success();
-  if (dbias->element_type() != t || n != (more ? hd : 3 * hd))
-    return invalid(op, more ? "dbias must be [H, D] in the gradient's dtype (q's part; k's and v's follow)"
-                            : "dbias must be [3, H, D] in the gradient's dtype, or empty");
-  if (ws->element_type() != ffi::DataType::F32 ||
-      ws->element_count() != static_cast<size_t>(a.b * ((a.sq + 15) / 16)) * 3 * hd)
-    return invalid(op, "the dbias workspace must be f32[B * ceil(S / 16), 3, H, D]");
-  char* q = static_cast<char*>(dbias->untyped_data());
-  const size_t part_bytes = hd * ffi::ByteWidth(t);
-  a.dbias[0] = q;
-  for (size_t p = 1; p < 3; ++p) {
-    if (more == 0) {
-      a.dbias[p] = q + p * part_bytes;
-      continue;
-    }
-    auto r = parts->get<ffi::AnyBuffer>(p - 1);
-    if (r.has_error() || (*r)->element_type() != t || (*r)->element_count() != hd)
-      return invalid(op, std::string(p == 1 ? "the k" : "the v") +
-                             " bias gradient must be [H, D] in the gradient's dtype");
-    a.dbias[p] = (*r)->untyped_data();
-  }
-  a.dbias_ws = data<float>(ws);
+  const size_t hd = static_cast<size_t>(a.h * d);
+  if (auto e = dbias_parts(op, *dbias, t, hd, parts, a.dbias); e.failure()) return e;
+  const size_t want = a.dbias[0] != nullptr ? static_cast<size_t>(a.b * ((a.sq + 15) / 16)) * 3 * hd : 0;
+  if (ws->element_type() != ffi::DataType::F32 || ws->element_count() != want)
+    return invalid(op, "the dbias workspace must be f32[B * ceil(S / 16), 3, H, D] with dbias, f32[0] without");
+  a.dbias_ws = want ? data<float>(ws) : nullptr;
   return ffi::Error::Success();
 }
 // A backward with no score at all (B, H or S zero): every column sum is zero.

@@ -100,6 +100,36 @@ inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyB
   return invalid(op, std::string("`") + name + "` has the wrong dtype or number of elements");
 }
 
+// The q/k/v bias gradient of the packed attention backwards as its three parts' outputs
+// (ABI.md), null for none: `dbias` T[3, H, D] (its parts hd = H * D elements apart) or T[0]
+// (none), or, where `more` (attention_qkv_bwd's remaining results) holds two more results,
+// dbias T[H, D] for q and those two T[H, D] for k and v (three separate parameters'
+// gradients, which slices of one [3, H, D] result would make copies of). Shared by the CPU
+// and CUDA handlers.
+inline ffi::Error dbias_parts(const char* op, ffi::AnyBuffer& dbias, ffi::DataType t, size_t hd,
+                              const ffi::RemainingRets* more, void* (&out)[3]) {
+  out[0] = out[1] = out[2] = nullptr;
+  const size_t extra = more != nullptr ? more->size() : 0;
+  if (extra != 0 && extra != 2)
+    return invalid(op, "after its five results it takes two more (the k and v bias gradients) or none");
+  if (dbias.element_count() == 0 && extra == 0) return ffi::Error::Success();
+  if (auto e = check_buffer(op, "dbias", dbias, t, extra ? hd : 3 * hd); e.failure()) return e;
+  char* q = static_cast<char*>(dbias.untyped_data());
+  out[0] = q;
+  for (size_t p = 1; p < 3; ++p) {
+    if (extra == 0) {
+      out[p] = q + p * hd * ffi::ByteWidth(t);
+      continue;
+    }
+    auto r = more->get<ffi::AnyBuffer>(p - 1);
+    if (r.has_error()) return invalid(op, "the k and v bias gradients must be results");
+    if (auto e = check_buffer(op, p == 1 ? "the k bias gradient" : "the v bias gradient", **r, t, hd); e.failure())
+      return e;
+    out[p] = (*r)->untyped_data();
+  }
+  return ffi::Error::Success();
+}
+
 // The words a dropout seed may have: 2, or 4 of which the kernels read the first two
 // (the scanned jaxsub.flax.Encoder passes each op a 16-byte quarter of its layer's row
 // of seeds; ABI.md). Anything else is checked against 2, so the error names the usual
