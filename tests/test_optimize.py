@@ -857,6 +857,51 @@ def test_composes_with_jit_grad_vmap_and_keeps_pytrees():
     assert f.__name__ == "f"
 
 
+def test_scalar_arithmetic_and_fori_loop():
+    """Sums of rank-0 values (a loss plus a regularizer, a scale computed from an
+    argument, a fori_loop's counter) are no residual sums: optimize raised an IndexError
+    on any of them."""
+    x, s, b = _normal(0, (2, 7, 24)), _normal(1, (24,)), _normal(2, (24,))
+
+    def scaled(x, t):
+        return x * (t + 1.0)
+
+    def loss(x):
+        return jnp.sum(x) + jnp.mean(x)
+
+    def loop(x, s, b):
+        return jax.lax.fori_loop(0, 3, lambda i, h: ln_two_pass(h, s, b) * (1.0 + i), x)
+
+    assert_close(jaxsub.optimize(scaled)(x, jnp.float32(0.5)), scaled(x, jnp.float32(0.5)))
+    assert_close(jaxsub.optimize(loss)(x), loss(x), reduction=x.size)
+    assert jaxsub.explain(loop, x, s, b).totals == {"layer_norm": 1}
+    _assert_same(loop, (x, s, b), argnums=(0, 1, 2), reduction=24)
+
+
+def test_closing_over_traced_values():
+    """A function optimized inside an outer jit or grad that closes over the outer
+    function's traced values: they are constants of the traced jaxpr whose values are
+    tracers, never folded or read as masks (a TracerArrayConversionError before)."""
+    x = _normal(0, (2, 3))
+    ref = lambda t: jnp.sum(x * (t * 2.0))  # noqa: E731
+    opt = lambda t: jnp.sum(jaxsub.optimize(lambda x: x * (t * 2.0))(x))  # noqa: E731
+    t = jnp.float32(0.5)
+    assert_close(jax.jit(opt)(t), jax.jit(ref)(t))
+    assert_close(jax.grad(opt)(t), jax.grad(ref)(t))
+
+    q, k, v = (_normal(i, (2, 7, 3, 24)) for i in (3, 4, 5))
+    visible = _normal(6, (7, 7)) > 0
+
+    def attention(q, k, v, mask):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.2
+        s = jnp.where(mask, s, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    with jax.default_matmul_precision("highest"):
+        out = jax.jit(lambda m: jaxsub.optimize(lambda q, k, v: attention(q, k, v, m))(q, k, v))(visible)
+        assert_close(out, attention(q, k, v, visible), reduction=7 * 24)
+
+
 def test_decorator_options_and_layouts():
     @jaxsub.optimize(rewrite_dropout=False, layouts=None)
     def f(x):

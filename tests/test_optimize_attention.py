@@ -389,6 +389,21 @@ def test_projections_with_the_contraction_last_in_the_weights():
     assert PACKED in str(report) and f"w[{H}, {D}, {E}]" in str(report), str(report)
 
 
+def test_projection_biases_broadcast_over_heads_or_head_dims():
+    """Biases of shape [D] (shared by the heads) or [H, 1]: packed with the weights, the
+    stacked bias [1, 1, 3, 1, D] is no suffix of the packed product's shape, so XLA adds
+    it (ops.bias_add raised a ValueError on it)."""
+    x, w = _normal(0, (B, S, E)), _normal(2, (3, E, H, D)) * 0.2
+    for bias_shape in ((D,), (H, 1)):
+        b = _normal(3, (3, *bias_shape))
+
+        def layer(x, w, b):
+            return attn_bshd(*(_projected(x, x, w, b, i) for i in range(3)))
+
+        assert jaxsub.explain(layer, x, w, b).totals == {"attention": 1}
+        assert_same(layer, (x, w, b), argnums=(0, 1, 2))
+
+
 def test_projections_left_alone_when_not_one_input_or_not_private():
     """Cross-attention (v from another input), q returned beside the output (explain() says
     why those three projections were not packed), k changed after its projection:

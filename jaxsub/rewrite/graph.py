@@ -36,7 +36,10 @@ UNIT_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape"})
 
 
 class Ref:
-    """One value of the graph; `value` is set for literals, constants and folded scalars."""
+    """One value of the graph; `value` is set for literals, constants and folded scalars.
+    A constant may be a tracer of an enclosing transformation (a function that closes over
+    a value traced by an outer `jit` or `grad`): evaluation reads it as it is, matchers
+    read values through `known`."""
 
     __slots__ = ("aval", "value")
 
@@ -51,6 +54,13 @@ class Ref:
     @property
     def dtype(self):
         return self.aval.dtype
+
+
+def known(ref):
+    """The value of `ref` when it is known while tracing (a literal, a concrete constant, a
+    folded scalar), else None: a value computed at run time, or a closed-over tracer."""
+    value = ref.value
+    return None if value is None or isinstance(value, jax.core.Tracer) else value
 
 
 class Node:
@@ -96,15 +106,13 @@ class Graph:
 
     def scalar(self, ref):
         """The Python float of a one-element constant (after broadcasts/converts), else None."""
-        nodes = []
         while ref.value is None:
             node = self.op(ref, "broadcast_in_dim", "reshape", "convert_element_type")
             if node is None:
                 return None
-            nodes.append(node)
             ref = node.ins[0]
-        val = ref.value
-        if getattr(val, "size", 1) != 1:
+        val = known(ref)
+        if val is None or getattr(val, "size", 1) != 1:
             return None
         try:
             return float(np.asarray(val).reshape(()))
@@ -130,12 +138,13 @@ class Graph:
 def _fold(eqn, ins):
     if eqn.primitive.name not in _FOLDABLE or eqn.primitive.multiple_results:
         return None
-    if any(r.value is None or getattr(r.value, "size", 1) != 1 for r in ins):
+    values = [known(r) for r in ins]
+    if any(v is None or getattr(v, "size", 1) != 1 for v in values):
         return None
     if any(np.prod(v.aval.shape, dtype=int) != 1 for v in eqn.outvars):
         return None
     with jax.ensure_compile_time_eval():
-        return np.asarray(bind(eqn, [r.value for r in ins])[0])
+        return np.asarray(bind(eqn, values)[0])
 
 
 def _body(params):

@@ -106,7 +106,8 @@ def _relayout(x, labels, target, sizes):
 def _constant(g: G.Graph, ref, memo):
     """The value of `ref` when it is computed from constants alone (iota, literals)."""
     if ref.value is not None:
-        return np.asarray(ref.value)
+        val = G.known(ref)
+        return None if val is None else np.asarray(val)
     if ref in memo:
         return memo[ref]
     node = g.producer.get(ref)

@@ -283,7 +283,7 @@ class _Residual:
 def _residual_candidates(g, x_ln):
     """Ways x_ln = residual + dropout(x + bias) (dropout and bias optional, not both absent)."""
     add = g.op(x_ln, "add")
-    if add is None:
+    if add is None or not x_ln.shape:  # a scalar sum has no rows to normalize
         return
     n = x_ln.shape[-1]
     split = split_vec(g, add, n)

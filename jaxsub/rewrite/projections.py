@@ -95,8 +95,9 @@ class Packed:
         # this add as a kernel of its own: it folds only a bias that is a parameter of the
         # jitted function into the GEMM's epilogue; tools/bias_epilogue.py.)
         bias = jnp.stack([read(p.bias) for p in self.projections], axis=2)
-        if bias.shape[:2] == (1, 1) and bias.dtype == out.dtype:
-            # [1, 1, 3, H, D]: its gradient by the fused column sum
+        if bias.shape == (1, 1, *out.shape[2:]) and bias.dtype == out.dtype:
+            # [1, 1, 3, H, D]: its gradient by the fused column sum (a bias broadcast over
+            # heads or head dims, e.g. [1, 1, 3, 1, D], stays XLA's add)
             return ops.bias_add(out, bias.reshape(bias.shape[2:]))
         return out + bias
 
