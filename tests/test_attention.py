@@ -196,6 +196,25 @@ def test_additive_minus_inf_row_is_fully_masked():
         assert np.isfinite(np.asarray(dk)).all() and np.isfinite(np.asarray(dv)).all()
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("fill", [-1e4, -1e9, -3e38])
+def test_additive_rows_masked_by_large_values(implementation, fill):
+    """BERT's additive padding mask (1 - valid) * fill with an example of padding only:
+    every score of its rows is fill + s, and a softmax row does not change by a constant,
+    so those rows are the example's unmasked attention (as in float64), forward and
+    backward alike. The f32 log-sum-exp of fill + s, rounded to a multiple of 64 at -1e9,
+    made the backward's probabilities 1 there (gradients Sk times too large) before
+    masks._near shifted such rows."""
+    b, sq, sk, h, d = 2, 7, 9, 3, 8
+    q, k, v, dout = qkv(25, b, sq, sk, h, d, F32)
+    valid = np.array([[True] * 5 + [False] * 4, [False] * sk])
+    additive = jnp.asarray((1.0 - valid[:, None, None, :]) * fill, jnp.float32)
+    got = run_vjp_jit(q, k, v, dout, additive, None, causal=False, rate=0.0, implementation=implementation)
+    seen = jnp.asarray(valid | ~valid.any(-1, keepdims=True))  # example 1: every key
+    want = reference_vjp_f64(q, k, v, dout, seen, None, causal=False, rate=0.0)
+    check_against_reference(got, want, F32, sq, sk, d)
+
+
 def test_causal_is_bottom_right_aligned():
     # With Sq < Sk the last query sees every key and query i sees keys 0 .. i + Sk - Sq:
     # changing key j must not change any output row that may not see it.

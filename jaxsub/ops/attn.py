@@ -396,7 +396,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         mask broadcastable to [B, H, Sq, Sk]. An additive mask that the program
         differentiates (a learned relative-position bias) gets its gradient. The kernels do
         not write the [B, H, Sq, Sk] score gradient, so XLA computes it for this, in f32
-        in memory (a one-time log line says so).
+        in memory (a one-time log line says so). A row whose mask values are all below
+        -256 is shifted up by its maximum (its softmax is the same; its f32 log-sum-exp
+        would not hold the row's scores: `masks._near`).
       causal: query i attends to keys j <= i + (Sk - Sq), i.e. the causal diagonal is
         aligned to the bottom-right corner, so that with Sq < Sk the queries are the last
         Sq positions of the key sequence (decoding with a cache). With Sq > Sk the first

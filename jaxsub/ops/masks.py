@@ -29,6 +29,9 @@ from jaxsub.ops import dropout
 
 NONE, BOOLEAN, ADDITIVE = 0, 1, 2
 _DUMMY = np.zeros((1, 1, 1, 1), np.bool_)
+# An additive mask's rows whose every value is below -_FAR are shifted up by their maximum
+# (`_near`).
+_FAR = 256.0
 
 
 def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_padding_ok: bool):
@@ -68,7 +71,22 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
         if tuple(b_dims_m) != tuple(b_dims_f):
             mask = jnp.broadcast_to(mask, tuple(b_dims_f) + tuple(mask.shape[len(b_dims_f):]))
         bm = math.prod(b_dims_f)
-    return mask.reshape(bm, h_m, shape[-2], shape[-1]), kind
+    mask = mask.reshape(bm, h_m, shape[-2], shape[-1])
+    return (_near(mask) if kind == ADDITIVE else mask), kind
+
+
+def _near(mask):
+    """The additive mask with each row whose values are all below -_FAR (finite) shifted
+    up by its maximum; every other row unchanged. A softmax row does not change when a
+    constant is added to it, but its log-sum-exp does: for a row masked out by a large
+    finite value (a padded example under `(1 - valid) * -1e9`) the f32 log-sum-exp that the
+    attention kernels save is -1e9 + log(Sk) rounded to a multiple of 64, so the backward,
+    which recomputes p = exp(s - lse), took every p there as 1 and returned gradients Sk
+    times too large. Shifted, such a row's scores are those of the row unmasked (as a
+    float64 program computes them). The maximum is taken over the mask's own keys, so a
+    row that `causal=True` alone hides from its large values is not shifted."""
+    top = jax.lax.stop_gradient(jnp.max(mask, axis=-1, keepdims=True))
+    return mask - jnp.where(jnp.isfinite(top) & (top < -_FAR), top, 0.0)
 
 
 def causal_visible(sq: int, sk: int):

@@ -134,7 +134,8 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
       mask: None, or an array broadcastable to scores: boolean (True = attend) or
         floating (additive, added to the scaled scores in f32). An additive mask that the
         program differentiates (a learned bias) gets its gradient, which XLA computes
-        ([B, H, Sq, Sk] in f32; a one-time log line says so).
+        ([B, H, Sq, Sk] in f32; a one-time log line says so). A row whose mask values are
+        all below -256 is shifted up by its maximum (the same softmax: `masks._near`).
       causal: query i sees keys j <= i + (Sk - Sq), i.e. bottom-right aligned, so with
         Sq < Sk the last query sees every key (decoding with a cache). Combines with mask.
       rate: dropout probability, a static float in [0, 1).
