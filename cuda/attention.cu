@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
   const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
   const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
   const RowCtx rc = row_ctx(a, bb, hh);
-  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const Seed seed = load_seed(a.seed, a.seed_offset);
 
   uint32_t qf[D / 16][4];  // the warp's 16 query rows, A of S = Q Kᵀ
   load_q_frags<T, D>(qf, a, qg, q0, quad, tq);
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
   float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
   const RowCtx rc = row_ctx(a, bb, hh);
-  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const Seed seed = load_seed(a.seed, a.seed_offset);
   const float scale_log2 = a.scale * kLog2e;
 
   // Queries before the block's first visible one are never needed.

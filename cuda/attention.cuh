@@ -35,7 +35,8 @@ struct AttnArgs {
   const void* out;       // [B, Sq, H, D] T (backward: forward output)
   const void* dout;      // [B, Sq, H, D] T (backward)
   const void* mask;      // [Bm, Hm, Sqm, Skm] pred or f32
-  const uint32_t* seed;  // [2]
+  const uint32_t* seed;  // [2] or [4] (philox.h Seed)
+  bool seed_offset = false;  // the seed has four words: words 2-3 are the slice's offset
   void* o;               // forward: out [B, Sq, H, D]; backward: dq, a view like q
   void* dk;              // backward: a view like k, T
   void* dv;              // backward: a view like v, T
@@ -212,7 +213,7 @@ __device__ __forceinline__ uint32_t bits16(const U32x4& w0, const U32x4& w1, uin
 // Keep bits of 16 consecutive keys j0 .. j0 + 15 of query i (bit t: key j0 + t), from the
 // Philox lanes of the logical [B, H, Sq, Sk] element index (philox.h); 0 outside the
 // tensor. Two Philox calls when the 16 keys are two aligned groups of eight.
-__device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+__device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t i,
                                            int64_t j0) {
   if (i >= a.sq) return 0u;
   const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
@@ -229,7 +230,7 @@ __device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const uint32_t (&s
 // The Philox words of keys j0 .. j0 + 15 of rows i and i + di (di > 0; row r's in w[2 r],
 // w[2 r + 1]) where both rows are in bounds and aligned: their four calls side by side with
 // one key schedule (philox4x32_10_n). False, and w untouched, otherwise.
-__device__ __forceinline__ bool pair_words(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i, int di,
+__device__ __forceinline__ bool pair_words(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t i, int di,
                                            int64_t j0, U32x4 (&w)[4]) {
   const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
   const uint64_t step = static_cast<uint64_t>(di) * static_cast<uint64_t>(a.sk);
@@ -237,14 +238,14 @@ __device__ __forceinline__ bool pair_words(const AttnArgs& a, const uint32_t (&s
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const uint64_t q = ((idx + (c < 2 ? 0 : step)) >> 3) + (c & 1);
-    w[c] = U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
+    w[c] = counter(seed, q);
   }
-  philox4x32_10_n<4>(w, seed[0], seed[1]);
+  philox4x32_10_n<4>(w, seed.k0, seed.k1);
   return true;
 }
 
 // keep16 of rows i and i + di.
-__device__ __forceinline__ void keep16_pair(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+__device__ __forceinline__ void keep16_pair(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t i,
                                             int di, int64_t j0, uint32_t (&bits)[2]) {
   U32x4 w[4];
   if (pair_words(a, seed, bh, i, di, j0, w)) {
@@ -285,7 +286,7 @@ __device__ __forceinline__ void masks16(const U32x4& w0, const U32x4& w1, uint32
 }
 
 // KeepMasks' row of query i and keys j0 .. j0 + 15 (the decisions of keep16).
-__device__ __forceinline__ void keep_masks16(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+__device__ __forceinline__ void keep_masks16(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t i,
                                              int64_t j0, uint32_t (&mask)[8]) {
   const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
   if (i < a.sq && (idx & 7) == 0 && j0 + 16 <= a.sk) {
@@ -300,7 +301,7 @@ __device__ __forceinline__ void keep_masks16(const AttnArgs& a, const uint32_t (
 
 // Both rows of KeepMasks (queries i and i + 8, keys j0 .. j0 + 15): pair_words where it
 // applies, otherwise keep_masks16 per row.
-__device__ __forceinline__ void keep_masks32(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t i,
+__device__ __forceinline__ void keep_masks32(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t i,
                                              int64_t j0, uint32_t (&mask)[2][8]) {
   U32x4 w[4];
   if (pair_words(a, seed, bh, i, 8, j0, w)) {

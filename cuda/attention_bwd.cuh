@@ -140,7 +140,7 @@ __device__ __forceinline__ void bwd_tile_lse(const AttnArgs& a, int64_t qb, floa
   }
 }
 // The warp's keep words (bit t: key k0 + t of the warp) for the 64 queries from qb.
-__device__ __forceinline__ void bwd_keep_words(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
+__device__ __forceinline__ void bwd_keep_words(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t qb,
                                                int64_t k0, uint16_t* keep, int lane) {
   if (a.threshold != 0) {
     uint32_t bits[2];
@@ -150,7 +150,7 @@ __device__ __forceinline__ void bwd_keep_words(const AttnArgs& a, const uint32_t
   }
 }
 // Both, as the tile's rows need them.
-__device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const uint32_t (&seed)[2], int64_t bh, int64_t qb,
+__device__ __forceinline__ void bwd_tile_rows(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t qb,
                                               int64_t k0, float* nlse2, uint16_t* keep, int lane) {
   bwd_tile_lse(a, qb, nlse2);
   bwd_keep_words(a, seed, bh, qb, k0, keep, lane);

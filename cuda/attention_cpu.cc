@@ -60,7 +60,7 @@ struct RowCtx {
   float scale;
   bool causal;
   MaskView mask;
-  const uint32_t* seed;
+  Seed seed;
   uint32_t threshold;
   float keep_scale;
 };
@@ -117,7 +117,7 @@ class RowKeep {
   }
 
  private:
-  const uint32_t* seed_;
+  Seed seed_;
   uint32_t threshold_;
   uint64_t base_;
   uint64_t blk_ = ~uint64_t{0};
@@ -232,7 +232,7 @@ ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (auto e = attention_mask(kFwd, mask, mask_kind, d, m); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "out", *out, q.element_type(), q.element_count()); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(q.element_type(), kFwd, [&](auto tt) {
     using T = typename decltype(tt)::type;
     attention_fwd<T>(c, data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse));
@@ -262,7 +262,7 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
   if (auto e = check_buffer(kBwd, "dq", *dq, t, nq); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dk", *dk, t, nk); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dv", *dv, t, nk); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, kBwd, [&](auto tt) {
     using T = typename decltype(tt)::type;
     attention_bwd<T>(c, data<T>(dout), data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse), d,
@@ -316,7 +316,7 @@ ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBu
   if (auto e = dbias_parts(op, *dbias, t, d.h * d.d, nullptr, dbias_out); e.failure()) return e;
   const int64_t hd = d.h * d.d;
   const Dims g{d.b, d.sq, d.sk, d.h, d.d, 3 * hd, d.sq * 3 * hd, d.sq * 3 * hd};  // [B, S, 3, H, D]
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     T* dq = data<T>(dqkv);
@@ -353,7 +353,7 @@ ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyB
   if (auto e = attention_mask(op, mask, mask_kind, d, m); e.failure()) return e;
   if (auto e = check_buffer(op, "out", *out, qkv.element_type(), d.b * d.sq * d.h * d.d); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(qkv.element_type(), op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const T* q = data<T>(qkv);
@@ -386,7 +386,7 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, qkv.element_count()); e.failure()) return e;
   void* dbias_out[3];
   if (auto e = dbias_parts(op, *dbias, t, d.h * d.d, &dbias_kv, dbias_out); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, data<uint32_t>(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const T* q = data<T>(qkv);

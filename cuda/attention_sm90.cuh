@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
   const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
   const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
   const RowCtx rc = row_ctx(a, bb, hh);
-  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const Seed seed = load_seed(a.seed, a.seed_offset);
 
   uint32_t qf[D / 16][4];  // the warp's 16 query rows, A of S = Q Kᵀ
   load_q_frags<T, D>(qf, a, qg, q0, quad, tq);
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
   float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
   const RowCtx rc = row_ctx(a, bb, hh);
-  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const Seed seed = load_seed(a.seed, a.seed_offset);
   const float scale_log2 = a.scale * kLog2e;
 
   const int64_t q_begin = bwd_query_begin(a, kblock);

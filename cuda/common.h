@@ -130,10 +130,9 @@ inline ffi::Error dbias_parts(const char* op, ffi::AnyBuffer& dbias, ffi::DataTy
   return ffi::Error::Success();
 }
 
-// The words a dropout seed may have: 2, or 4 of which the kernels read the first two
-// (the scanned jaxsub.flax.Encoder passes each op a 16-byte quarter of its layer's row
-// of seeds; ABI.md). Anything else is checked against 2, so the error names the usual
-// size.
+// The words a dropout seed may have: 2 (the Philox key), or 4 (the key, then the 64-bit
+// offset of the call's slice in 8-element blocks: philox.h `Seed`; ABI.md). Anything else is
+// checked against 2, so the error names the usual size.
 inline size_t seed_words(size_t count) { return count == 4 ? 4 : 2; }
 
 // A row op's kernel configuration: the attributes `block_threads` and `max_elems`

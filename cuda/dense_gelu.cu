@@ -48,12 +48,13 @@ using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 
 struct GeluDropoutParams {
-  const uint32_t* seed = nullptr;  // [2] or [4]: the first two words
+  const uint32_t* seed = nullptr;  // [2] or [4] (philox.h Seed)
   uint32_t threshold = 0;          // drop where the element's 16 random bits < threshold
   float keep_scale = 1.f;          // 1 / (1 - rate)
   int64_t n = 0;                   // columns of y: element (i, j) has index i * n + j
   bool approximate = false;
   bool quad = true;  // share Philox calls within quads where the layout allows (fragment_math)
+  bool seed_offset = false;  // the seed has four words: words 2-3 are the slice's offset
 };
 
 // One fragment's epilogue values: v (h + bias, then y), and its keep decisions, either as
@@ -73,7 +74,7 @@ struct FragmentArgs {
 // lane q takes word q of the call of lane (q + s) % 4): in the accumulator layout the
 // quad's four lanes hold the call's eight columns, 2 q and 2 q + 1 for lane q.
 template <bool kApproximate, int F>
-__device__ __noinline__ void fragment_math(FragmentArgs<F>& a, uint32_t s0, uint32_t s1, uint32_t thr_hi,
+__device__ __noinline__ void fragment_math(FragmentArgs<F>& a, const Seed& seed, uint32_t thr_hi,
                                            float keep_scale) {
   uint32_t keep = a.keep;
   if (a.quad) {
@@ -81,8 +82,7 @@ __device__ __noinline__ void fragment_math(FragmentArgs<F>& a, uint32_t s0, uint
     U32x4 w[F / 8];
 #pragma unroll
     for (int g = 0; g < F / 8; ++g)
-      w[g] = philox4x32_10(U32x4{static_cast<uint32_t>(a.calls[g]), static_cast<uint32_t>(a.calls[g] >> 32), 0u, 0u},
-                           s0, s1);
+      w[g] = dropout_words(seed, a.calls[g]);
     keep = 0;
 #pragma unroll
     for (int g = 0; g < F / 8; ++g) {
@@ -143,13 +143,12 @@ struct GeluDropout {
   struct ConsumerStoreCallbacks : fusion::detail::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, int64_t m0, int64_t n0, Params const& p)
         : tCcD(c), base(static_cast<uint64_t>(m0) * static_cast<uint64_t>(p.n) + static_cast<uint64_t>(n0)), params(p) {
-      seed[0] = p.seed[0];
-      seed[1] = p.seed[1];
+      seed = load_seed(p.seed, p.seed_offset);
     }
     CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates from the thread's first element
     uint64_t base;  // the index of the thread's first element
     Params const& params;
-    uint32_t seed[2];
+    Seed seed;
     bool quad_ok = false;  // quad_layout() of the tile's first fragment
 
     // Element k of the thread's fragment c: its index row * n + column in y.
@@ -232,9 +231,9 @@ struct GeluDropout {
         }
       }
       if (params.approximate)
-        fragment_math<true, F>(a, seed[0], seed[1], params.threshold << 16, params.keep_scale);
+        fragment_math<true, F>(a, seed, params.threshold << 16, params.keep_scale);
       else
-        fragment_math<false, F>(a, seed[0], seed[1], params.threshold << 16, params.keep_scale);
+        fragment_math<false, F>(a, seed, params.threshold << 16, params.keep_scale);
       cutlass::Array<T, F> y;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) y[i] = static_cast<T>(a.v[i]);
@@ -349,7 +348,7 @@ ffi::Error DenseGeluFwd(cudaStream_t stream, bool approximate, uint32_t threshol
   // GPU tests compare both ways).
   const char* quad = std::getenv("JAXSUB_DENSE_GELU_QUAD");
   const GeluDropoutParams gp{seed.typed_data(), threshold, keep_scale, n, approximate,
-                             !(quad != nullptr && std::string(quad) == "0")};
+                             !(quad != nullptr && std::string(quad) == "0"), seed.element_count() == 4};
   if (t == ffi::DataType::BF16)
     return DenseGelu<cutlass::bfloat16_t>::run(op, stream, m, n, k, x.untyped_data(), w.untyped_data(),
                                                bias.untyped_data(), y->untyped_data(), h->untyped_data(), gp);

@@ -8,9 +8,9 @@ namespace {
 // One thread per group of eight elements (one Philox call). A whole group's eight bools
 // leave as one 8-byte store when the mask starts on 8 bytes (XLA's buffers do); byte
 // stores otherwise and for the last, partial group.
-__global__ void dropout_mask_kernel(const uint32_t* __restrict__ seed, uint32_t threshold, bool* __restrict__ out,
-                                    uint64_t n, bool words) {
-  const uint32_t s[2] = {seed[0], seed[1]};
+__global__ void dropout_mask_kernel(const uint32_t* __restrict__ seed, bool with_offset, uint32_t threshold,
+                                    bool* __restrict__ out, uint64_t n, bool words) {
+  const Seed s = load_seed(seed, with_offset);
   for (uint64_t q = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; q * 8 < n;
        q += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     const U32x4 w = dropout_words(s, q);
@@ -38,7 +38,8 @@ ffi::Error DropoutMaskCuda(cudaStream_t stream, uint32_t threshold, ffi::Buffer<
   const int blocks = static_cast<int>(std::min<uint64_t>((groups + threads - 1) / threads, 65535));
   bool* out = data<bool>(mask);
   const bool words = reinterpret_cast<uintptr_t>(out) % 8 == 0;
-  dropout_mask_kernel<<<blocks, threads, 0, stream>>>(seed.typed_data(), threshold, out, n, words);
+  dropout_mask_kernel<<<blocks, threads, 0, stream>>>(seed.typed_data(), seed.element_count() == 4, threshold, out,
+                                                      n, words);
   return launch_status("dropout_mask");
 }
 

@@ -10,7 +10,7 @@ ffi::Error DropoutMaskCpu(uint32_t threshold, ffi::Buffer<ffi::U32> seed, ffi::R
   if (seed.element_count() != seed_words(seed.element_count())) return invalid("dropout_mask", "seed must have 2 words");
   if (mask->element_type() != ffi::DataType::PRED) return invalid("dropout_mask", "mask must be bool");
   bool* out = data<bool>(mask);
-  const uint32_t* s = seed.typed_data();
+  const Seed s = cpu_seed(seed);
   const uint64_t n = mask->element_count();
   for (uint64_t q = 0; q * 8 < n; ++q) {
     U32x4 w = dropout_words(s, q);

@@ -15,11 +15,12 @@ struct GeluPtrs {
   const void* dy;        // [R, N] T (backward)
   const void* x;         // [R, N] T
   const void* bias;      // [N] P
-  const uint32_t* seed;  // [2]
+  const uint32_t* seed;  // [2] or [4] (philox.h Seed)
   void* out;             // [R, N] T: y (forward) or dx (backward)
   float* workspace;      // [C, 1, N] f32 (backward)
   void* y = nullptr;     // [R, N] T or null (backward): the forward's y, recomputed
   const void* residual = nullptr;  // [R, N] T (identity forward): added after the dropout
+  bool seed_offset = false;        // the seed has four words: words 2-3 are the slice's offset
 };
 
 // kStoreY (backward): also write the forward's y to p.y, for callers that keep x rather
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   for (int v = 0; v < NV; ++v)
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[0].v[v][e] = 0.f;
-  const uint32_t seed[2] = {p.seed[0], p.seed[1]};
+  const Seed seed = load_seed(p.seed, p.seed_offset);
   Tile<VEC, NV> b;  // the thread's columns of the bias, for every row it visits
   if constexpr (!kMaskOnly) load_param<T, VEC, NV>(p.bias, pf32, n, b);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
@@ -150,6 +151,7 @@ ffi::Error BiasGeluDropoutFwd(cudaStream_t stream, bool approximate, uint32_t th
   const Rows rc = as_rows(x);
   if (static_cast<int64_t>(bias.element_count()) != rc.cols) return invalid(op, "bias length != last dim");
   GeluPtrs p{nullptr, x.untyped_data(), bias.untyped_data(), seed.typed_data(), y->untyped_data(), nullptr};
+  p.seed_offset = seed.element_count() == 4;
   return launch_gelu<false>(stream, op, x.element_type(), bias.element_type(), rc, p, approximate, threshold,
                             keep_scale, {block_threads, max_elems}, 0, nullptr);
 }
@@ -169,6 +171,7 @@ ffi::Error BiasGeluDropoutBwd(cudaStream_t stream, bool approximate, uint32_t th
     return invalid(op, "y must be empty or match x in dtype and size");
   GeluPtrs p{dy.untyped_data(), x.untyped_data(), bias.untyped_data(), seed.typed_data(), dx->untyped_data(),
              data<float>(workspace), y->element_count() ? y->untyped_data() : nullptr};
+  p.seed_offset = seed.element_count() == 4;
   const int64_t ws_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   return launch_gelu<true>(stream, op, x.element_type(), bias.element_type(), rc, p, approximate, threshold,
                            keep_scale, {block_threads, max_elems}, ws_rows, dbias->untyped_data());
@@ -184,6 +187,7 @@ ffi::Error BiasDropoutResidualFwd(cudaStream_t stream, uint32_t threshold, float
   if (residual.element_count() != y.element_count() || residual.element_type() != y.element_type())
     return invalid(op, "residual must match y in dtype and size");
   GeluPtrs p{nullptr, y.untyped_data(), bias.untyped_data(), seed.typed_data(), out->untyped_data(), nullptr};
+  p.seed_offset = seed.element_count() == 4;
   p.residual = residual.untyped_data();
   return launch_gelu<false>(stream, op, y.element_type(), bias.element_type(), rc, p, false, threshold, keep_scale,
                             {block_threads, max_elems}, 0, nullptr, true);
@@ -201,6 +205,7 @@ ffi::Error BiasDropoutBwd(cudaStream_t stream, uint32_t threshold, float keep_sc
   if (dx->element_count() != dy.element_count() || dx->element_type() != dy.element_type())
     return invalid(op, "dx must match dy in dtype and size");
   GeluPtrs p{dy.untyped_data(), nullptr, nullptr, seed.typed_data(), dx->untyped_data(), data<float>(workspace)};
+  p.seed_offset = seed.element_count() == 4;
   const int64_t ws_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   return launch_gelu<true>(stream, op, dy.element_type(), dbias->element_type(), rc, p, false, threshold, keep_scale,
                            {block_threads, max_elems}, ws_rows, dbias->untyped_data(), true);

@@ -21,7 +21,7 @@ constexpr const char* kBwd = "bias_gelu_dropout_bwd";
 // consecutive elements instead of being recomputed per element.
 class KeepStream {
  public:
-  KeepStream(const uint32_t* seed, uint32_t threshold) : seed_(seed), threshold_(threshold) {}
+  KeepStream(const Seed& seed, uint32_t threshold) : seed_(seed), threshold_(threshold) {}
   bool keep(uint64_t idx) {
     if (threshold_ == 0) return true;
     const uint64_t q = idx >> 3;
@@ -33,7 +33,7 @@ class KeepStream {
   }
 
  private:
-  const uint32_t* seed_;
+  Seed seed_;
   uint32_t threshold_;
   uint64_t q_ = ~uint64_t{0};
   U32x4 words_{};
@@ -42,7 +42,7 @@ class KeepStream {
 // Calls f(i, c, kept) for every element of the [R, N] view, in row-major order so that
 // KeepStream reuses each Philox block.
 template <typename F>
-void for_each_element(const Rows& d, const uint32_t* seed, uint32_t threshold, F&& f) {
+void for_each_element(const Rows& d, const Seed& seed, uint32_t threshold, F&& f) {
   KeepStream keep(seed, threshold);
   for (int64_t r = 0; r < d.rows; ++r) {
     for (int64_t c = 0; c < d.cols; ++c) {
@@ -96,7 +96,7 @@ ffi::Error BiasGeluDropoutFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::Buf
     const T* xs = data<T>(x);
     const P* bs = data<P>(bias);
     T* ys = data<T>(y);
-    for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+    for_each_element(d, cpu_seed(seed), threshold, [&](int64_t i, int64_t c, bool kept) {
       const float g = gelu(to_float(xs[i]) + to_float(bs[c]), approximate);
       ys[i] = from_float<T>(kept ? g * keep_scale : 0.f);
     });
@@ -134,7 +134,7 @@ ffi::Error BiasGeluDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBu
     // Rows are summed in a fixed order in double, so dbias is deterministic and its
     // rounding error does not grow with R.
     std::vector<double> acc(static_cast<size_t>(d.cols), 0.0);
-    for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+    for_each_element(d, cpu_seed(seed), threshold, [&](int64_t i, int64_t c, bool kept) {
       const float m = kept ? keep_scale : 0.f;
       float fwd;
       const float v = to_float(dys[i]) * m * gelu_and_grad(to_float(xs[i]) + to_float(bs[c]), approximate, fwd);
@@ -164,7 +164,7 @@ ffi::Error BiasDropoutResidualFwdCpu(ffi::AnyBuffer y, ffi::AnyBuffer bias, ffi:
     const T* rs = data<T>(residual);
     const P* bs = data<P>(bias);
     T* os = data<T>(out);
-    for_each_element(as_rows(y), seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+    for_each_element(as_rows(y), cpu_seed(seed), threshold, [&](int64_t i, int64_t c, bool kept) {
       const float v = to_float(ys[i]) + to_float(bs[c]);
       os[i] = from_float<T>(std::fma(v, kept ? keep_scale : 0.f, to_float(rs[i])));
     });
@@ -188,7 +188,7 @@ ffi::Error BiasDropoutBwdCpu(ffi::AnyBuffer dy, ffi::Buffer<ffi::U32> seed, uint
     const T* dys = data<T>(dy);
     T* dxs = data<T>(dx);
     std::vector<double> acc(static_cast<size_t>(d.cols), 0.0);  // fixed order, as the GELU backward
-    for_each_element(d, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+    for_each_element(d, cpu_seed(seed), threshold, [&](int64_t i, int64_t c, bool kept) {
       const float v = kept ? to_float(dys[i]) * keep_scale : 0.f;
       dxs[i] = from_float<T>(v);
       acc[c] += v;
@@ -225,7 +225,7 @@ ffi::Error DenseGeluFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bi
       }
       for (int64_t j = 0; j < n; ++j) hs[i * n + j] = from_float<T>(row[j]);
     }
-    for_each_element(Rows{m, n}, seed.typed_data(), threshold, [&](int64_t i, int64_t c, bool kept) {
+    for_each_element(Rows{m, n}, cpu_seed(seed), threshold, [&](int64_t i, int64_t c, bool kept) {
       const float g = gelu(to_float(hs[i]) + to_float(bs[c]), approximate);
       ys[i] = from_float<T>(kept ? g * keep_scale : 0.f);
     });

@@ -22,7 +22,7 @@ struct NormPtrs {
   const void* residual;  // [R, N] T (BDRLN)
   const void* scale;     // [N] P
   const void* ln_bias;   // [N] P (forward)
-  const uint32_t* seed;  // [2] (BDRLN)
+  const uint32_t* seed;  // [2] or [4] (BDRLN; philox.h Seed)
   void* y;               // [R, N] T: forward output / backward dx
   void* dresidual;       // [R, N] T (BDRLN backward)
   float* mean;           // [R]
@@ -32,6 +32,7 @@ struct NormPtrs {
   void* h = nullptr;          // [R, N] T or null (BDRLN forward): h, the layer norm's input, written too
   const void* dh = nullptr;   // [R, N] T or null (backward): a cotangent of h itself (layer norm: of x),
                               // added to the layer norm's gradient of h
+  bool seed_offset = false;   // the seed has four words: words 2-3 are the slice's offset
 };
 
 // BDRLN: h = residual + dropout(x + bias) for row r, in place of the x tile (layer norm:
@@ -40,7 +41,7 @@ struct NormPtrs {
 // for the whole kernel would cost occupancy at 16-32 elements per thread.
 template <typename T, int VEC, int NV, bool kResidual>
 __device__ __forceinline__ void add_residual(const NormPtrs& p, bool pf32, int64_t r, int64_t n, uint32_t threshold,
-                                             float keep_scale, const uint32_t (&seed)[2],
+                                             float keep_scale, const Seed& seed,
                                              const Tile<VEC, NV>& res, Tile<VEC, NV>& h, uint32_t& keep,
                                              const Tile<VEC, NV>* bias = nullptr) {
   keep = 0xffffffffu;
@@ -65,7 +66,7 @@ __device__ __forceinline__ void add_residual(const NormPtrs& p, bool pf32, int64
 // at 64 it spilled and ran twice as long: bench/NOTES.md v4).
 template <typename T, int VEC, int NV, bool kResidual>
 __device__ __forceinline__ void load_h(const NormPtrs& p, bool pf32, int64_t r, int64_t n, bool valid,
-                                       uint32_t threshold, float keep_scale, const uint32_t (&seed)[2],
+                                       uint32_t threshold, float keep_scale, const Seed& seed,
                                        Tile<VEC, NV>& h, uint32_t& keep) {
   keep = 0xffffffffu;
   if constexpr (kResidual) {
@@ -157,8 +158,8 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), norm_fwd_min_blocks(
     norm_fwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, float eps, uint32_t threshold, float keep_scale) {
   wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
   __shared__ float scratch[32 * kMaxBlockRows];
-  uint32_t seed[2] = {0u, 0u};
-  if constexpr (kResidual) seed[0] = p.seed[0], seed[1] = p.seed[1];
+  Seed seed;
+  if constexpr (kResidual) seed = load_seed(p.seed, p.seed_offset);
   const float inv_n = 1.f / static_cast<float>(n);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows;
        base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
@@ -224,8 +225,8 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   constexpr int K = kResidual ? 3 : 2;
   extern __shared__ float smem[];
   __shared__ float scratch[64 * kMaxBlockRows];
-  uint32_t seed[2] = {0u, 0u};
-  if constexpr (kResidual) seed[0] = p.seed[0], seed[1] = p.seed[1];
+  Seed seed;
+  if constexpr (kResidual) seed = load_seed(p.seed, p.seed_offset);
   Tile<VEC, NV> acc[K];
 #pragma unroll
   for (int k = 0; k < K; ++k)
@@ -441,6 +442,7 @@ ffi::Error BdrlnFwd(cudaStream_t stream, float eps, uint32_t threshold, float ke
                  data<float>(rstd), nullptr};
   if (auto e = check_optional_rows(op, "h", rc, x.element_type(), *h); e.failure()) return e;
   a.p.h = optional_data(*h);
+  a.p.seed_offset = seed.element_count() == 4;
   a.eps = eps, a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = {block_threads, max_elems};
   return launch_norm<true, false>(stream, a);
 }
@@ -467,6 +469,7 @@ ffi::Error BdrlnBwd(cudaStream_t stream, uint32_t threshold, float keep_scale, i
                  data<float>(mean), data<float>(rstd), data<float>(workspace),
                  optional_data(dy2)};
   a.p.dh = optional_data(dh);
+  a.p.seed_offset = seed.element_count() == 4;
   a.threshold = threshold, a.keep_scale = keep_scale, a.kernel = {block_threads, max_elems};
   a.workspace_rows = workspace->dimensions().size() ? workspace->dimensions()[0] : 0;
   a.grads[0] = dbias->untyped_data(), a.grads[1] = dscale->untyped_data(), a.grads[2] = dln_bias->untyped_data();

@@ -165,7 +165,7 @@ struct BdrlnRow {
   const T* x;
   const P* bias;
   const T* residual;
-  const uint32_t* seed;
+  Seed seed;
   uint32_t threshold;
   float keep_scale;
   int64_t n;
@@ -261,7 +261,7 @@ ffi::Error BdrlnFwdCpu(float eps, uint32_t threshold, float keep_scale, int32_t 
   return dispatch_norm(op, s, [&](auto tt, auto pt) {
     using T = typename decltype(tt)::type;
     using P = typename decltype(pt)::type;
-    const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), data<uint32_t>(seed),
+    const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), cpu_seed(seed),
                               threshold,  keep_scale,    static_cast<int64_t>(s.cols)};
     T* h_out;
     if (auto e = optional_rows(op, "h", *h, s.t, s.count, h_out); e.failure()) return e;
@@ -300,7 +300,7 @@ ffi::Error BdrlnBwdCpu(uint32_t threshold, float keep_scale, int32_t block_threa
     const T *dy2_in, *dh_in;
     if (auto e = optional_rows(op, "dy2", dy2, s.t, s.count, dy2_in); e.failure()) return e;
     if (auto e = optional_rows(op, "dh", dh, s.t, s.count, dh_in); e.failure()) return e;
-    const uint32_t* key = data<uint32_t>(seed);
+    const Seed key = cpu_seed(seed);
     const BdrlnRow<T, P> load{data<T>(x), data<P>(bias), data<T>(residual), key, threshold, keep_scale,
                               static_cast<int64_t>(s.cols)};
     T* dxs = data<T>(dx);

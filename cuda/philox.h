@@ -3,7 +3,7 @@
 //
 // The decision for element `idx` of a logical tensor (row-major index) is a pure function
 // of (seed, idx): the counter is (idx / 8 as a 64-bit number, 0, 0) keyed by the two seed
-// words; the 128 output bits are eight 16-bit lanes (lane j = half j % 2 of word j / 2,
+// words (a call on a slice of the tensor adds the slice's offset to idx / 8: `Seed`); the 128 output bits are eight 16-bit lanes (lane j = half j % 2 of word j / 2,
 // low half first) and lane idx % 8 is compared with the drop threshold
 // (round(rate * 2^16)). An element is kept when its lane is >= the threshold, so rate 0
 // keeps everything. Sixteen bits per decision (rate resolution 2^-16) let one Philox call
@@ -75,11 +75,39 @@ JAXSUB_HD void philox4x32_10_n(U32x4 (&c)[N], uint32_t k0, uint32_t k1) {
   }
 }
 
-// The random bits for elements 8*q .. 8*q+7 of a tensor.
-JAXSUB_HD U32x4 dropout_words(const uint32_t* seed, uint64_t q) {
-  return philox4x32_10(U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u},
-                       seed[0], seed[1]);
+// A dropout seed as the kernels use it: the Philox key (k0, k1) and `off`, the offset in
+// 8-element blocks of the call's first element within the logical tensor whose keep
+// decisions it draws (0 for a whole tensor; a slice's on one of several devices). The seed
+// buffer is u32[2] (key; no offset) or u32[4] (key, then the offset's low and high words):
+// ABI.md.
+struct Seed {
+  uint32_t k0 = 0, k1 = 0;
+  uint64_t off = 0;
+};
+
+JAXSUB_HD Seed load_seed(const uint32_t* words, bool with_offset) {
+  Seed s;
+  s.k0 = words[0];
+  s.k1 = words[1];
+  if (with_offset) s.off = (static_cast<uint64_t>(words[3]) << 32) | words[2];
+  return s;
 }
+
+// The Seed of a seed buffer in host memory (the CPU handlers; a CUDA handler passes the
+// kernel its device pointer and `with_offset` for load_seed).
+template <class Buffer>
+inline Seed cpu_seed(const Buffer& b) {
+  return load_seed(static_cast<const uint32_t*>(b.untyped_data()), b.element_count() == 4);
+}
+
+// The counter of block q (elements 8*q .. 8*q+7 of the call's tensor).
+JAXSUB_HD U32x4 counter(const Seed& s, uint64_t q) {
+  q += s.off;
+  return U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
+}
+
+// The random bits for elements 8*q .. 8*q+7 of a tensor.
+JAXSUB_HD U32x4 dropout_words(const Seed& s, uint64_t q) { return philox4x32_10(counter(s, q), s.k0, s.k1); }
 
 JAXSUB_HD uint32_t word_at(const U32x4& w, int i) {
   return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
@@ -100,7 +128,7 @@ JAXSUB_HD bool lane_kept(const U32x4& w, int j, uint32_t thr_hi) {
 }
 
 // Keep decision for a single element (general paths; fast paths use dropout_words).
-JAXSUB_HD bool dropout_keep(const uint32_t* seed, uint64_t idx, uint32_t threshold) {
+JAXSUB_HD bool dropout_keep(const Seed& seed, uint64_t idx, uint32_t threshold) {
   if (threshold == 0) return true;
   return lane16(dropout_words(seed, idx >> 3), static_cast<int>(idx & 7)) >= threshold;
 }

@@ -195,7 +195,7 @@ __device__ __forceinline__ void store_tile(T* row, int64_t n, bool valid, const 
 // side with one key schedule (philox4x32_10_n). Where threshold is 0 the words stay
 // counters: lane_kept with thr_hi 0 keeps every lane.
 template <int VEC, int NV>
-__device__ __forceinline__ void tile_words(const uint32_t* seed, uint32_t threshold, int64_t r, int64_t n,
+__device__ __forceinline__ void tile_words(const Seed& seed, uint32_t threshold, int64_t r, int64_t n,
                                            U32x4 (&w)[NV * VEC / 8]) {
   static_assert(VEC % 8 == 0, "one Philox call per 8 elements");
 #pragma unroll
@@ -203,9 +203,9 @@ __device__ __forceinline__ void tile_words(const uint32_t* seed, uint32_t thresh
 #pragma unroll
     for (int e = 0; e < VEC; e += 8) {
       const uint64_t q = (static_cast<uint64_t>(r) * n + tile_col(v, VEC) + e) >> 3;
-      w[(v * VEC + e) / 8] = U32x4{static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), 0u, 0u};
+      w[(v * VEC + e) / 8] = counter(seed, q);
     }
-  if (threshold != 0) philox4x32_10_n<NV * VEC / 8>(w, seed[0], seed[1]);
+  if (threshold != 0) philox4x32_10_n<NV * VEC / 8>(w, seed.k0, seed.k1);
 }
 
 // Keep bits for the thread's elements of row r (bit v * VEC + e). On the fast path every
@@ -216,7 +216,7 @@ __device__ __forceinline__ void tile_words(const uint32_t* seed, uint32_t thresh
 // Philox key schedule in vector registers instead of uniform ones (bench/NOTES.md,
 // thirty-sixth session).
 template <int VEC, int NV>
-__device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t threshold, int64_t r, int64_t n) {
+__device__ __forceinline__ uint32_t keep_bits(const Seed& seed, uint32_t threshold, int64_t r, int64_t n) {
   static_assert(VEC * NV <= 32, "keep bits must fit in 32 bits");
   if (threshold == 0) return 0xffffffffu;
   const uint32_t thr_hi = threshold << 16;
@@ -251,7 +251,7 @@ __device__ __forceinline__ uint32_t keep_bits(const uint32_t* seed, uint32_t thr
 // base + VEC - 1 (base a multiple of VEC on the fast path), for kernels that use each
 // decision once, right away: one compare and a select per element, no bit packing.
 template <int VEC>
-__device__ __forceinline__ void keep_scales(const uint32_t* seed, uint32_t threshold, float keep_scale, uint64_t base,
+__device__ __forceinline__ void keep_scales(const Seed& seed, uint32_t threshold, float keep_scale, uint64_t base,
                                             float (&m)[VEC]) {
   if (threshold == 0) {
 #pragma unroll

@@ -16,7 +16,8 @@ struct SoftmaxArgs {
   const void* dy;        // [B, H, Sq, Sk] T (backward)
   const void* scores;    // [B, H, Sq, Sk] T
   const void* mask;      // [Bm, Hm, Sqm, Skm] pred or f32, each dim 1 or full
-  const uint32_t* seed;  // [2]
+  const uint32_t* seed;  // [2] or [4] (philox.h Seed)
+  bool seed_offset = false;  // the seed has four words: words 2-3 are the slice's offset
   void* out;             // [B, H, Sq, Sk] T: y (forward) or dscores (backward)
   float* lse;            // [B, H, Sq]: written by the forward, read by the backward
   int64_t b, h, sq, sk;
@@ -84,7 +85,7 @@ __device__ __forceinline__ void masked_scores(const SoftmaxArgs& a, int64_t r, b
 // The dropout multipliers (keep_scale * mul, or 0) of the thread's vector v of row r, for
 // use right away (no bit packing).
 template <int VEC>
-__device__ __forceinline__ void row_keep_scales(const SoftmaxArgs& a, const uint32_t* seed, int64_t r, int v,
+__device__ __forceinline__ void row_keep_scales(const SoftmaxArgs& a, const Seed& seed, int64_t r, int v,
                                                 float mul, float (&m)[VEC]) {
   const int64_t c = tile_col(v, VEC);  // past the row end: no generator call, never stored
   keep_scales<VEC>(seed, c < a.sk ? a.threshold : 0u, a.keep_scale * mul, static_cast<uint64_t>(r * a.sk + c), m);
@@ -99,7 +100,7 @@ template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
     softmax_fwd_kernel(SoftmaxArgs a, int64_t rows) {
   __shared__ float scratch[32 * kMaxBlockRows];
-  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const Seed seed = load_seed(a.seed, a.seed_offset);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t r = base + threadIdx.y;
@@ -140,7 +141,7 @@ template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
     softmax_bwd_kernel(SoftmaxArgs a, int64_t rows) {
   __shared__ float scratch[32 * kMaxBlockRows];
-  const uint32_t seed[2] = {a.seed[0], a.seed[1]};
+  const Seed seed = load_seed(a.seed, a.seed_offset);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t r = base + threadIdx.y;
@@ -228,7 +229,7 @@ ffi::Error SoftmaxDropoutFwd(cudaStream_t stream, float scale, bool causal, int3
   const char* op = "softmax_dropout_fwd";
   SoftmaxArgs a{};
   if (auto e = check_shapes(op, scores, mask, mask_kind, a); e.failure()) return e;
-  a.scores = scores.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
+  a.scores = scores.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data(), a.seed_offset = seed.element_count() == 4;
   a.out = y->untyped_data(), a.lse = data<float>(lse);
   a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
   return launch_softmax<false>(stream, op, scores.element_type(), a);
@@ -243,7 +244,7 @@ ffi::Error SoftmaxDropoutBwd(cudaStream_t stream, float scale, bool causal, int3
   if (auto e = check_shapes(op, scores, mask, mask_kind, a); e.failure()) return e;
   if (dy.element_count() != scores.element_count()) return invalid(op, "dy and scores shapes differ");
   a.dy = dy.untyped_data(), a.scores = scores.untyped_data(), a.mask = mask.untyped_data();
-  a.seed = seed.typed_data(), a.out = dscores->untyped_data(), a.lse = data<float>(lse);
+  a.seed = seed.typed_data(), a.seed_offset = seed.element_count() == 4, a.out = dscores->untyped_data(), a.lse = data<float>(lse);
   a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
   return launch_softmax<true>(stream, op, scores.element_type(), a);
 }

@@ -48,7 +48,7 @@ void masked_row(const T* scores, const Dims& d, const MaskView& m, float scale, 
 
 // Keep decisions for `n` consecutive elements starting at row-major index `start`; one
 // Philox call serves each aligned group of eight.
-void keep_row(const uint32_t* seed, uint32_t threshold, uint64_t start, int64_t n, std::vector<uint8_t>& keep) {
+void keep_row(const Seed& seed, uint32_t threshold, uint64_t start, int64_t n, std::vector<uint8_t>& keep) {
   if (threshold == 0) {
     std::fill(keep.begin(), keep.begin() + n, uint8_t{1});
     return;
@@ -96,7 +96,7 @@ ffi::Error SoftmaxDropoutFwdCpu(ffi::AnyBuffer scores, ffi::AnyBuffer mask, ffi:
     const T* s = data<T>(scores);
     T* ys = data<T>(y);
     float* lses = data<float>(lse);
-    const uint32_t* key = data<uint32_t>(seed);
+    const Seed key = cpu_seed(seed);
     std::vector<float> row(d.sk);
     std::vector<uint8_t> keep(d.sk);
     int64_t r = 0;
@@ -147,7 +147,7 @@ ffi::Error SoftmaxDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer scores, ffi::A
     const T* dys = data<T>(dy);
     const float* lses = data<float>(lse);
     T* ds = data<T>(dscores);
-    const uint32_t* key = data<uint32_t>(seed);
+    const Seed key = cpu_seed(seed);
     std::vector<float> p(d.sk), g(d.sk);
     std::vector<uint8_t> keep(d.sk);
     int64_t r = 0;

@@ -154,14 +154,14 @@ def workspace(x, k: int) -> jax.ShapeDtypeStruct:
 
 
 def call(target: str, out_types, *args, barrier: bool = True, rule: str | None = None, shard: str = "",
-         **attrs):
+         keep: str | None = None, **attrs):
     """An ffi_call of a jaxsub target. Kernels treat leading axes as rows, so `vmap` maps
     the call sequentially: that keeps every argument's meaning (per-example keys,
     batched parameters) exact. `barrier=False`: the results without the barrier below,
     for a call whose result XLA should write straight into a dynamic-update-slice that
     is its only user (the gemm target's gradients, jaxsub/ops/gemm.py). `rule` and
-    `shard`: how the call runs on several devices (jaxsub/_partition.py; None: gathered
-    onto each device whole). A process with one device has nothing to partition, and
+    `shard` (and `keep`, with dropout): how the call runs on several devices
+    (jaxsub/_partition.py; None: gathered onto each device whole). A process with one device has nothing to partition, and
     skips the rule's wrappers (their tracing costs ~1.5 ms per call)."""
     register()
     if rule is None or jax.device_count() == 1:
@@ -170,7 +170,7 @@ def call(target: str, out_types, *args, barrier: bool = True, rule: str | None =
         single = not isinstance(out_types, (tuple, list))
         out = _partition.sharded_call(
             lambda types, *xs: jax.ffi.ffi_call(target, types, vmap_method="sequential")(*xs, **attrs),
-            rule, shard, args, (out_types,) if single else out_types)
+            rule, shard, args, (out_types,) if single else out_types, keep)
         out = out[0] if single else out
     if not barrier:
         return out

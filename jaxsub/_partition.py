@@ -19,6 +19,13 @@ is summed over the devices (one all-reduce). Marks:
   dimension `_` keeps its size on every device (the kernels use any prefix of it).
 - `+` before an operand: added into a result that is summed over devices (the GEMM's
   bias and C operand); only the first device of the sum adds it.
+- `@` before an operand: the dropout seed (u32[2] or [4], cuda/ABI.md). With dropout on,
+  `keep` names the letters of the tensor whose elements the keep decisions index (row
+  major: `"... n"` for the row ops, `"b h q k"` for attention); only its outermost letter
+  of size > 1 may then be sliced, so that each device's elements are one contiguous range
+  of that index, and each device's seed gets the range's start, in 8-element Philox
+  blocks, as words 2-3: the kernels add it to their counters, and every device draws the
+  decisions the whole tensor has there.
 - `_`: a dimension of its own, never sharded.
 - `b~` (any letter with `~`): a dimension of its own whose size is a multiple of b's, cut
   into as many slices as b (a workspace with rows per b).
@@ -39,10 +46,12 @@ import itertools
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-SCRATCH, ADDEND, OWN, ROWS = "!", "+", "_", "..."
+SCRATCH, ADDEND, SEED, OWN, ROWS = "!", "+", "@", "_", "..."
 
 
 def _parse(side: str) -> list[tuple[str, list[str]]]:
@@ -51,10 +60,10 @@ def _parse(side: str) -> list[tuple[str, list[str]]]:
     for operand in side.split(","):
         words = operand.split()
         mark = ""
-        if words and words[0][0] in (SCRATCH, ADDEND):
+        if words and words[0][0] in (SCRATCH, ADDEND, SEED):
             mark, words[0] = words[0][0], words[0][1:]
             if not words[0]:
-                words = words[1:]
+                words = words[1:] or [OWN]  # "@" alone: the seed's one dimension
         out.append((mark, words))
     return out
 
@@ -62,7 +71,7 @@ def _parse(side: str) -> list[tuple[str, list[str]]]:
 class _Rule:
     """A rule bound to shapes: each operand's and result's letters, one per dimension."""
 
-    def __init__(self, rule: str, shard: str, in_shapes, out_shapes):
+    def __init__(self, rule: str, shard: str, in_shapes, out_shapes, keep: str | None = None):
         ins, outs = (_parse(s) for s in rule.split("->"))
         if len(ins) != len(in_shapes) or len(outs) != len(out_shapes):
             raise ValueError(f"partition rule {rule!r}: {len(in_shapes)} operands, {len(out_shapes)} results")
@@ -98,6 +107,14 @@ class _Rule:
             self.letters.append(letters)
         if ROWS in shard_letters:
             shard_letters |= {f"r{i}" for i in range(rows or 0)}
+        self.keep = None  # the keep decisions' index space: (letter, size) outermost first
+        if keep is not None:
+            self.keep = []
+            for w in keep.split():
+                self.keep += [(f"r{i}", self.sizes.get(f"r{i}", 1)) for i in range(rows or 0)] if w == ROWS \
+                    else [(w, self.sizes.get(w, 1))]
+            outer = next((w for w, size in self.keep if size > 1), None)
+            shard_letters &= {outer}
         self.shard = [w for w in self.sizes if w in shard_letters]
 
     def sdy(self) -> str:
@@ -119,7 +136,14 @@ class _Rule:
                     continue
                 got[w] = axes
                 used |= set(axes)
+        if self.keep is not None and got and self.block_elements(mesh, got) % 8:
+            return {}  # a slice's first element would fall inside a Philox block
         return got
+
+    def block_elements(self, mesh, got) -> int:
+        """Elements of the keep index space per slice of its sliced outermost letter."""
+        (w, axes), = got.items()
+        return math.prod(size for _, size in self.keep) // math.prod(mesh.shape[a] for a in axes)
 
     def axes(self, got, w) -> tuple[str, ...]:
         return got.get(w) or got.get(self.tied.get(w), ())
@@ -139,17 +163,34 @@ class _Rule:
         return tuple(a for w, axes in got.items() if w not in self.letters[i] for a in axes)
 
 
+def _offset_seed(seed, axes, n, blocks):
+    """The seed with words 2-3 advanced by this device's slice index (of n) along `axes`
+    times `blocks` (a 64-bit sum of 32-bit words, exact; a u32[2] seed has offset 0)."""
+    table = np.array([[(i * blocks) & 0xFFFFFFFF, (i * blocks) >> 32] for i in range(n)], np.uint32)
+    return _add64(seed, jnp.asarray(table)[jax.lax.axis_index(axes)])
+
+
+def _add64(seed, add):
+    """A u32[4] seed whose words 2-3 (u32[2] seed: 0) are advanced by add (u32[2], low
+    word first), with the carry."""
+    base = seed[2:4] if seed.shape[0] == 4 else jnp.zeros((2,), jnp.uint32)
+    lo = base[0] + add[0]
+    hi = base[1] + add[1] + (lo < base[0]).astype(jnp.uint32)
+    return jnp.stack([seed[0], seed[1], lo, hi])
+
+
 def _entry(axes):
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else axes
 
 
-def sharded_call(call, rule: str, shard: str, args, out_types):
+def sharded_call(call, rule: str, shard: str, args, out_types, keep: str | None = None):
     """call(out_types, *args) -> results (a tuple, one per out_types), run through the
-    rule above. `call` is invoked again on each device's slices with their shapes."""
+    rule above. `call` is invoked again on each device's slices with their shapes. `keep`:
+    the keep decisions' letters where dropout is on (None: off)."""
     out_types = tuple(out_types)
-    bound = _Rule(rule, shard, [a.shape for a in args], [t.shape for t in out_types])
+    bound = _Rule(rule, shard, [a.shape for a in args], [t.shape for t in out_types], keep)
     if not bound.shard:
         return call(out_types, *args)
 
@@ -160,6 +201,11 @@ def sharded_call(call, rule: str, shard: str, args, out_types):
         first_axes = tuple(dict.fromkeys(a for axes in summed for a in axes))
 
         def lower(*local):
+            if got and bound.keep is not None:
+                (axes,) = got.values()
+                n = math.prod(mesh.shape[a] for a in axes)
+                local = [_offset_seed(a, axes, n, bound.block_elements(mesh, got) // 8) if bound.marks[i] == SEED else a
+                         for i, a in enumerate(local)]
             if first_axes:
                 first = jax.lax.axis_index(first_axes) == 0
                 local = [jax.numpy.where(first, a, 0).astype(a.dtype) if bound.marks[i] == ADDEND and a.size else a

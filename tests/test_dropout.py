@@ -34,12 +34,12 @@ def philox4x32_10(ctr, key):
     return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
 
 
-def numpy_mask(seed, shape, rate):
-    """philox.h's rule: element i uses counter (i // 8 as 64-bit lo, hi, 0, 0) and 16-bit
-    lane i % 8 (lane j = half j % 2 of word j // 2, low half first); it is kept when that
-    lane is >= threshold(rate)."""
+def numpy_mask(seed, shape, rate, offset=0):
+    """philox.h's rule: element i uses counter (i // 8 + offset as 64-bit lo, hi, 0, 0) and
+    16-bit lane i % 8 (lane j = half j % 2 of word j // 2, low half first); it is kept when
+    that lane is >= threshold(rate)."""
     n = math.prod(shape)
-    q = np.arange((n + 7) // 8, dtype=np.uint64)
+    q = np.arange((n + 7) // 8, dtype=np.uint64) + np.uint64(offset)
     ctr = np.stack([q & _MASK32, q >> np.uint64(32), 0 * q, 0 * q], axis=-1).astype(np.uint32)
     words = philox4x32_10(ctr, seed).reshape(-1)
     lanes = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
@@ -170,10 +170,79 @@ def test_seed_words_padded_to_four_act_as_their_key():
     key = jax.random.key(11)
     words = seed_from_key("test", key)
     want = _ops_with_dropout(key)
-    for seed in (words, jnp.pad(words, (0, 2)), jnp.concatenate([words, jnp.asarray([7, 9], jnp.uint32)])):
+    for seed in (words, jnp.pad(words, (0, 2))):
         got = _ops_with_dropout(Words(seed))
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{seed.shape}{jax.tree_util.keystr(path)}")
+
+
+# Offsets in 8-element blocks: small, past 2^32 (the high word), and at the low word's end.
+_OFFSETS = [1, 37, (1 << 32) + 5, 0xFFFFFFFF]
+
+
+def _with_offset(words, offset):
+    return jnp.concatenate([words[:2], jnp.asarray([offset & 0xFFFFFFFF, offset >> 32], jnp.uint32)])
+
+
+@pytest.mark.parametrize("offset", _OFFSETS)
+def test_seed_words_two_and_three_offset_the_index(offset):
+    """Words 2-3 of a four-word seed are the 64-bit offset, in 8-element blocks, of the
+    call's first element (a slice of a larger tensor on one of several devices)."""
+    words = seed_from_key("test", jax.random.key(5))
+    got = np.asarray(jaxsub.ops.dropout.seed_mask(_with_offset(words, offset), (3, 1001), 0.3))
+    np.testing.assert_array_equal(got, numpy_mask(np.asarray(words), (3, 1001), 0.3, offset))
+
+
+def _slices_with_offsets(dtype=jnp.float32, n=40, s=16, d=8):
+    """(op on a slice with its offset seed, the same slice of the op on the whole tensor)
+    for each family, the slice starting at a multiple of 8 elements: rows of n, scores of
+    9 x s, attention of s x s with head dim d."""
+    from jaxsub.ops.dropout import Words
+
+    key = jax.random.key(12)
+    words = seed_from_key("test", key)
+    rng = np.random.default_rng(0)
+    x, bias = jnp.asarray(rng.standard_normal((6, n)), dtype), jnp.linspace(-1, 1, n).astype(dtype)
+    scores = jnp.asarray(rng.standard_normal((4, 3, 9, s)), dtype)
+    qkv = jnp.asarray(rng.standard_normal((4, s, 3, 2, d)), dtype)
+    ops_ = jaxsub.ops
+    cases = {
+        "gelu": (lambda k, x: ops_.bias_gelu_dropout(x, bias, rate=0.3, key=k), x, 2),
+        "bdrln": (lambda k, x: ops_.bias_dropout_residual_layer_norm(x, bias, x * 0.5, bias, bias, rate=0.3, key=k),
+                  x, 2),
+        "residual_add": (lambda k, x: ops_.dropout.residual_add(x, x, bias, rate=0.3, key=k), x, 2),
+        "softmax": (lambda k, s: ops_.softmax_dropout(s, rate=0.3, key=k), scores, 1),
+        "attention": (lambda k, q: ops_.attention_packed(q, dropout_rate=0.3, key=k, implementation="fused"), qkv, 1),
+    }
+    for name, (op, a, start) in cases.items():
+        whole = op(key, a)
+        per_item = math.prod(a.shape[1:]) if name != "attention" else 2 * s * s  # H * S * S
+        seed = Words(_with_offset(words, start * per_item // 8))
+        yield name, op(seed, a[start:]), whole[start:]
+        grad = lambda k, a: jax.grad(lambda a: jnp.sum(op(k, a) ** 2))(a)
+        yield name + " grad", grad(seed, a[start:]), grad(key, a)[start:]
+
+
+def test_a_slice_with_its_offset_draws_the_whole_tensors_decisions():
+    for name, got, want in _slices_with_offsets():
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_a_slice_with_its_offset_draws_the_whole_tensors_decisions_on_gpu(dtype):
+    """The kernels' own Philox counters (tile_words, the attention's keep words, the
+    forward's masks drawn under P V) with the offset: the fast paths' sizes."""
+    assert jax.devices()[0].platform == "gpu"
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2
+    for name, got, want in _slices_with_offsets(dtype, n=1024, s=128, d=64):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol,
+                                   err_msg=name)
+    words = seed_from_key("test", jax.random.key(5))
+    for offset in _OFFSETS:
+        got = np.asarray(jaxsub.ops.dropout.seed_mask(_with_offset(words, offset), (3, 1001), 0.3))
+        np.testing.assert_array_equal(got, numpy_mask(np.asarray(words), (3, 1001), 0.3, offset))
 
 
 @pytest.mark.parametrize("words", [np.zeros(3, np.uint32), np.zeros(2, np.int32), np.zeros((2, 2), np.uint32)])

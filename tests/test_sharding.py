@@ -9,6 +9,7 @@ inside `shard_map` is."""
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -71,6 +72,7 @@ _PARTITIONED = textwrap.dedent("""
     q, qkv, xp = r(8, 12, 4, 16), r(8, 12, 3, 4, 16), r(8, 12, 32)
     ws, bs = [r(32, 4, 8) * 0.2 for _ in range(3)], [r(4, 8) for _ in range(3)]
     pad = jnp.asarray(rng.random((8, 12)) > 0.2)
+    key = jax.random.key(3)
     sq = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     grads = lambda f, n: jax.grad(sq(f), argnums=tuple(range(n)))
     cases = [
@@ -97,6 +99,20 @@ _PARTITIONED = textwrap.dedent("""
          (P(None, "data"), P("data"), P()), "f32[16,8]", 1),
         ("gemm n sliced", lambda a, b: G.gemm(a, b, trans_b=True), (r(16, 64), r(8, 64)), (P(), P("model")),
          "f32[16,4]", 0),
+        # With dropout: each device's seed carries its slice's offset (rows, or b outermost).
+        ("bdrln dropout", grads(lambda x, b, res: jaxsub.ops.bias_dropout_residual_layer_norm(
+             x, b, res, scale, bias, rate=0.1, key=key), 3), (x, bias, x * 0.5), (P("data"), P(), P("data")),
+         "f32[4,12,64]", 1),
+        ("bias_gelu dropout", grads(lambda x, b: jaxsub.ops.bias_gelu_dropout(x, b, rate=0.1, key=key), 2),
+         (x, bias), (P("data"), P()), "f32[4,12,64]", 1),
+        ("softmax dropout", grads(lambda s: jaxsub.ops.softmax_dropout(s, scale=0.5, rate=0.1, key=key), 1),
+         (r(8, 4, 12, 12),), (P("data"),), "f32[4,4,12,12]", 0),
+        ("attention dropout", grads(lambda q, m: jaxsub.ops.attention(q, q, q, mask=m, dropout_rate=0.1, key=key,
+                                                                      implementation="fused"), 1),
+         (q, pad), (P("data"), P("data")), "f32[4,12,4,16]", 0),
+        ("attention_projected dropout", grads(lambda x, ws, bs: jaxsub.ops.attention_projected(
+             x, ws, bs, dropout_rate=0.1, key=key, implementation="fused"), 3), (xp, ws, bs), (P("data"), P(), P()),
+         "f32[4,12,4,8]", 1),
     ]
     for name, f, args, specs, first, reduces in cases:
         sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
@@ -148,8 +164,8 @@ def test_calls_without_dropout_run_on_each_devices_slices(four_cpu_devices):
     four_cpu_devices(_PARTITIONED)
 
 
-def _rule(rule, shard, ins, outs):
-    return _partition._Rule(rule, shard, ins, outs)
+def _rule(rule, shard, ins, outs, keep=None):
+    return _partition._Rule(rule, shard, ins, outs, keep)
 
 
 def test_rule_letters():
@@ -177,6 +193,40 @@ def test_rule_sums_results_without_a_sliced_letter_and_ties_workspaces():
     got = {"b": ("data",)}
     assert r.summed(got, 1) == ("data",) and r.summed(got, 0) == () and r.summed(got, 2) == ()
     assert r.axes(got, r.letters[4][0]) == ("data",)  # the workspace's rows follow b
+
+
+def test_rule_with_dropout_slices_the_outermost_letter_of_the_keep_decisions():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    spec = jax.sharding.PartitionSpec
+    named = lambda *entries: jax.sharding.NamedSharding(mesh, spec(*entries))
+    r = _rule("b q h d, @ -> b q h d", "b h", [(4, 32, 2, 8), (2,)], [(4, 32, 2, 8)], keep="b h q q")
+    assert r.shard == ["b"]  # h is not contiguous in the [B, H, Sq, Sk] index
+    r = _rule("b q h d, @ -> b q h d", "b h", [(1, 32, 2, 8), (2,)], [(1, 32, 2, 8)], keep="b h q q")
+    assert r.shard == ["h"]  # b of size 1: h is outermost
+    r = _rule("... n, @ -> ... n", "...", [(4, 3, 5), (2,)], [(4, 3, 5)], keep="... n")
+    assert r.shard == ["r0"]
+    assert r.assign(mesh, [named("data"), None]) == {}  # a slice of 60 elements: not whole Philox blocks
+    r = _rule("... n, @ -> ... n", "...", [(4, 3, 6), (2,)], [(4, 3, 6)], keep="... n")
+    assert r.assign(mesh, [named("data"), None]) == {"r0": ("data",)}
+    assert r.block_elements(mesh, {"r0": ("data",)}) == 72
+
+
+def test_offset_seed_adds_64_bits_exactly():
+    # Inside shard_map over one device the slice index is 0: the table's first row. The
+    # table itself is exact Python arithmetic; the carry is checked on a seed near 2^32.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    try:
+        from jax import shard_map
+    except ImportError:
+        from jax.experimental.shard_map import shard_map
+    spec = jax.sharding.PartitionSpec
+    seed = jnp.asarray([1, 2, 0xFFFFFFFF, 7], jnp.uint32)
+    f = shard_map(lambda s: _partition._offset_seed(s, ("data",), 1, 5)[None], mesh=mesh, in_specs=spec(),
+                  out_specs=spec("data"))
+    np.testing.assert_array_equal(np.asarray(f(seed))[0], [1, 2, 0xFFFFFFFF, 7])  # device 0: + 0
+    add = lambda s, blocks: _partition._add64(s, jnp.asarray([blocks & 0xFFFFFFFF, blocks >> 32], jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(add(seed, 1)), [1, 2, 0, 8])
+    np.testing.assert_array_equal(np.asarray(add(seed[:2], (3 << 32) + 9)), [1, 2, 9, 3])
 
 
 def test_rule_checks_ranks():

@@ -102,7 +102,8 @@ def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
         "jaxsub_attention_fwd",
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)),
         q, k, v, mask4d, seed,
-        rule="b q h d, b k h d, b k h e, b h q k, _ -> b q h e, b h q", shard=_dropout.shard(rate, "b h"),
+        rule="b q h d, b k h d, b k h e, b h q k, @ -> b q h e, b h q", shard="b h",
+        keep=_dropout.keep(rate, "b h q k"),
         **_masks.attrs(scale, causal, kind, rate),
     )
 
@@ -119,9 +120,9 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
         dout, q, k, v, out, lse, mask4d, seed,
-        rule="b q h e, b q h d, b k h d, b k h e, b q h e, b h q, b h q k, _ "
+        rule="b q h e, b q h d, b k h d, b k h e, b q h e, b h q, b h q k, @ "
              "-> b q h d, b k h d, b k h e, !b h q, !b q h d",
-        shard=_dropout.shard(rate, "b h"), **_masks.attrs(scale, causal, kind, rate),
+        shard="b h", keep=_dropout.keep(rate, "b h q k"), **_masks.attrs(scale, causal, kind, rate),
     )
     return dq, dk, dv
 
@@ -167,9 +168,9 @@ def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, r
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
         dout, q, k, v, out, lse, mask4d, seed,
-        rule=f"b s h d, b s h d, b s h d, b s h d, b s h d, b h s, b h q k, _ "
+        rule=f"b s h d, b s h d, b s h d, b s h d, b s h d, b h s, b h q k, @ "
              f"-> b s _ h d, {_dbias_rule(bias_grad)}, !b h s, !b s h d",
-        shard=_dropout.shard(rate, "b h"), **_masks.attrs(scale, causal, kind, rate),
+        shard="b h", keep=_dropout.keep(rate, "b h s s"), **_masks.attrs(scale, causal, kind, rate),
     )
     return (dqkv, dbias) if bias_grad else dqkv
 
@@ -180,7 +181,8 @@ def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
         "jaxsub_attention_qkv_fwd",
         (jax.ShapeDtypeStruct((b, s, h, d), qkv.dtype), jax.ShapeDtypeStruct((b, h, s), _F32)),
         qkv, mask4d, seed,
-        rule=f"{_packed_rule(axis)}, b h q k, _ -> b s h d, b h s", shard=_dropout.shard(rate, "b h"),
+        rule=f"{_packed_rule(axis)}, b h q k, @ -> b s h d, b h s", shard="b h",
+        keep=_dropout.keep(rate, "b h s s"),
         qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
     )
 
@@ -199,10 +201,10 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
             *_dbias_kv(bias_grad, h, d, qkv.dtype),
         ),
         dout, qkv, out, lse, mask4d, seed,
-        rule=f"b s h d, {_packed_rule(axis)}, b s h d, b h s, b h q k, _ "
+        rule=f"b s h d, {_packed_rule(axis)}, b s h d, b h s, b h q k, @ "
              f"-> {_packed_rule(axis)}, {_dbias_rule(bias_grad)}, !b h s, !b s h d"
              f"{', h d, h d' if bias_grad == 'split' else ''}",
-        shard=_dropout.shard(rate, "b h"), qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
+        shard="b h", keep=_dropout.keep(rate, "b h s s"), qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
     )
     if bias_grad == "split":
         dbias = (dbias, *dbias_kv)

@@ -45,16 +45,17 @@ def attrs(rate: float) -> dict:
     return dict(threshold=threshold(rate), keep_scale=keep_scale(rate))
 
 
-def shard(rate: float, letters: str) -> str:
-    """The letters of a call with dropout at `rate` that may run on each device's slice
-    (jaxsub/_partition.py): all of `letters` without dropout, none with it, since the
-    kernels index the keep decisions on the whole tensor and take no slice's offset yet."""
-    return letters if threshold(rate) == 0 else ""
+def keep(rate: float, letters: str) -> str | None:
+    """A call's `keep` (jaxsub/_partition.py) with dropout at `rate`: the letters of the
+    tensor whose elements its keep decisions index, or None where dropout is off."""
+    return letters if threshold(rate) != 0 else None
 
 
 class Words:
     """A dropout seed already in the kernels' form, passed where a key goes and used as is:
-    uint32 words [2], or [4] whose first two are the seed (cuda/ABI.md). `shared_seeds`
+    uint32 words [2], or [4]: the seed, then the 64-bit offset in 8-element blocks of the
+    op's first element in a larger tensor, low word first (0 for a whole tensor;
+    cuda/ABI.md). `shared_seeds`
     (`optimize`, `jaxsub.flax.EncoderLayer`) and the scanned `jaxsub.flax.Encoder` pass
     seeds this way: each op gets a 16-byte quarter of one row of seeds, which XLA writes
     in one kernel, where 8-byte seeds took a copy each."""
@@ -200,7 +201,8 @@ _DEFAULT_LAUNCH = _config.KernelConfig().attrs("fwd")  # the kernels' default la
 
 def _residual_fwd_call(x, y, bias, seed, rate):
     return _ffi.call("jaxsub_bias_dropout_residual_fwd", jax.ShapeDtypeStruct(y.shape, y.dtype), y, bias, x, seed,
-                     rule="... n, n, ... n, _ -> ... n", shard=shard(rate, "..."), **attrs(rate), **_DEFAULT_LAUNCH)
+                     rule="... n, n, ... n, @ -> ... n", shard="...", keep=keep(rate, "... n"), **attrs(rate),
+                     **_DEFAULT_LAUNCH)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -218,7 +220,8 @@ def _residual_add_fused_bwd(rate, res, g):
     dy, dbias, _ = _ffi.call(
         "jaxsub_bias_dropout_bwd",
         (jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(g.shape[-1:], bias0.dtype), _ffi.workspace(g, 1)),
-        g, seed, rule="... n, _ -> ... n, n, !_ _ n", shard=shard(rate, "..."), **attrs(rate), **_DEFAULT_LAUNCH)
+        g, seed, rule="... n, @ -> ... n, n, !_ _ n", shard="...", keep=keep(rate, "... n"), **attrs(rate),
+        **_DEFAULT_LAUNCH)
     return g, dy, dbias, None
 
 

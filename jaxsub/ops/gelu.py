@@ -52,7 +52,7 @@ def _fwd_call(x, bias, seed, *, approximate, rate, kernel):
         "jaxsub_bias_gelu_dropout_fwd",
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         x, bias, seed,
-        rule="... n, n, _ -> ... n", shard=_dropout.shard(rate, "..."),
+        rule="... n, n, @ -> ... n", shard="...", keep=_dropout.keep(rate, "... n"),
         approximate=approximate,
         **_dropout.attrs(rate),
         **kernel.attrs("fwd"),
@@ -71,7 +71,7 @@ def _bwd_call(dy, x, bias, seed, *, approximate, rate, kernel, with_y=False):
             jax.ShapeDtypeStruct(x.shape if with_y else (0,), x.dtype),
         ),
         dy, x, bias, seed,
-        rule="... n, ... n, n, _ -> ... n, n, !_ _ n, ... n", shard=_dropout.shard(rate, "..."),
+        rule="... n, ... n, n, @ -> ... n, n, !_ _ n, ... n", shard="...", keep=_dropout.keep(rate, "... n"),
         approximate=approximate,
         **_dropout.attrs(rate),
         **kernel.attrs("bwd"),
@@ -152,8 +152,8 @@ _fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
 def _dense_gelu_call(x2, w, bias, seed, *, approximate, rate):
     shape = jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), x2.dtype)
     # The contracted k is never sliced: the GELU of a partial sum is not a part of one.
-    return _ffi.call("jaxsub_dense_gelu_fwd", (shape, shape), x2, w, bias, seed, rule="m k, k n, n, _ -> m n, m n",
-                     shard=_dropout.shard(rate, "m n"), approximate=approximate, **_dropout.attrs(rate))
+    return _ffi.call("jaxsub_dense_gelu_fwd", (shape, shape), x2, w, bias, seed, rule="m k, k n, n, @ -> m n, m n",
+                     shard="m n", keep=_dropout.keep(rate, "m n"), approximate=approximate, **_dropout.attrs(rate))
 
 
 def _product(a, b, library, *, trans_a=False, trans_b=False):

@@ -103,8 +103,8 @@ def _bdrln_fwd_call(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, 
     an empty [0] array (the kernel does not write it)."""
     h = _like(x) if keep_h else jax.ShapeDtypeStruct((0,), x.dtype)
     return _ffi.call("jaxsub_bdrln_fwd", (_like(x), *_row_stats(x), h), x, bias, residual, scale,
-                     ln_bias, seed, rule="... n, n, ... n, n, n, _ -> ... n, ..., ..., ... n",
-                     shard=dropout.shard(rate, "..."), eps=np.float32(eps), **dropout.attrs(rate),
+                     ln_bias, seed, rule="... n, n, ... n, n, n, @ -> ... n, ..., ..., ... n",
+                     shard="...", keep=dropout.keep(rate, "... n"), eps=np.float32(eps), **dropout.attrs(rate),
                      **kernel.attrs("fwd"))
 
 
@@ -115,8 +115,8 @@ def _bdrln_bwd_call(dy, dy2, x, bias, residual, scale, mean, rstd, seed, rate, k
         "jaxsub_bdrln_bwd",
         (_like(x), _like(bias), _like(x), _like(scale), _like(scale), _ffi.workspace(x, 3)),
         dy, _optional(dy2, dy), _optional(dh, dy), x, bias, residual, scale, mean, rstd, seed,
-        rule="... n, ... n, ... n, ... n, n, ... n, n, ..., ..., _ -> ... n, n, ... n, n, n, !_ _ n",
-        shard=dropout.shard(rate, "..."), **dropout.attrs(rate), **kernel.attrs("bwd"))
+        rule="... n, ... n, ... n, ... n, n, ... n, n, ..., ..., @ -> ... n, n, ... n, n, n, !_ _ n",
+        shard="...", keep=dropout.keep(rate, "... n"), **dropout.attrs(rate), **kernel.attrs("bwd"))
     return grads
 
 

@@ -68,15 +68,16 @@ def _fwd_call(scores, mask, seed, scale, causal, kind, rate):
     return _ffi.call(
         "jaxsub_softmax_dropout_fwd",
         (jax.ShapeDtypeStruct(scores.shape, scores.dtype), jax.ShapeDtypeStruct(scores.shape[:-1], _F32)),
-        scores, mask, seed, rule="b h q k, b h q k, _ -> b h q k, b h q", shard=_dropout.shard(rate, "b h"),
+        scores, mask, seed, rule="b h q k, b h q k, @ -> b h q k, b h q", shard="b h",
+        keep=_dropout.keep(rate, "b h q k"),
         **_masks.attrs(scale, causal, kind, rate))
 
 
 def _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate):
     return _ffi.call(
         "jaxsub_softmax_dropout_bwd", jax.ShapeDtypeStruct(scores.shape, scores.dtype),
-        dy, scores, lse, mask, seed, rule="b h q k, b h q k, b h q, b h q k, _ -> b h q k",
-        shard=_dropout.shard(rate, "b h"), **_masks.attrs(scale, causal, kind, rate))
+        dy, scores, lse, mask, seed, rule="b h q k, b h q k, b h q, b h q k, @ -> b h q k",
+        shard="b h", keep=_dropout.keep(rate, "b h q k"), **_masks.attrs(scale, causal, kind, rate))
 
 
 # ---------------------------------------------------------------------------------------
