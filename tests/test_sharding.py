@@ -152,6 +152,17 @@ _PARTITIONED = textwrap.dedent("""
     calls = [l for l in hlo.splitlines() if 'custom_call_target="jaxsub_bdrln_fwd"' in l]
     assert calls and all("f32[4,12,64]" in l for l in calls), calls[:2]
     assert "all-gather" not in hlo, [l for l in hlo.splitlines() if "all-gather" in l][:3]
+    # With dropout: the same masks as on one device, still no all-gather.
+    run = jax.value_and_grad(lambda p, x: jnp.sum(enc.apply(p, x, deterministic=False,
+                                                            rngs={"dropout": jax.random.key(4)}) ** 2),
+                             argnums=(0, 1))
+    jr = jax.jit(run)
+    got, want = jr(params, xs), run(params, x)
+    largest = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert float(jnp.abs(g - w).max()) <= 1e-5 * (1.0 + largest)
+    hlo = jr.lower(params, xs).compile().as_text()
+    assert "all-gather" not in hlo, [l for l in hlo.splitlines() if "all-gather" in l][:3]
     print("ok")
 """)
 
