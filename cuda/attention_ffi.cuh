@@ -29,7 +29,8 @@ void zero_dbias(const AttnArgs& a, int d, ffi::DataType t, cudaStream_t stream) 
 void set_bwd_buffers(AttnArgs& a, const ffi::AnyBuffer& dout, const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
                      const ffi::AnyBuffer& mask, const ffi::Buffer<ffi::U32>& seed,
                      ffi::Result<ffi::AnyBuffer>& delta, ffi::Result<ffi::AnyBuffer>& dq_acc) {
-  a.out = out.untyped_data(), a.dout = dout.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data(), a.seed_offset = seed.element_count() == 4;
+  a.out = out.untyped_data(), a.dout = dout.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
+  a.seed_offset = seed.element_count() == 4;
   a.lse = data<float>(lse), a.delta = data<float>(delta), a.dq_acc = data<float>(dq_acc);
 }
 
@@ -43,7 +44,8 @@ ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t m
   int d = 0;
   if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
   a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.mask = mask.untyped_data();
-  a.seed = seed.typed_data(), a.seed_offset = seed.element_count() == 4, a.o = out->untyped_data(), a.lse = data<float>(lse);
+  a.seed_offset = seed.element_count() == 4;
+  a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
   set_attrs(a, scale, causal, threshold, keep_scale);
   return run_fwd(op, stream, q.element_type(), d, a);
 }
@@ -119,7 +121,8 @@ ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_
   const char* base = static_cast<const char*>(qkv.untyped_data());
   const int64_t kbytes = koff * static_cast<int64_t>(ffi::ByteWidth(qkv.element_type()));
   a.q = base, a.k = base + kbytes, a.v = base + 2 * kbytes, a.mask = mask.untyped_data();
-  a.seed = seed.typed_data(), a.seed_offset = seed.element_count() == 4, a.o = out->untyped_data(), a.lse = data<float>(lse);
+  a.seed_offset = seed.element_count() == 4;
+  a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
   set_attrs(a, scale, causal, threshold, keep_scale);
   return run_fwd(op, stream, qkv.element_type(), d, a);
 }

@@ -3,9 +3,9 @@
 //
 // The decision for element `idx` of a logical tensor (row-major index) is a pure function
 // of (seed, idx): the counter is (idx / 8 as a 64-bit number, 0, 0) keyed by the two seed
-// words (a call on a slice of the tensor adds the slice's offset to idx / 8: `Seed`); the 128 output bits are eight 16-bit lanes (lane j = half j % 2 of word j / 2,
-// low half first) and lane idx % 8 is compared with the drop threshold
-// (round(rate * 2^16)). An element is kept when its lane is >= the threshold, so rate 0
+// words (a call on a slice of the tensor adds the slice's offset to idx / 8: `Seed`); the
+// 128 output bits are eight 16-bit lanes (lane j = half j % 2 of word j / 2, low half first)
+// and lane idx % 8 is compared with the drop threshold (round(rate * 2^16)). An element is kept when its lane is >= the threshold, so rate 0
 // keeps everything. Sixteen bits per decision (rate resolution 2^-16) let one Philox call
 // serve eight elements: the generator, not memory, was the bottleneck of the dropout
 // kernels. CPU and CUDA code call the same functions, so masks are bit-identical.

@@ -229,7 +229,8 @@ ffi::Error SoftmaxDropoutFwd(cudaStream_t stream, float scale, bool causal, int3
   const char* op = "softmax_dropout_fwd";
   SoftmaxArgs a{};
   if (auto e = check_shapes(op, scores, mask, mask_kind, a); e.failure()) return e;
-  a.scores = scores.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data(), a.seed_offset = seed.element_count() == 4;
+  a.scores = scores.untyped_data(), a.mask = mask.untyped_data(), a.seed = seed.typed_data();
+  a.seed_offset = seed.element_count() == 4;
   a.out = y->untyped_data(), a.lse = data<float>(lse);
   a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
   return launch_softmax<false>(stream, op, scores.element_type(), a);
@@ -244,7 +245,8 @@ ffi::Error SoftmaxDropoutBwd(cudaStream_t stream, float scale, bool causal, int3
   if (auto e = check_shapes(op, scores, mask, mask_kind, a); e.failure()) return e;
   if (dy.element_count() != scores.element_count()) return invalid(op, "dy and scores shapes differ");
   a.dy = dy.untyped_data(), a.scores = scores.untyped_data(), a.mask = mask.untyped_data();
-  a.seed = seed.typed_data(), a.seed_offset = seed.element_count() == 4, a.out = dscores->untyped_data(), a.lse = data<float>(lse);
+  a.seed_offset = seed.element_count() == 4;
+  a.seed = seed.typed_data(), a.out = dscores->untyped_data(), a.lse = data<float>(lse);
   a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
   return launch_softmax<true>(stream, op, scores.element_type(), a);
 }

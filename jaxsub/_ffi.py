@@ -161,8 +161,9 @@ def call(target: str, out_types, *args, barrier: bool = True, rule: str | None =
     for a call whose result XLA should write straight into a dynamic-update-slice that
     is its only user (the gemm target's gradients, jaxsub/ops/gemm.py). `rule` and
     `shard` (and `keep`, with dropout): how the call runs on several devices
-    (jaxsub/_partition.py; None: gathered onto each device whole). A process with one device has nothing to partition, and
-    skips the rule's wrappers (their tracing costs ~1.5 ms per call)."""
+    (jaxsub/_partition.py; None: gathered onto each device whole). A process with one
+    device has nothing to partition, and skips the rule's wrappers (their tracing costs
+    ~1.5 ms per call)."""
     register()
     if rule is None or jax.device_count() == 1:
         out = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args, **attrs)

@@ -204,7 +204,8 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
         rule=f"b s h d, {_packed_rule(axis)}, b s h d, b h s, b h q k, @ "
              f"-> {_packed_rule(axis)}, {_dbias_rule(bias_grad)}, !b h s, !b s h d"
              f"{', h d, h d' if bias_grad == 'split' else ''}",
-        shard="b h", keep=_dropout.keep(rate, "b h s s"), qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
+        shard="b h", keep=_dropout.keep(rate, "b h s s"), qkv_axis=np.int32(axis),
+        **_masks.attrs(scale, causal, kind, rate),
     )
     if bias_grad == "split":
         dbias = (dbias, *dbias_kv)
