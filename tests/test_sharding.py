@@ -142,27 +142,24 @@ _PARTITIONED = textwrap.dedent("""
     # inside the loops, and its residuals keep their shardings (no all-gather).
     enc = jaxsub.flax.Encoder(num_layers=2, num_heads=4, mlp_dim=128, dropout_rate=0.1, scan_layers=True)
     params = enc.init(jax.random.key(0), x, deterministic=True)
-    run = jax.value_and_grad(lambda p, x: jnp.sum(enc.apply(p, x, deterministic=True) ** 2), argnums=(0, 1))
-    jr = jax.jit(run)
-    got, want = jr(params, xs), run(params, x)
-    largest = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert float(jnp.abs(g - w).max()) <= 1e-5 * (1.0 + largest)
-    hlo = jr.lower(params, xs).compile().as_text()
+    def step_on_slices(**kw):
+        # The step's values on the sharded batch against one device's; its compiled HLO,
+        # which has no all-gather.
+        run = jax.value_and_grad(lambda p, x: jnp.sum(enc.apply(p, x, **kw) ** 2), argnums=(0, 1))
+        jr = jax.jit(run)
+        got, want = jr(params, xs), run(params, x)
+        largest = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert float(jnp.abs(g - w).max()) <= 1e-5 * (1.0 + largest)
+        hlo = jr.lower(params, xs).compile().as_text()
+        assert "all-gather" not in hlo, [l for l in hlo.splitlines() if "all-gather" in l][:3]
+        return hlo
+
+    hlo = step_on_slices(deterministic=True)
     calls = [l for l in hlo.splitlines() if 'custom_call_target="jaxsub_bdrln_fwd"' in l]
     assert calls and all("f32[4,12,64]" in l for l in calls), calls[:2]
-    assert "all-gather" not in hlo, [l for l in hlo.splitlines() if "all-gather" in l][:3]
     # With dropout: the same masks as on one device, still no all-gather.
-    run = jax.value_and_grad(lambda p, x: jnp.sum(enc.apply(p, x, deterministic=False,
-                                                            rngs={"dropout": jax.random.key(4)}) ** 2),
-                             argnums=(0, 1))
-    jr = jax.jit(run)
-    got, want = jr(params, xs), run(params, x)
-    largest = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert float(jnp.abs(g - w).max()) <= 1e-5 * (1.0 + largest)
-    hlo = jr.lower(params, xs).compile().as_text()
-    assert "all-gather" not in hlo, [l for l in hlo.splitlines() if "all-gather" in l][:3]
+    step_on_slices(deterministic=False, rngs={"dropout": jax.random.key(4)})
     print("ok")
 """)
 
