@@ -113,6 +113,17 @@ def test_distinct_keys_give_distinct_masks():
     assert (a != c).any()
 
 
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_distinct_rbg_keys_give_distinct_masks(impl):
+    """An rbg key's data is [0, s, 0, s] for key(s): the xor of its halves, which the seed
+    was before, was 0 for every s, so every such key drew the same masks."""
+    seeds = {tuple(np.asarray(seed_from_key("test", jax.random.key(s, impl=impl)))) for s in (1, 2, 12345)}
+    seeds |= {tuple(np.asarray(seed_from_key("test", k))) for k in jax.random.split(jax.random.key(1, impl=impl))}
+    assert len(seeds) == 5
+    masks = [np.asarray(jaxsub.ops.dropout_mask(jax.random.key(s, impl=impl), (64, 64), 0.5)) for s in (1, 2)]
+    assert 0.4 < float((masks[0] != masks[1]).mean()) < 0.6
+
+
 def test_jit_and_vmap_over_keys():
     keys = jax.random.split(jax.random.key(7), 4)
     shape, rate = (9, 33), 0.2
@@ -138,6 +149,17 @@ def test_bad_rate_raises(rate):
 def test_missing_key_raises():
     with pytest.raises(ValueError, match="dropout_mask.*`key`"):
         jaxsub.ops.dropout_mask(None, (4,), 0.1)
+
+
+@pytest.mark.parametrize("shape", [(-1, 3), 5, (2.5, 3), (True, 2)])
+def test_bad_shape_raises(shape):
+    with pytest.raises(ValueError, match="dropout_mask.*`shape`"):
+        jaxsub.ops.dropout_mask(jax.random.key(0), shape, 0.1)
+
+
+def test_key_without_words_raises():
+    with pytest.raises(ValueError, match="dropout_mask.*PRNG key with 0 words"):
+        jaxsub.ops.dropout_mask(jnp.zeros((0,), jnp.uint32), (4,), 0.1)
 
 
 def _ops_with_dropout(key):

@@ -70,7 +70,7 @@ def seed_from_key(op: str, key) -> jax.Array:
     """Two uint32 words from any JAX PRNG key, passed to kernels as a device buffer.
 
     A threefry key's data is exactly two words and is used as is (no extra kernel); keys
-    with more words (rbg) are folded by xor. `Words` are used as they are."""
+    with more words (rbg) are hashed into two (`_fold`). `Words` are used as they are."""
     if key is None:
         raise ValueError(f"jaxsub.{op}: `key` is required when dropout is active (rate > 0, not deterministic)")
     if isinstance(key, Words):
@@ -90,14 +90,28 @@ def seed_from_key(op: str, key) -> jax.Array:
     words = words.reshape(-1)
     if words.shape[0] == 2:
         return words
-    if words.shape[0] % 2:
+    if words.shape[0] < 2 or words.shape[0] % 2:
         raise ValueError(f"jaxsub.{op}: unsupported PRNG key with {words.shape[0]} words")
-    half = words.shape[0] // 2
-    folded = words[:half] ^ words[half:]
-    while folded.shape[0] > 2:
-        half = folded.shape[0] // 2
-        folded = folded[:half] ^ folded[half:]
-    return folded
+    return _fold(words)
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer (a bijection of uint32) on a uint32 array."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _fold(words):
+    """Two words from a key of 2n words (rbg keys have four), each pair hashed into the
+    running pair: the xor of the halves that this replaces gave every
+    `jax.random.key(s, impl="rbg")` the same seed, since their data is [0, s, 0, s]."""
+    acc = words[:2]
+    for i in range(2, words.shape[0], 2):
+        acc = _fmix32(acc * np.uint32(0x9E3779B1) ^ _fmix32(words[i:i + 2] + np.uint32(i)))
+    return jnp.stack([acc[0] ^ _fmix32(acc[1]), acc[1]])  # both words of every input word
 
 
 def seed_row(op: str, keys) -> jax.Array:
@@ -136,6 +150,9 @@ def dropout_mask(key, shape, rate) -> jax.Array:
     result can be reproduced exactly with plain JAX.
     """
     rate = check_rate("dropout_mask", rate)
+    if (not isinstance(shape, (tuple, list)) or
+            not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise ValueError(f"jaxsub.dropout_mask: `shape` must be a tuple of non-negative ints, got {shape!r}")
     shape = tuple(int(d) for d in shape)
     if rate == 0.0:
         return jnp.ones(shape, jnp.bool_)
