@@ -42,7 +42,7 @@ def fallback_log(monkeypatch):
     from jaxsub import _ffi
 
     calls = []
-    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, **_: calls.append((op_name, reason)))
+    monkeypatch.setattr(_ffi, "fallback", lambda op_name, reason, *_, **__: calls.append((op_name, reason)))
     return calls
 
 

@@ -215,6 +215,27 @@ def test_additive_rows_masked_by_large_values(implementation, fill):
     check_against_reference(got, want, F32, sq, sk, d)
 
 
+def test_two_dimensional_mask_where_batch_equals_sq_raises():
+    """A 2-D mask is [B, Sk] key padding when it has that shape, else one over [Sq, Sk];
+    where B == Sq it has both shapes and was read as key padding silently (an additive
+    [Sq, Sk] bias applied per example: outputs off by 2.3). Now it raises, naming both
+    explicit forms, which give the two readings."""
+    b, s, h, d = 3, 3, 2, 8
+    q, k, v, dout = qkv(27, b, s, s, h, d, F32)
+    bias = jnp.asarray(np.random.default_rng(28).standard_normal((s, s)).astype(np.float32) * 3)
+    for implementation in IMPLEMENTATIONS:
+        for mask in (bias, bias > 0):
+            with pytest.raises(ValueError, match=r"jaxsub.attention: a 2-D `mask` of shape \(3, 3\) is ambiguous"):
+                op(q, k, v, mask=mask, implementation=implementation)
+        got = run_vjp_jit(q, k, v, dout, bias[None, None], None, causal=False, rate=0.0,
+                          implementation=implementation)
+        want = reference_vjp_f64(q, k, v, dout, bias[None, None], None, causal=False, rate=0.0)
+        check_against_reference(got, want, F32, s, s, d)
+        # Unambiguous shapes keep their readings: [B, Sk] with B != Sq, [Sq, Sk] with B != Sq.
+        assert op(q[:2], k[:2], v[:2], mask=bias[:2], implementation=implementation).shape == (2, s, h, d)
+        assert op(q[:1], k[:1], v[:1], mask=bias, implementation=implementation).shape == (1, s, h, d)
+
+
 def test_causal_is_bottom_right_aligned():
     # With Sq < Sk the last query sees every key and query i sees keys 0 .. i + Sk - Sq:
     # changing key j must not change any output row that may not see it.
@@ -387,6 +408,11 @@ def test_zero_size_gives_zeros():
                               implementation="fused")
     assert out.shape == q.shape and not np.asarray(out).any() and not np.asarray(dq).any()
     assert dk.shape == (2, 0, 1, 8) and dv.shape == (2, 0, 1, 8)
+    # Head dim 0 (the default scale divided by zero before).
+    for impl in IMPLEMENTATIONS:
+        out = op(jnp.zeros((1, 2, 1, 0)), jnp.zeros((1, 3, 1, 0)), jnp.zeros((1, 3, 1, 0)), implementation=impl)
+        assert out.shape == (1, 2, 1, 0)
+    assert jaxsub.ops.attention_packed(jnp.zeros((1, 2, 3, 1, 0))).shape == (1, 2, 1, 0)
 
 
 @pytest.mark.parametrize("has_kernel,dtype,d,why", [

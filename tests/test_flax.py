@@ -236,6 +236,10 @@ def test_lazy_export_and_bad_hidden_size():
     assert jaxsub.flax.EncoderLayer is EncoderLayer
     with pytest.raises(ValueError, match="num_heads"):
         EncoderLayer(num_heads=5, mlp_dim=F).init(jax.random.key(0), jnp.ones((1, 3, E)))
+    # Zero heads or feed-forward width: a ValueError naming the field (a ZeroDivisionError before).
+    for heads, mlp in ((0, F), (4, 0)):
+        with pytest.raises(ValueError, match="EncoderLayer: `(num_heads|mlp_dim)` must be a positive int"):
+            EncoderLayer(num_heads=heads, mlp_dim=mlp).init(jax.random.key(0), jnp.ones((1, 3, E)))
 
 
 def _scanned_train_step(dtype, hidden, heads, seq, layouts="none"):

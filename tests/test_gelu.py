@@ -195,6 +195,7 @@ def _bad_cases():
     return [
         ("x-rank0", dict(ok, x=jnp.float32(1.0), bias=normal(0, (1,))), ValueError, "`x`"),
         ("x-int", dict(ok, x=jnp.ones((4, 8), jnp.int32)), TypeError, "`x`"),
+        ("bias-none", dict(ok, bias=None), TypeError, "`bias`"),
         ("bias-len", dict(ok, bias=normal(0, (9,))), ValueError, "`bias`"),
         ("bias-rank2", dict(ok, bias=normal(0, (1, 8))), ValueError, "`bias`"),
         ("bias-dtype", dict(ok, x=x.astype(BF16), bias=b.astype(F16)), TypeError, "`bias`"),
@@ -381,6 +382,19 @@ def test_dense_gelu_matches_product_then_op(lead, e, f, e2, dtype, rate, approxi
     got = dense_gelu_vjp_jit(x, w, bias, w_out, dout, rate=rate, key=key, approximate=approximate)
     want = dense_gelu_vjp_jit(x, w, bias, w_out, dout, rate=rate, key=key, approximate=approximate, fused=False)
     check_dense_gelu(got, want, dtype, e, f, max(1, math.prod(lead)))
+
+
+def test_dense_gelu_with_a_float32_bias_falls_back(fallback_log):
+    """A bf16 x with an f32 bias (which bias_gelu_dropout takes) failed in the target's
+    handler with an XLA runtime error; it runs as the two ops, with a log line."""
+    x, w, _, _, dout = dense_gelu_inputs(81, (3,), 8, 16, None, BF16)
+    bias = normal(84, (16,), F32)
+    key = jax.random.key(85)
+    got = dense_gelu_vjp_jit(x, w, bias, None, dout, rate=0.1, key=key, approximate=False)
+    want = dense_gelu_vjp_jit(x, w, bias, None, dout, rate=0.1, key=key, approximate=False, fused=False)
+    check_dense_gelu(got, want, BF16, 8, 16, 3)
+    assert got[3].dtype == F32
+    assert fallback_log == [("dense_bias_gelu_dropout", "the fused GEMM takes the bias in x's dtype")]
 
 
 def test_dense_gelu_check_grads():

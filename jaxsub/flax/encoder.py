@@ -208,6 +208,10 @@ class EncoderLayer(_LayerFields):
 
     def _spec(self, x, mask):
         b, s, e = x.shape
+        for name in ("num_heads", "mlp_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a positive int, got {value!r}")
         if e % self.num_heads:
             raise ValueError(f"jaxsub.flax.EncoderLayer: hidden size {e} is not divisible by "
                              f"num_heads={self.num_heads}")

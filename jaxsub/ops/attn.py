@@ -73,7 +73,7 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
     b, sq, h, d = q.shape
     sk = k.shape[1]
     cdt = _F64 if q.dtype == _F64 else _F32
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else float(scale)
     mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True)
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(cdt), k.astype(cdt), precision=hi) * scale
@@ -396,8 +396,11 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       k, v: keys and values [B, Sk, H, D], q's dtype, B, H and D.
       mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
         (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
-        mask broadcastable to [B, H, Sq, Sk]. An additive mask that the program
-        differentiates (a learned relative-position bias) gets its gradient. The kernels do
+        mask broadcastable to [B, H, Sq, Sk]. A 2-D mask of shape [B, Sk] (either kind)
+        is read as key padding; where B == Sq > 1 a 2-D mask could be [B, Sk] or
+        [Sq, Sk] and raises a ValueError (pass mask[:, None, None, :] or mask[None, None]).
+        An additive mask that the program differentiates (a learned relative-position
+        bias) gets its gradient. The kernels do
         not write the [B, H, Sq, Sk] score gradient, so XLA computes it for this, in f32
         in memory (a one-time log line says so). A row whose mask values are all below
         -256 is shifted up by its maximum (its softmax is the same; its f32 log-sum-exp
@@ -471,7 +474,7 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     causal = bool(causal)
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else _masks.check_scale(op, scale)
+    scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _masks.check_scale(op, scale)
     rate = _dropout.check_rate(op, dropout_rate, "dropout_rate")
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
     mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True)

@@ -200,6 +200,8 @@ def _dense_gelu_unsupported(x, kernel, bias) -> str | None:
     "" : off on this GPU, by default, which is not logged)."""
     if x.size == 0 or kernel.size == 0:
         return "zero-size input"
+    if bias.dtype != x.dtype:  # the target's contract (ABI.md), on every platform
+        return "the fused GEMM takes the bias in x's dtype"
     platform = _ffi.platform_of(x)
     if platform == "cpu":
         return None
@@ -207,8 +209,8 @@ def _dense_gelu_unsupported(x, kernel, bias) -> str | None:
         return ""
     if platform != "gpu" or not _ffi.dense_gelu_sm90():
         return "the GEMM with the GELU epilogue needs an sm_90 GPU and a build with CUTLASS"
-    if x.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or bias.dtype != x.dtype:
-        return "the GEMM with the GELU epilogue takes bfloat16 or float16, the bias in x's dtype"
+    if x.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "the GEMM with the GELU epilogue takes bfloat16 or float16"
     if kernel.shape[0] % 8 or kernel.shape[1] % 8:
         return "the GEMM with the GELU epilogue needs both kernel dims multiples of 8"
     return None
@@ -226,6 +228,8 @@ def _check_bool(name, value) -> bool:
 
 def _check_inputs(x, bias):
     x = x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(x)
+    if bias is None:
+        raise TypeError(f"jaxsub.{_OP}: `bias` is required (pass zeros of shape (x.shape[-1],) for none)")
     bias = bias if isinstance(bias, jax.Array) else jnp.asarray(bias)
     if x.ndim < 1:
         raise ValueError(f"jaxsub.{_OP}: `x` must have rank >= 1, got shape {x.shape}")

@@ -39,7 +39,8 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
     as [B, H, Sq, Sk] with B = prod(leading[:-1]) and H = leading[-1] (1 when absent).
 
     `key_padding_ok`: a 2-D mask [B, Sk] is a key-padding mask (attention's q/k/v form,
-    leading == (B, H)) rather than a mask over the last two axes.
+    leading == (B, H)) rather than a mask over the last two axes; where B == Sq > 1 a 2-D
+    mask could be either, and raises.
     """
     if mask is None:
         return _DUMMY, NONE
@@ -53,6 +54,11 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
         raise TypeError(f"jaxsub.{op}: `mask` must be boolean or floating, got {mask.dtype}")
     full = tuple(leading) + (sq, sk)
     if key_padding_ok and mask.ndim == 2 and len(leading) == 2 and mask.shape == (leading[0], sk):
+        if leading[0] == sq and sq != 1:
+            # [B, Sk] and [Sq, Sk] at once: either reading would be a guess.
+            raise ValueError(f"jaxsub.{op}: a 2-D `mask` of shape {tuple(mask.shape)} is ambiguous when B == Sq "
+                             f"({sq}): pass a key-padding mask as mask[:, None, None, :] or a mask over "
+                             f"[Sq, Sk] as mask[None, None]")
         mask = mask[:, None, None, :]
     if mask.ndim > len(full):
         raise ValueError(f"jaxsub.{op}: `mask` has rank {mask.ndim}, more than the scores' {len(full)}")
