@@ -218,15 +218,19 @@ def test_additive_rows_masked_by_large_values(implementation, fill):
 def test_two_dimensional_mask_where_batch_equals_sq_raises():
     """A 2-D mask is [B, Sk] key padding when it has that shape, else one over [Sq, Sk];
     where B == Sq it has both shapes and was read as key padding silently (an additive
-    [Sq, Sk] bias applied per example: outputs off by 2.3). Now it raises, naming both
-    explicit forms, which give the two readings."""
+    [Sq, Sk] bias applied per example: outputs off by 2.3). An additive one now raises,
+    naming both explicit forms; a boolean one stays key padding (the documented form,
+    which examples/flax_bert.py passes at B == S)."""
     b, s, h, d = 3, 3, 2, 8
     q, k, v, dout = qkv(27, b, s, s, h, d, F32)
     bias = jnp.asarray(np.random.default_rng(28).standard_normal((s, s)).astype(np.float32) * 3)
     for implementation in IMPLEMENTATIONS:
-        for mask in (bias, bias > 0):
-            with pytest.raises(ValueError, match=r"jaxsub.attention: a 2-D `mask` of shape \(3, 3\) is ambiguous"):
-                op(q, k, v, mask=mask, implementation=implementation)
+        with pytest.raises(ValueError, match=r"jaxsub.attention: a 2-D additive `mask` of shape \(3, 3\) is ambiguous"):
+            op(q, k, v, mask=bias, implementation=implementation)
+        # A boolean [B, Sk] mask is the documented key-padding form, also where B == Sq.
+        keys = bias > 0
+        assert_close(op(q, k, v, mask=keys, implementation=implementation),
+                     op(q, k, v, mask=keys[:, None, None, :], implementation=implementation))
         got = run_vjp_jit(q, k, v, dout, bias[None, None], None, causal=False, rate=0.0,
                           implementation=implementation)
         want = reference_vjp_f64(q, k, v, dout, bias[None, None], None, causal=False, rate=0.0)

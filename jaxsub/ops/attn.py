@@ -397,8 +397,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
         (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
         mask broadcastable to [B, H, Sq, Sk]. A 2-D mask of shape [B, Sk] (either kind)
-        is read as key padding; where B == Sq > 1 a 2-D mask could be [B, Sk] or
-        [Sq, Sk] and raises a ValueError (pass mask[:, None, None, :] or mask[None, None]).
+        is read as key padding; where B == Sq > 1 a 2-D additive mask could be [B, Sk]
+        or [Sq, Sk] and raises a ValueError (pass mask[:, None, None, :] or mask[None, None]).
         An additive mask that the program differentiates (a learned relative-position
         bias) gets its gradient. The kernels do
         not write the [B, H, Sq, Sk] score gradient, so XLA computes it for this, in f32

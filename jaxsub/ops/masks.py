@@ -40,7 +40,7 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
 
     `key_padding_ok`: a 2-D mask [B, Sk] is a key-padding mask (attention's q/k/v form,
     leading == (B, H)) rather than a mask over the last two axes; where B == Sq > 1 a 2-D
-    mask could be either, and raises.
+    additive mask could be either, and raises (a boolean one is key padding).
     """
     if mask is None:
         return _DUMMY, NONE
@@ -54,10 +54,11 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
         raise TypeError(f"jaxsub.{op}: `mask` must be boolean or floating, got {mask.dtype}")
     full = tuple(leading) + (sq, sk)
     if key_padding_ok and mask.ndim == 2 and len(leading) == 2 and mask.shape == (leading[0], sk):
-        if leading[0] == sq and sq != 1:
-            # [B, Sk] and [Sq, Sk] at once: either reading would be a guess.
-            raise ValueError(f"jaxsub.{op}: a 2-D `mask` of shape {tuple(mask.shape)} is ambiguous when B == Sq "
-                             f"({sq}): pass a key-padding mask as mask[:, None, None, :] or a mask over "
+        if kind == ADDITIVE and leading[0] == sq and sq != 1:
+            # [B, Sk] and [Sq, Sk] at once: either reading of a bias would be a guess (a
+            # boolean 2-D mask is the documented key-padding form).
+            raise ValueError(f"jaxsub.{op}: a 2-D additive `mask` of shape {tuple(mask.shape)} is ambiguous "
+                             f"when B == Sq ({sq}): pass a key-padding mask as mask[:, None, None, :] or a mask over "
                              f"[Sq, Sk] as mask[None, None]")
         mask = mask[:, None, None, :]
     if mask.ndim > len(full):
