@@ -374,8 +374,8 @@ class _Plans:
     leaves of consts the program differentiates is known only in the forward rule
     (`_scan` has symbolic zeros): a float leaf it does not differentiate (an additive
     padding mask) is a constant to the step's pullback, so that no op in the step
-    computes a gradient for it (an additive attention mask's costs a [B, H, Sq, Sk] pass
-    or two: jaxsub/ops/masks.py) only for the loop to drop it."""
+    computes a gradient for it (for an additive attention mask, the fused attention
+    gives way to the unfused structure: jaxsub/ops/masks.py) only for the loop to drop it."""
 
     def __init__(self, body, length, reverse, unroll):
         self.body, self.length, self.reverse, self.unroll = body, length, reverse, unroll

@@ -94,7 +94,14 @@ def test_attention_mask_gradient_matches_reference(case, implementation, fallbac
     assert all(np.isfinite(np.asarray(g, np.float64)).all() for g in got)
     check_grads_against(got, want, dtype, max(sq, sk, d))
     assert np.abs(np.asarray(got[3], np.float64)).max() > 0  # not the zero cotangent of a constant
-    assert any("additive mask" in reason for _, reason in fallback_log)
+    expect_route(fallback_log, "attention", implementation)
+
+
+def expect_route(log, op, implementation):
+    """The mask's gradient from the softmax backward's dS: the fused path says it runs the
+    unfused structure, and nothing computes dS again (`masks.mask_cotangent`)."""
+    assert ((op, "gradient of an additive mask") in log) == (implementation == "fused"), log
+    assert not any("at this scale" in reason for _, reason in log), log
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -138,26 +145,55 @@ def test_packed_and_projected_mask_gradients(form, implementation, fallback_log)
     assert_close(got[1], want[1], F32, reduction=s * e, grad=True, what="dx")
     for g, w in zip(jax.tree.leaves(got[2:]), jax.tree.leaves(want[2:])):
         assert_close(g, w, F32, reduction=b * s, grad=True, what="dparams")
-    assert any("additive mask" in reason for _, reason in fallback_log)
+    op = {"packed": "attention_packed", "projected": "attention_projected", "dense": "dense_attention_packed"}[form]
+    expect_route(fallback_log, op, implementation)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_softmax_dropout_mask_gradient(dtype, fallback_log):
+# (dtype, scale): the mask's gradient from the scores' (scale · dS), or where that cannot
+# hold dS (scale 0; float16 below scale 1/16) by XLA again.
+SOFTMAX_CASES = [(F32, 0.5), (BF16, 0.5), (jnp.dtype(jnp.float16), 0.125), (F32, 0.3), (F32, 0.0),
+                 (jnp.dtype(jnp.float16), 0.03)]
+
+
+@pytest.mark.parametrize("dtype, scale", SOFTMAX_CASES)
+def test_softmax_dropout_mask_gradient(dtype, scale, fallback_log):
     rng = np.random.default_rng(21)
     scores = normal(rng, (2, 3, 7, 40), dtype, 2.0)
     dy = normal(rng, (2, 3, 7, 40), dtype)
     mask = additive_mask(rng, (3, 1, 40)).at[1].set(-jnp.inf)  # head 1: every row empty
     key, rate = jax.random.key(22), 0.1
-    f = lambda s, m: jaxsub.ops.softmax_dropout(s, scale=0.5, mask=m, causal=True, rate=rate, key=key)
+    f = lambda s, m: jaxsub.ops.softmax_dropout(s, scale=scale, mask=m, causal=True, rate=rate, key=key)
     got = jax.jit(lambda s, m: jax.vjp(f, s, m)[1](dy))(scores, mask)
     keep = keep_mask(key, scores.shape, rate)
     with jax.enable_x64(True):
-        g = lambda s, m: reference_softmax_dropout(s, scale=0.5, mask=m, causal=True, keep=keep, rate=rate)
+        g = lambda s, m: reference_softmax_dropout(s, scale=scale, mask=m, causal=True, keep=keep, rate=rate)
         want = jax.vjp(g, f64(scores), f64(mask))[1](f64(dy))
     assert all(np.isfinite(np.asarray(g, np.float64)).all() for g in got)
     assert_close(got[0], want[0], dtype, reduction=40, grad=True, what="dscores")
     assert_close(got[1], want[1], dtype, reduction=2 * 7 * 40, grad=True, what="dmask")
-    assert any("additive mask" in reason for _, reason in fallback_log)
+    assert np.abs(np.asarray(got[1], np.float64)).max() > 0
+    again = scale == 0.0 or (dtype == jnp.float16 and scale < 0.0625)
+    assert any("additive mask" in reason for _, reason in fallback_log) == again, fallback_log
+    hlo = jax.jit(lambda s, m: jax.vjp(f, s, m)[1](dy)[1]).lower(scores, mask).as_text()
+    assert ("jaxsub_dropout_mask" in hlo) == again  # the XLA way regenerates the keep-mask
+
+
+def test_differentiated_mask_takes_the_unfused_structure():
+    """With the mask differentiated, the fused path's forward rule runs the unfused
+    structure (the softmax targets, no attention target, no keep-mask target); with it
+    constant, the fused targets alone."""
+    b, s, h, d = 2, 12, 2, 8
+    rng = np.random.default_rng(23)
+    q, k, v = (normal(rng, (b, s, h, d)) for _ in range(3))
+    mask = additive_mask(rng, (h, s, s))
+    key = jax.random.key(24)
+    loss = lambda q, m: jaxsub.ops.attention(q, k, v, mask=m, dropout_rate=0.1, key=key,
+                                             implementation="fused").sum()
+    both = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, mask).as_text()
+    assert "jaxsub_softmax_dropout_bwd" in both and "jaxsub_attention" not in both
+    assert "jaxsub_dropout_mask" not in both
+    q_only = jax.jit(jax.grad(loss)).lower(q, mask).as_text()
+    assert "jaxsub_attention_bwd" in q_only and "jaxsub_softmax_dropout" not in q_only
 
 
 def test_mask_not_differentiated_costs_nothing_more(fallback_log):

@@ -219,13 +219,41 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
 # kind and the rate are static attributes.
 
 
-def mask_grad(q, k, v, lse, mask4d, seed, dout, scale, causal, rate, op=_OP):
-    """The cotangent of an additive mask4d (`masks.mask_cotangent`): the scores and dout Vᵀ
-    again, products in the inputs' dtype with f32 results (f32 inputs: full precision)."""
-    hi = jax.lax.Precision.HIGHEST if q.dtype == _F32 else None
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=hi, preferred_element_type=_F32) * np.float32(scale) + mask4d
-    dp = jnp.einsum("bqhd,bkhd->bhqk", dout, v, precision=hi, preferred_element_type=_F32)
-    return _masks.mask_cotangent(op, s, lse, dp, seed, rate, causal, mask4d.shape)
+@jax.tree_util.register_pytree_node_class
+class Switched:
+    """A fused forward rule's residual where the program differentiates an additive mask:
+    the rule ran the unfused structure instead (`switched`), and this holds that
+    structure's vjp."""
+
+    def __init__(self, op, vjp):
+        self.op, self.vjp = op, vjp
+
+    def tree_flatten(self):
+        return (self.vjp,), self.op
+
+    @classmethod
+    def tree_unflatten(cls, op, children):
+        return cls(op, *children)
+
+    def backward(self, ct):
+        """The cotangents of the rule's differentiable primals, and None for the seed. The
+        log line is here, where the gradient is taken: a forward traced only to look at its
+        structure (`jaxsub.stack.scan` checks its body so) says nothing."""
+        _ffi.fallback(self.op, "gradient of an additive mask", instead="the unfused path, whose softmax backward gives it")
+        return (*self.vjp(ct), None)
+
+
+def switched(op, fn, *primals):
+    """(out, Switched residual): a fused path's forward rule where the program
+    differentiates an additive mask. The mask's cotangent is dS (the scores' cotangent)
+    summed over the mask's broadcast dims; the fused kernels never write dS, and computing
+    it again beside them costs two f32 [B, H, Sq, Sk] products and two passes over them
+    (1 077 µs against 1 754 for the whole fused fwd+bwd on the H200, bench/NOTES.md,
+    forty-ninth session), more than the unfused structure, whose softmax backward kernel
+    writes scale · dS anyway (`softmax._fused_bwd`). `fn`: the unfused structure on
+    `primals` (the rule's differentiable primals, mask last)."""
+    out, vjp = jax.vjp(fn, *primals)
+    return out, Switched(op, vjp)
 
 
 def packed_slices(qkv, axis):
@@ -239,18 +267,21 @@ def _fused(q, k, v, mask4d, seed, scale, causal, kind, rate):
 
 
 def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate):
-    grad_mask = _masks.grad_mask(kind, mask4d)
+    grad_mask = _masks.differentiated(kind, mask4d)
     q, k, v, mask4d, seed = _masks.primals(q, k, v, mask4d, seed)
+    if grad_mask:
+        return switched(_OP, lambda q, k, v, m: _unfused(q, k, v, m, seed, kind, causal, scale, rate), q, k, v, mask4d)
     out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
-    return out, (q, k, v, out, lse, mask4d, seed, grad_mask)
+    return out, (q, k, v, out, lse, mask4d, seed)
 
 
 def _fused_bwd(scale, causal, kind, rate, res, dout):
-    q, k, v, out, lse, mask4d, seed, grad_mask = res
     dout = _masks.cotangent(dout)
+    if isinstance(res, Switched):
+        return res.backward(dout)
+    q, k, v, out, lse, mask4d, seed = res
     dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
-    dmask = None if grad_mask is None else mask_grad(q, k, v, lse, mask4d, seed, dout, scale, causal, rate)
-    return dq, dk, dv, dmask, None
+    return dq, dk, dv, None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
@@ -262,21 +293,22 @@ def _fused_packed(qkv, mask4d, seed, axis, scale, causal, kind, rate):
 
 
 def _fused_packed_fwd(qkv, mask4d, seed, axis, scale, causal, kind, rate):
-    grad_mask = _masks.grad_mask(kind, mask4d)
+    grad_mask = _masks.differentiated(kind, mask4d)
     qkv, mask4d, seed = _masks.primals(qkv, mask4d, seed)
+    if grad_mask:
+        return switched("attention_packed",
+                        lambda qkv, m: _unfused(*packed_slices(qkv, axis), m, seed, kind, causal, scale, rate),
+                        qkv, mask4d)
     out, lse = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)
-    return out, (qkv, out, lse, mask4d, seed, grad_mask)
+    return out, (qkv, out, lse, mask4d, seed)
 
 
 def _fused_packed_bwd(axis, scale, causal, kind, rate, res, dout):
-    qkv, out, lse, mask4d, seed, grad_mask = res
     dout = _masks.cotangent(dout)
-    dqkv = _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate)
-    dmask = None
-    if grad_mask is not None:
-        dmask = mask_grad(*packed_slices(qkv, axis), lse, mask4d, seed, dout, scale, causal, rate,
-                          op="attention_packed")
-    return dqkv, dmask, None
+    if isinstance(res, Switched):
+        return res.backward(dout)
+    qkv, out, lse, mask4d, seed = res
+    return _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate), None, None
 
 
 _fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd, symbolic_zeros=True)
@@ -286,15 +318,20 @@ _fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd, symbolic_zeros=True)
 # Public function.
 
 
-def _unfused(q, k, v, mask4d, kind, causal, scale, rate, key):
+def _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate):
     # Both GEMMs in the input dtype: the GPU accumulates in f32 and rounds once, as an f32
     # result cast back would, but autodiff then keeps every cotangent in that dtype too.
     # (With an f32 result, the backward turned dS into f32 [B, H, Sq, Sk] tensors and ran
     # mixed f32 x bf16 GEMMs.)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-    p = _softmax.softmax_dropout(scores, scale=scale, mask=None if kind == _masks.NONE else mask4d,
-                                 causal=causal, rate=rate, key=key)
+    p = _softmax.softmax_4d(scores, mask4d, seed, scale, causal, kind, rate)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def unfused_source(source, mask4d, seed, kind, causal, scale, rate):
+    """The unfused path on a source of q, k and v (`_attention`'s `source`)."""
+    qkv, axis, extra = source.product()
+    return source.result(_unfused(*packed_slices(qkv, axis), mask4d, seed, kind, causal, scale, rate), extra)
 
 
 _platform = _ffi.platform_of  # where q lives (a module attribute: tests replace it)
@@ -400,9 +437,11 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         is read as key padding; where B == Sq > 1 a 2-D additive mask could be [B, Sk]
         or [Sq, Sk] and raises a ValueError (pass mask[:, None, None, :] or mask[None, None]).
         An additive mask that the program differentiates (a learned relative-position
-        bias) gets its gradient. The kernels do
-        not write the [B, H, Sq, Sk] score gradient, so XLA computes it for this, in f32
-        in memory (a one-time log line says so). A row whose mask values are all below
+        bias) gets its gradient, the score gradient summed over the mask's broadcast
+        dims. The fused kernels do not write the [B, H, Sq, Sk] score gradient, so where
+        the program differentiates the mask, the fused path runs the unfused structure,
+        whose softmax backward writes it (a one-time log line says so; the scores and the
+        probabilities are then in memory). A row whose mask values are all below
         -256 is shifted up by its maximum (its softmax is the same; its f32 log-sum-exp
         would not hold the row's scores: `masks._near`).
       causal: query i attends to keys j <= i + (Sk - Sq), i.e. the causal diagonal is
@@ -504,10 +543,8 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
                 return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate)
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
         _ffi.fallback(op, reason, instead="the unfused path")
-    extra = None
     if source is not None:
-        qkv, axis, extra = source.product()
-        packed = (qkv, axis)
+        return unfused_source(source, mask4d, seed, kind, causal, scale, rate)
     if packed is not None:
         q, k, v = packed_slices(*packed)
-    return result(_unfused(q, k, v, mask4d, kind, causal, scale, rate, key if rate > 0.0 else None), extra)
+    return _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate)

@@ -7,12 +7,15 @@ broadcastable to the probability tensor [..., Sq, Sk] — becomes a 4-D buffer
 (0 none, 1 boolean with True = attend, 2 additive f32). Broadcast dims stay size 1, so a
 [B, 1, 1, Sk] padding mask is never expanded to [B, H, Sq, Sk].
 
-An additive mask is differentiable (a learned relative-position bias is one). The kernels
-take it as a constant and never write dS, so the custom_vjp rules of the family are
-defined with `symbolic_zeros=True`, which tells their forward rule whether the program
-differentiates the mask (`grad_mask` below); only then does the backward rule compute the
-mask's cotangent with XLA from the forward's log-sum-exp (`mask_cotangent`), with
-[B, H, Sq, Sk] in f32 in memory. Otherwise the rules save and compute nothing more.
+An additive mask is differentiable (a learned relative-position bias is one). The custom_vjp
+rules of the family are defined with `symbolic_zeros=True`, which tells their forward rule
+whether the program differentiates the mask (`differentiated` below); where it does not,
+the rules save and compute nothing more. Where it does, the mask's cotangent is dS, the
+cotangent of scale · scores + mask, summed over the mask's broadcast dims: softmax_dropout's
+backward kernel writes scale · dS as the scores' cotangent (`reduce_to`), and the fused
+attention kernels, which never write dS, give way to the unfused structure, whose softmax
+is that op (attn.switched). Only where scale · dS cannot hold dS (scale 0) does XLA compute
+it again from the forward's log-sum-exp (`mask_cotangent`, [B, H, Sq, Sk] f32 in memory).
 """
 
 from __future__ import annotations
@@ -131,11 +134,16 @@ def primals(*args):
     return _jaxpr.primal_values(args)
 
 
-def grad_mask(kind: int, mask):
-    """The mask's value where the program differentiates an additive mask, else None: the
-    residual by which the backward rule knows whether to compute the mask's cotangent.
-    `mask`: the forward rule's primal (a CustomVJPPrimal)."""
-    return mask.value if kind == ADDITIVE and _jaxpr.perturbed(mask)[0] else None
+def differentiated(kind: int, mask) -> bool:
+    """Whether the program differentiates an additive mask: the residual by which the
+    backward rules know whether to compute its cotangent. `mask`: the forward rule's
+    primal (a CustomVJPPrimal)."""
+    return kind == ADDITIVE and bool(_jaxpr.perturbed(mask)[0])
+
+
+def reduce_to(ds, mask_shape):
+    """ds [B, H, Sq, Sk] summed over the dims where `mask_shape` (4-D) is 1."""
+    return jnp.sum(ds, axis=tuple(i for i, m in enumerate(mask_shape) if m == 1), keepdims=True)
 
 
 def mask_cotangent(op: str, s, lse, dy, seed, rate: float, causal: bool, mask_shape):
@@ -144,9 +152,11 @@ def mask_cotangent(op: str, s, lse, dy, seed, rate: float, causal: bool, mask_sh
     P = exp(s - lse) from the forward's log-sum-exp (natural log, -inf for a row with no
     visible key, whose P is 0) and g the cotangent of P: dy, the cotangent of the dropped
     probabilities, through the kernels' keep-mask of `seed` (kept: scaled by 1 / (1 - rate);
-    dropped: 0). s: the scaled scores plus the mask, f32 (-inf where hidden); dy: f32. With
-    a one-time log line: the kernels do not write dS, so XLA makes it here."""
-    _ffi.fallback(op, "gradient of an additive mask", instead="XLA for it ([B, H, Sq, Sk] f32 in memory)")
+    dropped: 0). s: the scaled scores plus the mask, f32 (-inf where hidden); dy: f32.
+    softmax_dropout's way where its scores' cotangent scale · dS cannot hold dS (scale 0;
+    float16 at small scales), with a one-time log line."""
+    _ffi.fallback(op, "gradient of an additive mask at this scale and dtype",
+                  instead="XLA for it ([B, H, Sq, Sk] f32 in memory)")
     g = dy
     if rate > 0.0:
         g = jnp.where(dropout.seed_mask(seed, s.shape, rate), dy * dropout.keep_scale(rate), 0.0)
@@ -154,5 +164,4 @@ def mask_cotangent(op: str, s, lse, dy, seed, rate: float, causal: bool, mask_sh
         s = jnp.where(causal_visible(*s.shape[-2:]), s, -jnp.inf)
     empty = jnp.isneginf(lse)[..., None]
     p = jnp.where(empty, 0.0, jnp.exp(s - jnp.where(empty, 0.0, lse[..., None])))
-    ds = p * (g - jnp.sum(p * g, axis=-1, keepdims=True))
-    return jnp.sum(ds, axis=tuple(i for i, m in enumerate(mask_shape) if m == 1), keepdims=True)
+    return reduce_to(p * (g - jnp.sum(p * g, axis=-1, keepdims=True)), mask_shape)

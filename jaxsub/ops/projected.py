@@ -65,16 +65,21 @@ def _fused_projected(x, weights, biases, mask4d, seed, scale, causal, kind, rate
 
 
 def _fused_projected_fwd(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
-    grad_mask = _masks.grad_mask(kind, mask4d)
+    grad_mask = _masks.differentiated(kind, mask4d)
     x, weights, biases, mask4d, seed = _masks.primals(x, weights, biases, mask4d, seed)
+    if grad_mask:
+        return _attn.switched("attention_projected", lambda x, w, b, m: _attn.unfused_source(
+            _Projected(x, w, b), m, seed, kind, causal, scale, rate), x, weights, biases, mask4d)
     q, k, v = _projections(x, weights, biases)
     out, lse = _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
-    return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed, grad_mask)
+    return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed)
 
 
 def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
-    x, weights, biases, q, k, v, out, lse, mask4d, seed, grad_mask = res
     dout = _masks.cotangent(dout)
+    if isinstance(res, _attn.Switched):
+        return res.backward(dout)
+    x, weights, biases, q, k, v, out, lse, mask4d, seed = res
     # The bias gradient: dqkv's column sums, taken by the backward itself.
     got = _attn._bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate,
                          bias_grad=biases is not None)
@@ -84,10 +89,7 @@ def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
     dw = jax.lax.dot_general(x, dqkv, (((0, 1), (0, 1)), ((), ())))
     dws = tuple(dw[:, i] for i in range(3))  # x, the weights and the biases share one dtype
     dbs = None if db is None else tuple(db[i] for i in range(3))
-    dmask = None
-    if grad_mask is not None:
-        dmask = _attn.mask_grad(q, k, v, lse, mask4d, seed, dout, scale, causal, rate, op="attention_projected")
-    return dx, dws, dbs, dmask, None
+    return dx, dws, dbs, None, None
 
 
 _fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd, symbolic_zeros=True)
@@ -116,23 +118,23 @@ def _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal,
 
 
 def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
-    grad_mask = _masks.grad_mask(kind, mask4d)
+    grad_mask = _masks.differentiated(kind, mask4d)
     x, kernel, bias, mask4d, seed = _masks.primals(x, kernel, bias, mask4d, seed)
-    y, res = _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)
-    return y, (*res, grad_mask)
+    if grad_mask:
+        return _attn.switched("dense_attention_packed", lambda x, w, b, m: _attn.unfused_source(
+            _DensePacked(x, w, b, axes, shared), m, seed, kind, causal, scale, rate), x, kernel, bias, mask4d)
+    return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)
 
 
 def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, three, res, ct):
-    x, kernel, qkv, out, lse, mask4d, seed, grad_mask = res
+    if isinstance(res, _attn.Switched):
+        return res.backward(_masks.cotangent(ct))
+    x, kernel, qkv, out, lse, mask4d, seed = res
     dout, dx_other = _masks.cotangent(ct) if shared else (_masks.cotangent(ct), None)
     dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate,
                                       bias_grad="split" if three else True)
     dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
-    dmask = None
-    if grad_mask is not None:
-        dmask = _attn.mask_grad(*_attn.packed_slices(qkv, 2), lse, mask4d, seed, dout, scale, causal, rate,
-                                op="dense_attention_packed")
-    return dx, dkernel, db, dmask, None
+    return dx, dkernel, db, None, None
 
 
 def _stacked(bias):

@@ -93,7 +93,7 @@ def _fused(scores, mask, seed, scale, causal, kind, rate):
 
 
 def _fused_fwd(scores, mask, seed, scale, causal, kind, rate):
-    grad_mask = _masks.grad_mask(kind, mask)
+    grad_mask = _masks.differentiated(kind, mask)
     scores, mask, seed = _masks.primals(scores, mask, seed)
     y, lse = _fwd_call(scores, mask, seed, scale, causal, kind, rate)
     return y, (scores, lse, mask, seed, grad_mask)
@@ -102,11 +102,22 @@ def _fused_fwd(scores, mask, seed, scale, causal, kind, rate):
 def _fused_bwd(scale, causal, kind, rate, res, dy):
     scores, lse, mask, seed, grad_mask = res
     dy = _masks.cotangent(dy)
+    dscores = _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate)
     dmask = None
-    if grad_mask is not None:
+    if grad_mask and _mask_grad_from_scores(scores.dtype, scale):
+        dmask = _masks.reduce_to(dscores.astype(_F32) / np.float32(scale), mask.shape)
+    elif grad_mask:
         dmask = _masks.mask_cotangent(_OP, scores.astype(_F32) * np.float32(scale) + mask, lse, dy.astype(_F32), seed,
                                       rate, causal, mask.shape)
-    return _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate), dmask, None
+    return dscores, dmask, None
+
+
+def _mask_grad_from_scores(dtype, scale: float) -> bool:
+    """Whether an additive mask's cotangent is taken from the scores' cotangent, which is
+    scale · dS (dS the cotangent of scale · scores + mask) rounded to the scores' dtype:
+    not at scale 0, nor for float16 below scale 1/16, where scale · dS would lose to
+    float16's range what dS has. Elsewhere XLA computes dS again (`masks.mask_cotangent`)."""
+    return scale != 0.0 and (jnp.dtype(dtype) != jnp.float16 or abs(scale) >= 0.0625)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
@@ -134,8 +145,10 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
       scale: static finite Python number multiplying the scores before the mask.
       mask: None, or an array broadcastable to scores: boolean (True = attend) or
         floating (additive, added to the scaled scores in f32). An additive mask that the
-        program differentiates (a learned bias) gets its gradient, which XLA computes
-        ([B, H, Sq, Sk] in f32; a one-time log line says so). A row whose mask values are
+        program differentiates (a learned bias) gets its gradient: the backward kernel's
+        scores cotangent, scale · dS, divided by scale and summed over the mask's
+        broadcast dims (at scale 0, and for float16 below scale 1/16, XLA computes dS
+        again, [B, H, Sq, Sk] f32, with a one-time log line). A row whose mask values are
         all below -256 is shifted up by its maximum (the same softmax: `masks._near`).
       causal: query i sees keys j <= i + (Sk - Sq), i.e. bottom-right aligned, so with
         Sq < Sk the last query sees every key (decoding with a cache). Combines with mask.
@@ -166,12 +179,16 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
     b, h = math.prod(leading[:-1]), (leading[-1] if leading else 1)
     mask4, kind = _masks.normalize(_OP, mask, tuple(leading), sq, sk, key_padding_ok=False)
     seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
+    return softmax_4d(scores.reshape(b, h, sq, sk), mask4, seed, scale, causal, kind, rate).reshape(scores.shape)
 
-    if sk > _ffi.MAX_COLS or scores.size == 0:
-        _ffi.fallback(_OP, "zero-size input" if scores.size == 0 else f"last dimension {sk} > {_ffi.MAX_COLS}")
-        keep = None
-        if rate > 0.0 and scores.size:
-            keep = _dropout.dropout_mask(key, (b, h, sq, sk), rate).reshape(scores.shape)
-        return reference_softmax_dropout(scores, scale=scale, mask=mask, causal=causal, keep=keep, rate=rate)
-    y = _fused(scores.reshape(b, h, sq, sk), jnp.asarray(mask4), jnp.asarray(seed), scale, causal, kind, rate)
-    return y.reshape(scores.shape)
+
+def softmax_4d(scores, mask4d, seed, scale, causal, kind, rate):
+    """`softmax_dropout` after its checks: scores [B, H, Sq, Sk], the mask as
+    `masks.normalize` returns it, the seed words (`dropout.seed_from_key`; NO_SEED when
+    rate is 0). The unfused attention's middle step."""
+    if scores.shape[-1] > _ffi.MAX_COLS or scores.size == 0:
+        _ffi.fallback(_OP, "zero-size input" if scores.size == 0 else f"last dimension {scores.shape[-1]} > {_ffi.MAX_COLS}")
+        keep = _dropout.seed_mask(seed, scores.shape, rate) if rate > 0.0 and scores.size else None
+        return reference_softmax_dropout(scores, scale=scale, mask=None if kind == _masks.NONE else mask4d,
+                                         causal=causal, keep=keep, rate=rate)
+    return _fused(scores, jnp.asarray(mask4d), jnp.asarray(seed), scale, causal, kind, rate)
