@@ -34,13 +34,25 @@ def _key_padding():
     return jnp.arange(S)[None, :] < jnp.array([[S], [7]])
 
 
+def _additive(masking):
+    """Additive masks: BERT's padding form (1 - valid) * -1e4 as [B, S]; a learned-bias-like
+    [H, S, S] with the second example's last keys hidden by -inf ([B, H, S, S])."""
+    if masking == "additive_padding":
+        return (1.0 - _key_padding().astype(jnp.float32)) * -1e4
+    bias = np.random.default_rng(5).standard_normal((1, H, S, S)).astype(np.float32)
+    return jnp.where(_key_padding()[:, None, None, :], jnp.asarray(bias), -jnp.inf)
+
+
 @pytest.mark.parametrize("pre_layer_norm,masking", [
-    (False, "none"), (False, "key_padding"), (False, "causal"), (True, "none"), (True, "both")])
+    (False, "none"), (False, "key_padding"), (False, "causal"), (True, "none"), (True, "both"),
+    (False, "additive_padding"), (True, "additive_bias")])
 def test_matches_plain_flax(pre_layer_norm, masking):
     causal = masking in ("causal", "both")
     layer, x, params = _setup(pre_layer_norm=pre_layer_norm, causal=causal)
     ref = reference_layer(layer)
     mask = _key_padding() if masking in ("key_padding", "both") else None
+    if masking.startswith("additive"):
+        mask = _additive(masking)
 
     def loss(module, p, x):
         y = module.apply({"params": p}, x, mask)

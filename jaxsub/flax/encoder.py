@@ -252,7 +252,9 @@ class EncoderLayer(_LayerFields):
 class ReferenceEncoderLayer(_LayerFields):
     """`EncoderLayer` in plain Flax: the same computation with the same fields, built from
     nn.MultiHeadDotProductAttention, nn.Dense, nn.LayerNorm and nn.Dropout. It is the
-    oracle of the tests and the layer `to_flax_params` converts to.
+    oracle of the tests and the layer `to_flax_params` converts to. A boolean mask is
+    Flax attention's mask, an additive (floating) one its `bias` (both on the scaled
+    scores, as in `EncoderLayer`).
 
     Parameter tree::
 
@@ -274,14 +276,22 @@ class ReferenceEncoderLayer(_LayerFields):
         # The exact two-pass variance, as jaxsub's layer norm computes it.
         norm = dict(epsilon=self.epsilon, dtype=self.dtype, param_dtype=self.param_dtype,
                     use_fast_variance=False)
-        masks = [] if mask is None else [_key_padding_to_4d(mask)]
+        masks, bias = [], None
+        if mask is not None:
+            mask = _key_padding_to_4d(mask)
+            if jnp.issubdtype(mask.dtype, jnp.floating):
+                bias = mask  # additive: Flax's attention takes it as a bias on the scaled scores
+            else:
+                masks.append(mask)
         if self.causal:
             masks.append(nn.make_causal_mask(x[..., 0]))
         attn_mask = nn.combine_masks(*masks) if masks else None
 
         attention = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads, qkv_features=e, out_features=e, broadcast_dropout=False,
-            dropout_rate=self.attention_dropout_rate, deterministic=deterministic, name="attention", **dense)
+            dropout_rate=self.attention_dropout_rate, deterministic=deterministic, name="attention",
+            attention_fn=nn.dot_product_attention if bias is None else functools.partial(
+                nn.dot_product_attention, bias=bias), **dense)
         attention_norm = nn.LayerNorm(name="attention_norm", **norm)
         mlp_in = nn.Dense(self.mlp_dim, name="mlp_in", **dense)
         mlp_out = nn.Dense(e, name="mlp_out", **dense)
