@@ -440,10 +440,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         bias) gets its gradient, the score gradient summed over the mask's broadcast
         dims. The fused kernels do not write the [B, H, Sq, Sk] score gradient, so where
         the program differentiates the mask, the fused path runs the unfused structure,
-        whose softmax backward writes it (a one-time log line says so; the scores and the
-        probabilities are then in memory). A row whose mask values are all below
-        -256 is shifted up by its maximum (its softmax is the same; its f32 log-sum-exp
-        would not hold the row's scores: `masks._near`).
+        whose softmax backward writes it (a one-time log line says so; the scores, in the
+        inputs' dtype, and the probabilities are then in memory). A row whose mask values
+        are all below -256 is shifted up by its maximum (its softmax is the same; its f32
+        log-sum-exp would not hold the row's scores: `masks._near`).
       causal: query i attends to keys j <= i + (Sk - Sq), i.e. the causal diagonal is
         aligned to the bottom-right corner, so that with Sq < Sk the queries are the last
         Sq positions of the key sequence (decoding with a cache). With Sq > Sk the first
