@@ -78,7 +78,8 @@ double dot(const T* a, const T* b, int64_t n) {
 }
 
 // s: f32[Sk], the scaled (and additively masked) scores of row (b, h, i); kNegInf where
-// the key is not visible. Returns the row maximum (kNegInf when no key is visible).
+// the key is not visible. Returns the row maximum (kNegInf when no key is visible, NaN
+// when a visible score is NaN: the row's probabilities are then NaN).
 template <typename T>
 float row_scores(const RowCtx& c, const T* q, const T* k, int64_t b, int64_t h, int64_t i, float* s) {
   const Dims& d = c.d;
@@ -95,7 +96,7 @@ float row_scores(const RowCtx& c, const T* q, const T* k, int64_t b, int64_t h, 
       if (c.mask.kind == kMaskAdditive) v += static_cast<const float*>(c.mask.data)[m0 + j * ms];
     }
     s[j] = v;
-    if (v > mx) mx = v;
+    mx = max_nan(mx, v);
   }
   return mx;
 }

@@ -229,6 +229,19 @@ JAXSUB_HD float fast_exp2(float x) {
 #endif
 }
 
+// max(a, b) where a NaN in either wins (fmaxf and std::max return the other operand): a
+// softmax row with a NaN score is NaN, as in plain JAX, not a row with that key dropped or,
+// all NaN, an empty row of zeros. On the device one instruction, as fmaxf (max.NaN, sm_80).
+JAXSUB_HD float max_nan(float a, float b) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+#else
+  return (b > a || b != b) ? b : a;
+#endif
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 

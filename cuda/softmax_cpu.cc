@@ -106,7 +106,7 @@ ffi::Error SoftmaxDropoutFwdCpu(ffi::AnyBuffer scores, ffi::AnyBuffer mask, ffi:
           masked_row(s + r * d.sk, d, m, scale, causal, b, h, i, row.data());
           T* out = ys + r * d.sk;
           float mx = kNegInf;
-          for (int64_t j = 0; j < d.sk; ++j) mx = std::max(mx, row[j]);
+          for (int64_t j = 0; j < d.sk; ++j) mx = max_nan(mx, row[j]);
           if (mx == kNegInf) {  // no visible key
             lses[r] = kNegInf;
             for (int64_t j = 0; j < d.sk; ++j) out[j] = from_float<T>(0.f);
@@ -156,8 +156,9 @@ ffi::Error SoftmaxDropoutBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer scores, ffi::A
         for (int64_t i = 0; i < d.sq; ++i, ++r) {
           T* out = ds + r * d.sk;
           // A row with no visible key has no probabilities, hence no gradient; checking
-          // lse first also keeps exp(-inf - -inf) = NaN out of it.
-          if (!(lses[r] > kNegInf)) {
+          // lse first also keeps exp(-inf - -inf) = NaN out of it. A NaN lse (a NaN score
+          // in the row) gives a NaN gradient, as plain JAX's.
+          if (lses[r] == kNegInf) {
             for (int64_t j = 0; j < d.sk; ++j) out[j] = from_float<T>(0.f);
             continue;
           }

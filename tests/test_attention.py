@@ -215,6 +215,43 @@ def test_additive_rows_masked_by_large_values(implementation, fill):
     check_against_reference(got, want, F32, sq, sk, d)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_rows_stay_nan(implementation, causal):
+    """As in plain JAX: a NaN in a query row makes its output row NaN (it was a row of
+    zeros, as one with no visible key), and the gradients of its (batch, head) NaN; every
+    other (batch, head) as before."""
+    b, s, h, d, rate = 2, 7, 2, 8, 0.2
+    q, k, v, dout = qkv(71, b, s, s, h, d, F32)
+    q = q.at[0, 2, 1].set(jnp.nan)  # (b 0, query 2, head 1)
+    key = jax.random.key(72)
+    keep = jaxsub.ops.dropout_mask(key, (b, h, s, s), rate)
+    vis = jnp.tril(jnp.ones((s, s), bool)) if causal else True
+
+    def plain(q, k, v):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+        p = jax.nn.softmax(jnp.where(vis, scores, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(keep, p / (1 - rate), 0.0), v)
+
+    def ours(q, k, v):
+        return jaxsub.ops.attention(q, k, v, causal=causal, dropout_rate=rate, key=key, implementation=implementation)
+
+    want, want_g = jax.vjp(plain, q, k, v)[0], jax.vjp(plain, q, k, v)[1](dout)
+    got, vjp = jax.vjp(jax.jit(ours), q, k, v)
+    got_g = vjp(dout)
+    np.testing.assert_array_equal(np.isnan(np.asarray(got)), np.isnan(np.asarray(want)))
+    assert np.isnan(np.asarray(got[0, 2, 1])).all() and np.isnan(np.asarray(got)).sum() == d
+    bad = np.zeros((b, h), bool)
+    bad[0, 1] = True
+    for name, g, w in zip(("dq", "dk", "dv"), got_g, want_g):
+        per_head = lambda a: np.isnan(np.asarray(a)).any(axis=(1, 3))  # noqa: E731 - [B, H]
+        np.testing.assert_array_equal(per_head(g), per_head(w), err_msg=name)
+        assert (per_head(g) == bad).all() or name == "dv", name  # dv: only keys with a NaN probability
+        sel = lambda a: np.asarray(a)[:, :, 0]  # noqa: E731 - head 0 has no NaN
+        assert_close(sel(g), sel(w), F32, reduction=s, grad=True, what=name)
+    assert_close(np.asarray(got)[:, :, 0], np.asarray(want)[:, :, 0], F32, reduction=s, what="out")
+
+
 def test_two_dimensional_mask_where_batch_equals_sq_raises():
     """A 2-D mask is [B, Sk] key padding when it has that shape, else one over [Sq, Sk];
     where B == Sq it has both shapes and was read as key padding silently (an additive

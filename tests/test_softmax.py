@@ -173,6 +173,49 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(kind, causal):
     assert (others.sum(-1) > 0).all()
 
 
+def nan_rows(y):
+    """Per row (last axis): whether it holds a NaN."""
+    return np.isnan(np.asarray(y, np.float32)).any(-1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_nan_and_inf_scores_make_their_row_nan(causal, rate):
+    """As in plain JAX: a NaN or +inf score a query sees makes its row's (kept)
+    probabilities and its gradient NaN; a NaN at a key causal hides does not. The row max
+    used to skip NaN: an all-NaN row came out as an empty row of zeros, and the reference
+    (the wide-row fallback) left a row with one NaN unnormalized."""
+    shape = (2, 3, 5, 9)
+    s = np.array(normal(41, shape))
+    s[0, 1, 2, :] = np.nan  # every score
+    s[1, 0, 3, 4] = np.nan  # one score, visible under causal (key 4 <= 3 + 9 - 5)
+    s[1, 2, 0, 0] = np.inf
+    s[0, 2, 0, 8] = np.nan  # hidden under causal (key 8 > 0 + 4)
+    scores, w = jnp.asarray(s), normal(43, shape)
+    key = jax.random.key(42)
+    keep = jaxsub.ops.dropout_mask(key, shape, rate) if rate else jnp.ones(shape, bool)
+    vis = jnp.arange(9)[None, :] <= jnp.arange(5)[:, None] + 4 if causal else True
+
+    def plain(s):
+        p = jax.nn.softmax(jnp.where(vis, 0.5 * s, -jnp.inf), axis=-1)
+        return jnp.where(keep, p / (1.0 - rate), 0.0)
+
+    ref = lambda s: reference_softmax_dropout(s, scale=0.5, causal=causal, keep=keep if rate else None, rate=rate)
+    fused = lambda s: op(s, scale=0.5, causal=causal, rate=rate, key=key)
+    want_y, want_g = jax.vjp(plain, scores)[0], jax.vjp(plain, scores)[1](w)[0]
+    rows = nan_rows(want_y)
+    assert rows.sum() == (3 if causal else 4)
+    for name, f in (("fused", fused), ("reference", ref)):
+        y, vjp = jax.vjp(jax.jit(f), scores)
+        g = vjp(w)[0]
+        np.testing.assert_array_equal(np.isnan(np.asarray(y)), np.isnan(np.asarray(want_y)), err_msg=name)
+        np.testing.assert_array_equal(nan_rows(g), rows, err_msg=name)
+        np.testing.assert_array_equal(nan_rows(want_g), rows)
+        assert_close(jnp.where(rows[..., None], 0.0, y), jnp.where(rows[..., None], 0.0, want_y), F32, what=name)
+        assert_close(jnp.where(rows[..., None], 0.0, g), jnp.where(rows[..., None], 0.0, want_g), F32, grad=True,
+                     what=name)
+
+
 def test_causal_with_more_queries_than_keys_empties_the_first_rows():
     scores, dy = normal(15, (4, 10, 7), F16), normal(16, (4, 10, 7), F16)
     y, ds = fused_vjp_jit(scores, dy, None, None, scale=1.0, causal=True, rate=0.0)

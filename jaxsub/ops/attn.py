@@ -79,15 +79,16 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(cdt), k.astype(cdt), precision=hi) * scale
     if kind == _masks.ADDITIVE:
         s = s + mask4d.astype(cdt)
-    vis = _visible(kind, mask4d, causal, sq, sk) & (s > -jnp.inf)
+    vis = _visible(kind, mask4d, causal, sq, sk) & ~jnp.isneginf(s)
     # Masked scores are replaced by 0 before exp (and zeroed after) so that no inf or NaN
-    # reaches the gradient; an empty row has denominator 0 and gives p = 0.
+    # reaches the gradient; an empty row has denominator 0 and gives p = 0. A NaN or +inf
+    # visible score makes the row NaN, as jax.nn.softmax does.
     s = jnp.where(vis, s, 0.0)
     m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
     e = jnp.where(vis, jnp.exp(s - m), 0.0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(denom > 0, denom, 1.0)
+    p = e / jnp.where(denom == 0.0, 1.0, denom)
     p = _dropout.apply_reference(p, keep, rate)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(cdt), precision=hi).astype(q.dtype)
 

@@ -53,10 +53,11 @@ def reference_softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, kee
         s = jnp.where(visible, s, -jnp.inf)
     # Safe max and denominator: a fully masked row has max -inf and sum 0, and must give
     # zeros without a NaN in either pass. The max only shifts, so it carries no gradient.
+    # A NaN or +inf score makes the row NaN, as jax.nn.softmax does.
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))
-    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
     total = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(total > 0.0, total, 1.0)
+    p = e / jnp.where(total == 0.0, 1.0, total)
     return _dropout.apply_reference(p, keep, rate).astype(scores.dtype)
 
 
