@@ -151,6 +151,12 @@ def test_missing_key_raises():
         jaxsub.ops.dropout_mask(None, (4,), 0.1)
 
 
+@pytest.mark.parametrize("key", ["abc", object(), [1.5, 2.5]])
+def test_key_that_is_no_key_raises(key):
+    with pytest.raises(TypeError, match="dropout_mask: `key` must be a JAX PRNG key"):
+        jaxsub.ops.dropout_mask(key, (4,), 0.1)
+
+
 @pytest.mark.parametrize("shape", [(-1, 3), 5, (2.5, 3), (True, 2)])
 def test_bad_shape_raises(shape):
     with pytest.raises(ValueError, match="dropout_mask.*`shape`"):

@@ -78,7 +78,11 @@ def seed_from_key(op: str, key) -> jax.Array:
         if words.dtype != jnp.uint32 or words.shape not in ((2,), (4,)):
             raise ValueError(f"jaxsub.{op}: seed words must be uint32 [2] or [4], got {words.dtype} {words.shape}")
         return words
-    key = key if isinstance(key, jax.Array) else jnp.asarray(key)
+    if not isinstance(key, jax.Array):
+        try:
+            key = jnp.asarray(key)
+        except TypeError as e:
+            raise TypeError(f"jaxsub.{op}: `key` must be a JAX PRNG key, got {type(key).__name__}") from e
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if not typed and key.dtype != jnp.uint32:
         raise TypeError(f"jaxsub.{op}: `key` must be a JAX PRNG key, got dtype {key.dtype}")
