@@ -252,6 +252,10 @@ def test_lazy_export_and_bad_hidden_size():
     for heads, mlp in ((0, F), (4, 0)):
         with pytest.raises(ValueError, match="EncoderLayer: `(num_heads|mlp_dim)` must be a positive int"):
             EncoderLayer(num_heads=heads, mlp_dim=mlp).init(jax.random.key(0), jnp.ones((1, 3, E)))
+    # A dtype the ops do not take: a TypeError naming the field (one naming jaxsub.bias_add before).
+    for field in ({"dtype": jnp.int32}, {"param_dtype": jnp.int8}):
+        with pytest.raises(TypeError, match=f"EncoderLayer: `{next(iter(field))}` must be float32"):
+            EncoderLayer(num_heads=4, mlp_dim=F, **field).init(jax.random.key(0), jnp.ones((1, 3, E)))
 
 
 def _scanned_train_step(dtype, hidden, heads, seq, layouts="none"):

@@ -212,6 +212,11 @@ class EncoderLayer(_LayerFields):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a positive int, got {value!r}")
+        for name in ("dtype", "param_dtype"):
+            value = jnp.dtype(getattr(self, name))
+            if value not in (jnp.float32, jnp.bfloat16, jnp.float16):
+                raise TypeError(f"jaxsub.flax.EncoderLayer: `{name}` must be float32, bfloat16 or float16, "
+                                f"got {value}")
         if e % self.num_heads:
             raise ValueError(f"jaxsub.flax.EncoderLayer: hidden size {e} is not divisible by "
                              f"num_heads={self.num_heads}")
