@@ -87,6 +87,7 @@ class _Plan:
     views: tuple = ()  # (j, k, make): residual j is make(leaf k of x), not stored
     unroll: int = 1  # steps per iteration of both loops (lax.scan's unroll)
     live: tuple = ()  # per leaf of consts: whether the step's pullback differentiates it
+    closes_over_tracer: bool = False  # body reads a traced value it was not passed
 
     @property
     def held(self) -> tuple:
@@ -215,8 +216,9 @@ def _plan(body, consts, carry, xs, length, reverse, unroll=1, live=None) -> _Pla
     # itself (`_early`), whatever its size: sharing a buffer would take a copy per step.
     made = {j for j, v in enumerate(stored_vars) if _jaxsub_result(producer, v) is not None}
     skip = {j for j, _ in same} | constant | made
+    closes = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
     return _Plan(found["tree"], found["sources"], tuple(stored), ys, length, reverse, _groups(stored, skip), same,
-                 fixed, views, unroll, live)
+                 fixed, views, unroll, live, closes)
 
 
 def _groups(stored, skip) -> tuple:
@@ -340,9 +342,9 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
     gradient keeps each step's residuals in buffers allocated once (module docstring).
 
     Args:
-      body: (consts, carry, x) -> (carry, y), with x one step's slice of xs. It must be a
-        pure function of its arguments: pass traced values it needs in consts rather than
-        closing over them.
+      body: (consts, carry, x) -> (carry, y), with x one step's slice of xs. Traced
+        floating-point values it closes over (an enclosing jit's or grad's arguments) are
+        made consts of their own by `jax.closure_convert`, so gradients reach them.
       init: the first carry, a pytree; each step returns a carry of its structure,
         shapes and dtypes.
       xs: a pytree of arrays with a leading (layer) axis, e.g. stacked parameters and
@@ -365,8 +367,23 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise ValueError(f"{_OP}: `unroll` must be an int >= 1, got {unroll!r}")
     plans = _Plans(body, length, reverse, unroll)
-    plans.get(_float_leaves(consts), consts, init, xs)  # checks body now
+    if plans.get(_float_leaves(consts), consts, init, xs).closes_over_tracer:  # (this checks body now)
+        # Traced values body closes over (a jit's or grad's arguments) become consts of
+        # their own, so that the gradient reaches them, as through lax.scan's closures
+        # (closed over, they would escape the custom_vjp: JAX's UnexpectedTracerError).
+        x0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], _dtype(a)), xs)
+        converted, hoisted = jax.closure_convert(body, consts, init, x0)
+        if hoisted:
+            consts = (consts, tuple(hoisted))
+            body = functools.partial(_with_hoisted, converted)
+            plans = _Plans(body, length, reverse, unroll)
+            plans.get(_float_leaves(consts), consts, init, xs)
     return _scan(body, plans, consts, init, xs)
+
+
+def _with_hoisted(converted, consts, carry, x):
+    """A closure-converted body on (the user's consts, the hoisted values)."""
+    return converted(consts[0], carry, x, *consts[1])
 
 
 class _Plans:

@@ -245,6 +245,28 @@ def test_consts_the_program_does_not_differentiate_are_constants_to_the_step(fal
         assert_close(g, w, reduction=N * L, grad=True, what=what)
 
 
+def test_body_closing_over_traced_values_matches_lax_scan():
+    """A body that closes over an enclosing function's arguments (a float under grad, an
+    int under jit) gives lax.scan's value and gradient (the float was a tracer escaping
+    the custom_vjp: JAX's UnexpectedTracerError under grad)."""
+    x0 = jnp.asarray(np.random.default_rng(3).standard_normal((2, N)), jnp.float32)
+    ws = jnp.asarray(np.random.default_rng(4).standard_normal((L, N)), jnp.float32)
+
+    def loss(scan_fn):
+        def f(t, n):
+            body = lambda h, w: (jnp.sin(h * t + w) * n, jnp.sum(h) * t)  # noqa: E731
+            carry, ys = scan_fn(body)
+            return jnp.sum(carry ** 2) + jnp.sum(ys)
+        return f
+
+    ours = loss(lambda body: stack.scan(lambda c, h, w: body(h, w), x0, ws))
+    ref = loss(lambda body: lax.scan(body, x0, ws))
+    for fn in (jax.jit, lambda f: f):
+        assert_close(fn(ours)(1.3, 2), fn(ref)(1.3, 2), reduction=N * L, what="value")
+        assert_close(fn(jax.grad(ours))(1.3, 2), fn(jax.grad(ref))(1.3, 2), reduction=N * L, grad=True, what="dt")
+    assert "while" in jax.jit(jax.grad(ours)).lower(1.3, 2).as_text()
+
+
 def test_no_gradient_is_plain_lax_scan():
     c, h, xs = _inputs(seed=9)
     ours, ref = _pair(False)
