@@ -213,7 +213,8 @@ class EncoderLayer(_LayerFields):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a positive int, got {value!r}")
         for name in ("dtype", "param_dtype"):
-            value = jnp.dtype(getattr(self, name))
+            value = getattr(self, name)
+            value = x.dtype if value is None else jnp.dtype(value)  # None: Flax's "from the input"
             if value not in (jnp.float32, jnp.bfloat16, jnp.float16):
                 raise TypeError(f"jaxsub.flax.EncoderLayer: `{name}` must be float32, bfloat16 or float16, "
                                 f"got {value}")
@@ -224,7 +225,8 @@ class EncoderLayer(_LayerFields):
         if mask is not None:
             mask_shape, mask_dtype = tuple(jnp.shape(mask)), jnp.result_type(mask).name
         return layout.LayerSpec(
-            batch=b, seq=s, hidden=e, heads=self.num_heads, mlp_dim=self.mlp_dim, dtype=jnp.dtype(self.dtype).name,
+            batch=b, seq=s, hidden=e, heads=self.num_heads, mlp_dim=self.mlp_dim,
+            dtype=(x.dtype if self.dtype is None else jnp.dtype(self.dtype)).name,
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
             pre_layer_norm=self.pre_layer_norm, causal=self.causal, epsilon=self.epsilon,
             approximate_gelu=self.approximate_gelu, mask_shape=mask_shape, mask_dtype=mask_dtype)
