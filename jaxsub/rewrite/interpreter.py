@@ -241,7 +241,7 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
     `layouts` selects configurations for the fused ops the rewrite produces: "auto"
     (default; per attention signature, the on-disk cache or, on a miss with a GPU present,
     timing of the candidates before the first run of those shapes; without a GPU the
-    byte-count heuristic), "heuristic", "none" (each op's built-in default),
+    byte-count heuristic), "heuristic", "none" or None (each op's built-in default),
     `jaxsub.layout.Auto(...)` or a `jaxsub.layout.Selection`. What it can change in an
     arbitrary function is only what the ops leave open, read from the `jaxsub.ops.config`
     context this function runs in: the attention algorithm (fused or unfused,
