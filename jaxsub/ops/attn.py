@@ -248,10 +248,11 @@ def switched(op, fn, *primals):
     """(out, Switched residual): a fused path's forward rule where the program
     differentiates an additive mask. The mask's cotangent is dS (the scores' cotangent)
     summed over the mask's broadcast dims; the fused kernels never write dS, and computing
-    it again beside them costs two f32 [B, H, Sq, Sk] products and two passes over them
-    (1 077 µs against 1 754 for the whole fused fwd+bwd on the H200, bench/NOTES.md,
-    forty-ninth session), more than the unfused structure, whose softmax backward kernel
-    writes scale · dS anyway (`softmax._fused_bwd`). `fn`: the unfused structure on
+    it again beside them took two f32 [B, H, Sq, Sk] products and two passes over them
+    (1 077 µs on top of the fused kernels' 1 753 fwd+bwd at a T5-like shape on the H200,
+    bench/NOTES.md, forty-ninth session). The unfused structure's softmax backward kernel
+    writes scale · dS anyway (`softmax._fused_bwd`); its whole fwd+bwd is expected below
+    that (not yet measured, NOTES, fiftieth session). `fn`: the unfused structure on
     `primals` (the rule's differentiable primals, mask last)."""
     out, vjp = jax.vjp(fn, *primals)
     return out, Switched(op, vjp)

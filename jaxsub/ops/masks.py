@@ -14,8 +14,9 @@ the rules save and compute nothing more. Where it does, the mask's cotangent is 
 cotangent of scale · scores + mask, summed over the mask's broadcast dims: softmax_dropout's
 backward kernel writes scale · dS as the scores' cotangent (`reduce_to`), and the fused
 attention kernels, which never write dS, give way to the unfused structure, whose softmax
-is that op (attn.switched). Only where scale · dS cannot hold dS (scale 0) does XLA compute
-it again from the forward's log-sum-exp (`mask_cotangent`, [B, H, Sq, Sk] f32 in memory).
+is that op (attn.switched). Only where scale · dS cannot hold dS (scale 0; float16 below
+scale 1/16) does XLA compute it again from the forward's log-sum-exp (`mask_cotangent`,
+[B, H, Sq, Sk] f32 in memory).
 """
 
 from __future__ import annotations
@@ -135,9 +136,9 @@ def primals(*args):
 
 
 def differentiated(kind: int, mask) -> bool:
-    """Whether the program differentiates an additive mask: the residual by which the
-    backward rules know whether to compute its cotangent. `mask`: the forward rule's
-    primal (a CustomVJPPrimal)."""
+    """Whether the program differentiates an additive mask (then the forward rules choose
+    their way and tell their backward rules by their residuals' structure). `mask`: the
+    forward rule's primal (a CustomVJPPrimal)."""
     return kind == ADDITIVE and bool(_jaxpr.perturbed(mask)[0])
 
 

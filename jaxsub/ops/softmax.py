@@ -97,7 +97,9 @@ def _fused_fwd(scores, mask, seed, scale, causal, kind, rate):
     grad_mask = _masks.differentiated(kind, mask)
     scores, mask, seed = _masks.primals(scores, mask, seed)
     y, lse = _fwd_call(scores, mask, seed, scale, causal, kind, rate)
-    return y, (scores, lse, mask, seed, grad_mask)
+    # The mask again where it is differentiated, else None: the residuals' structure tells
+    # the backward rule (a Python bool among them would be an array there).
+    return y, (scores, lse, mask, seed, mask if grad_mask else None)
 
 
 def _fused_bwd(scale, causal, kind, rate, res, dy):
@@ -105,9 +107,9 @@ def _fused_bwd(scale, causal, kind, rate, res, dy):
     dy = _masks.cotangent(dy)
     dscores = _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate)
     dmask = None
-    if grad_mask and _mask_grad_from_scores(scores.dtype, scale):
+    if grad_mask is not None and _mask_grad_from_scores(scores.dtype, scale):
         dmask = _masks.reduce_to(dscores.astype(_F32) / np.float32(scale), mask.shape)
-    elif grad_mask:
+    elif grad_mask is not None:
         dmask = _masks.mask_cotangent(_OP, scores.astype(_F32) * np.float32(scale) + mask, lse, dy.astype(_F32), seed,
                                       rate, causal, mask.shape)
     return dscores, dmask, None
