@@ -58,6 +58,7 @@ from jax.extend import core as jcore
 
 from jaxsub import _partition
 from jaxsub._jaxpr import bind, dense_cotangent, perturbed, primal_values
+from jaxsub.ops import config as _config
 
 _OP = "jaxsub.stack.scan"
 _SMALL = 1 << 20  # bytes: residuals up to this size share one buffer per dtype
@@ -366,6 +367,12 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
     length = _length(xs, length)
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise ValueError(f"{_OP}: `unroll` must be an int >= 1, got {unroll!r}")
+    resolver = _config.current()
+    if resolver is not None:
+        # The rules trace body again, under jax.checkpoint after this call has returned:
+        # without the enclosing `ops.config.use` block (optimize's layouts), its ops would
+        # choose other implementations there, and other residuals, than the plan's.
+        body = functools.partial(_in_config, resolver, body)
     plans = _Plans(body, length, reverse, unroll)
     if plans.get(_float_leaves(consts), consts, init, xs).closes_over_tracer:  # (this checks body now)
         # Traced values body closes over (a jit's or grad's arguments) become consts of
@@ -379,6 +386,12 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
             plans = _Plans(body, length, reverse, unroll)
             plans.get(_float_leaves(consts), consts, init, xs)
     return _scan(body, plans, consts, init, xs)
+
+
+def _in_config(resolver, body, consts, carry, x):
+    """body under the `ops.config` resolver in effect where scan was called."""
+    with _config.use(resolver):
+        return body(consts, carry, x)
 
 
 def _with_hoisted(converted, consts, carry, x):

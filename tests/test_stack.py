@@ -267,6 +267,25 @@ def test_body_closing_over_traced_values_matches_lax_scan():
     assert "while" in jax.jit(jax.grad(ours)).lower(1.3, 2).as_text()
 
 
+def test_config_block_holds_under_checkpoint():
+    """Under jax.checkpoint the rules trace the body after scan has returned, outside the
+    caller's `ops.config.use` block (optimize's layouts): the body runs under the block
+    scan was called in, so its ops choose as the plan did (a RuntimeError about other
+    residuals before)."""
+    from jaxsub.ops import config
+
+    h = jnp.asarray(np.random.default_rng(5).standard_normal((2, 4, 2, 8)), jnp.float32)
+    ws = jnp.asarray([1.0, 0.7], jnp.float32)
+    body = lambda c, h, w: (h + jaxsub.ops.attention(h * w, h, h), None)  # noqa: E731 - implementation=None
+
+    def f(h, ws):
+        with config.use({"attention": {"impl": "fused"}}):
+            return jnp.sum(stack.scan(body, h, ws)[0] ** 2)
+
+    want = jax.grad(f)(h, ws)
+    assert_close(jax.grad(jax.checkpoint(f))(h, ws), want, reduction=N * L, grad=True, what="dh")
+
+
 def test_no_gradient_is_plain_lax_scan():
     c, h, xs = _inputs(seed=9)
     ours, ref = _pair(False)

@@ -37,6 +37,13 @@ def lookup(op: str, signature: tuple) -> dict:
     return dict(resolver(op, signature) or {})
 
 
+def current() -> Resolver | None:
+    """The resolver of the innermost `use` block (None outside any): for code that traces
+    a user's function again later, outside that block (jaxsub.stack.scan's rules under
+    jax.checkpoint), to run it under the same answers."""
+    return _CURRENT.get()
+
+
 @contextlib.contextmanager
 def use(resolver: Resolver | Mapping | None):
     """Run a block with `resolver` answering `lookup`. A mapping {op: {option: value}}
