@@ -914,6 +914,28 @@ def test_decorator_options_and_layouts():
         jaxsub.optimize(ln_no_params, layouts=3)
 
 
+def test_decorated_method_binds_self_and_fn_must_be_callable():
+    """@optimize on a method: `self` is bound (a static argument), as a user decorating a
+    method expects (a missing-argument TypeError before); a non-callable is refused at once."""
+    class Block:
+        def __init__(self, eps):
+            self.eps = eps
+
+        @jaxsub.optimize
+        def norm(self, x):
+            mean = jnp.mean(x, -1, keepdims=True)
+            var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+            return (x - mean) * jax.lax.rsqrt(var + self.eps)
+
+    x = _normal(3, (4, N))
+    for eps in (1e-5, 1e-1):  # two instances, two traces
+        want = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + eps)
+        assert_close(Block(eps).norm(x), want, what=str(eps))
+    assert _counts(Block(1e-5).norm, x)["jaxsub_layer_norm_fwd"] == 1
+    with pytest.raises(TypeError, match="optimize: `fn` must be callable"):
+        jaxsub.optimize(3)
+
+
 def test_explain_report_lists_matches_with_source():
     args = (_normal(0, (6, N)), _normal(1, (N,)), _normal(2, (N,)))
     text = str(jaxsub.explain(ln_two_pass, *args))

@@ -202,6 +202,12 @@ class Optimized:
             self._cache[key] = traced
         return traced, arrays
 
+    def __get__(self, obj, objtype=None):
+        """As a method: `self` is bound as a static argument (non-array leaves are part of
+        the trace's key, as jax.jit's static arguments; arrays it holds are constants of
+        the trace)."""
+        return self if obj is None else functools.partial(self, obj)
+
     def __call__(self, *args, **kwargs):
         traced, leaves = self.specialize(args, kwargs)
         if self._resolver is None:
@@ -216,7 +222,9 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
     """Rewrite fn's transformer patterns into jaxsub's fused ops; usable as a decorator.
 
     The result has fn's signature and pytree structure and composes with jit, grad,
-    value_and_grad and vmap. fn is traced once per input structure/shape/dtype; matched
+    value_and_grad and vmap; on a method, `self` is bound as a static argument (non-array
+    arguments are part of the trace's key, as jax.jit's static arguments, so a mutated
+    object is not traced again). fn is traced once per input structure/shape/dtype; matched
     patterns (layer norm, bias+dropout+residual+layer norm, bias+dropout+residual with no
     layer norm after it, bias+GELU+dropout, attention, softmax+dropout) call the fused
     ops, everything else runs exactly as before. See `jaxsub.explain`.
@@ -256,4 +264,6 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
     layouts = _select.check_layouts(layouts)
     if fn is None:
         return functools.partial(optimize, rewrite_dropout=rewrite_dropout, layouts=layouts)
+    if not callable(fn):
+        raise TypeError(f"jaxsub.optimize: `fn` must be callable, got {type(fn).__name__}")
     return Optimized(fn, P.Options(rewrite_dropout=bool(rewrite_dropout)), layouts)
