@@ -124,6 +124,21 @@ def test_corrupt_and_foreign_files_are_ignored_with_a_warning(monkeypatch):
         path.write_text(text)
         with pytest.warns(RuntimeWarning, match="corrupt cache file"):
             assert cache.load(key) is None
+    # Well-formed JSON with bad values (found by probing: errors from the solver and the
+    # tables' reader where the file was taken as valid).
+    good = tuning.model_tables(problem).to_json(problem)
+    tamperings = [lambda t: t["stages"][0]["candidates"][0].update(seconds="abc"),
+                  lambda t: t["stages"][0]["candidates"][0].update(seconds=float("nan")),
+                  lambda t: t["stages"][0]["candidates"][0].update(seconds=-1.0),
+                  lambda t: t["stages"][0].pop("name"),
+                  lambda t: t.update(layers="zzz"),
+                  lambda t: t.update(transposes=[{"from": "a"}])]
+    for tamper in tamperings:
+        tables = json.loads(json.dumps(good))
+        tamper(tables)
+        path.write_text(json.dumps({"format": cache.FORMAT, "key": key, "tables": tables}))
+        with pytest.warns(RuntimeWarning, match="corrupt cache file"):
+            assert cache.load(key) is None
     # The timed path treats it as a miss, re-times and replaces the file.
     monkeypatch.setattr(tuning, "measure", _fake_measure)
     monkeypatch.setattr(tuning, "measure_layers", _fake_layers)
@@ -131,6 +146,20 @@ def test_corrupt_and_foreign_files_are_ignored_with_a_warning(monkeypatch):
         sel = layout.resolve(layout.Auto(measure_without_gpu=True, repeats=1, progress=False), problem)
     assert sel.source == "timed"
     assert cache.load(key)["selection"]["source"] == "timed"
+
+
+def test_an_unwritable_cache_warns_and_keeps_the_selection(tmp_path, monkeypatch):
+    """A cache location that cannot be written (found by probing: the OSError came after
+    the timing, which was lost): a warning, and the timed selection all the same."""
+    problem = _problem()
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # the cache directory would have to be inside a file
+    monkeypatch.setattr(tuning, "measure", _fake_measure)
+    monkeypatch.setattr(tuning, "measure_layers", _fake_layers)
+    with pytest.warns(RuntimeWarning, match="cannot write the layout cache"):
+        sel = layout.resolve(layout.Auto(measure_without_gpu=True, repeats=1, progress=False,
+                                         cache_dir=str(blocker / "sub")), problem)
+    assert sel.source == "timed"
 
 
 def _writer(directory, i):

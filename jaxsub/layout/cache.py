@@ -79,14 +79,44 @@ def _read(path: pathlib.Path, key: dict) -> dict | None:
             raise ValueError("not a jaxsub layout cache entry")
         if _canonical(entry.get("key")) != _canonical(key):
             raise ValueError("it holds another key")
-        for stage in entry["tables"]["stages"]:
-            for row in stage["candidates"]:
-                row["in"], row["out"], row["config"], row["seconds"]  # noqa: B018 - shape check
+        _check_tables(entry["tables"])
     except (ValueError, TypeError, KeyError) as e:
         warnings.warn(f"jaxsub.layout: ignoring corrupt cache file {path} ({e}); it will be rewritten",
                       RuntimeWarning, stacklevel=3)
         return None
     return entry
+
+
+def _check_tables(tables: dict) -> None:
+    """ValueError unless `tables` has the form `tuning.Tables.to_json` writes: each stage a
+    name and candidate rows (in, out, config: strings or null), each transpose from/to,
+    each whole-layer time a path; every time null, or a number >= 0 (infinity: no edge)."""
+    def seconds(row, what):
+        t = row["seconds"]
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0):
+            raise ValueError(f"{what} time {t!r} is not null or a number >= 0")
+
+    def names(row, fields, what):
+        for f in fields:
+            if row[f] is not None and not isinstance(row[f], str):
+                raise ValueError(f"{what} field {f!r} is {row[f]!r}, not a string")
+
+    for key in ("stages", "transposes", "layers"):
+        if not isinstance(tables.get(key, []), list):
+            raise ValueError(f"{key!r} is not a list")
+    for stage in tables["stages"]:
+        if not isinstance(stage["name"], str) or not isinstance(stage["candidates"], list):
+            raise ValueError(f"stage {stage!r} has no name or no list of candidates")
+        for row in stage["candidates"]:
+            names(row, ("in", "out", "config"), "candidate")
+            seconds(row, "candidate")
+    for row in tables.get("transposes", []):
+        names(row, ("from", "to"), "transpose")
+        seconds(row, "transpose")
+    for row in tables.get("layers", []):
+        if not isinstance(row["path"], list) or not all(isinstance(k, list) for k in row["path"]):
+            raise ValueError(f"whole-layer path {row['path']!r} is not a list of lists")
+        seconds(row, "whole-layer")
 
 
 def load(key: dict, directory=None) -> dict | None:

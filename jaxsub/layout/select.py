@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import warnings
 
 import jax
 
@@ -148,7 +149,15 @@ def timed_tables(problem: Problem, options: Auto):
 
 
 def _store(problem: Problem, tables, selection: Selection, options: Auto):
-    path = cache.store(cache.make_key(problem.key()), tables.to_json(problem), selection.to_json(), options.cache_dir)
+    """The cache file written, or None (with a warning) where it cannot be: the timing
+    already done still gives the selection."""
+    try:
+        path = cache.store(cache.make_key(problem.key()), tables.to_json(problem), selection.to_json(),
+                           options.cache_dir)
+    except OSError as e:
+        warnings.warn(f"jaxsub.layout: cannot write the layout cache ({e}); using the selection without storing it",
+                      RuntimeWarning, stacklevel=2)
+        return None
     log.info("jaxsub.layout: stored %s", path)
     return path
 
