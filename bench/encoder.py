@@ -411,7 +411,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     wrong = [c for c in args.configs if c not in size.configs]
     if wrong:
         p.error(f"--configs {','.join(wrong)} not in this run's set ({','.join(size.configs)}); "
-                f"{'drop' if args.small else 'add'} --small")
+                + ("the full-size set runs without --small, which `python -m bench` adds where there is no GPU"
+                   if args.small else "add --small"))
     args.rows = [BASELINE, *[r for r in args.rows if r != BASELINE]]
     return args
 

@@ -68,12 +68,20 @@ def tune_command(args) -> int:
     from jaxsub import layout
     from jaxsub.layout import select, solver, tuning
 
-    spec = layout.LayerSpec(
-        batch=args.batch, seq=args.seq, hidden=args.hidden, heads=args.heads,
-        mlp_dim=args.mlp_dim or 4 * args.hidden, dtype=args.dtype, dropout_rate=args.dropout,
-        attention_dropout_rate=args.attention_dropout, pre_layer_norm=args.pre_layer_norm, causal=args.causal,
-        mask_shape=(args.batch, args.seq) if args.padding_mask else None,
-        mask_dtype="bool" if args.padding_mask else None)
+    try:  # bad sizes, rates or tuning options: a usage error, not a traceback
+        spec = layout.LayerSpec(
+            batch=args.batch, seq=args.seq, hidden=args.hidden, heads=args.heads,
+            mlp_dim=args.mlp_dim or 4 * args.hidden, dtype=args.dtype, dropout_rate=args.dropout,
+            attention_dropout_rate=args.attention_dropout, pre_layer_norm=args.pre_layer_norm, causal=args.causal,
+            mask_shape=(args.batch, args.seq) if args.padding_mask else None,
+            mask_dtype="bool" if args.padding_mask else None)
+        options = layout.Auto(budget_s=args.budget,
+                              repeats=args.repeats, cache_dir=args.cache_dir, use_cache=not args.no_cache,
+                              measure_without_gpu=True, progress=None, refresh=args.refresh,
+                              compile_workers=args.compile_workers, finalists=args.finalists)
+    except ValueError as e:
+        print(f"python -m jaxsub tune: error: {e}", file=sys.stderr)
+        return 2
     problem = layout.EncoderProblem(spec)
     device = jax.devices()[0]
     print(f"device {device.platform}: {device.device_kind}; jax {jax.__version__}")
@@ -88,10 +96,6 @@ def tune_command(args) -> int:
     if mode == "heuristic":
         tables, source = tuning.model_tables(problem), "heuristic"
     else:
-        options = layout.Auto(budget_s=args.budget,
-                              repeats=args.repeats, cache_dir=args.cache_dir, use_cache=not args.no_cache,
-                              measure_without_gpu=True, progress=None, refresh=args.refresh,
-                              compile_workers=args.compile_workers, finalists=args.finalists)
         selection, tables, source, cache_file = select.timed_choice(problem, options)
     if mode == "heuristic":
         selection = tuning.solve(problem, tables, source)

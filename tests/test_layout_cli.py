@@ -65,3 +65,26 @@ def test_cache_round_trip_through_the_command(tmp_path, monkeypatch, capsys):
     assert cli.main(args + ["--refresh"]) == 0 and len(timed) == 2 * n
     with pytest.raises(SystemExit):
         cli.main(["tune", "--batch", "1"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--heads", "3"], "not divisible by heads 3"),
+    (["--batch", "-1"], "batch must be a positive int"),
+    (["--dropout", "1.5"], "dropout_rate must be in"),
+    (["--finalists", "-3"], "finalists must be an int >= 0"),
+    (["--repeats", "0"], "repeats must be an int >= 1"),
+    (["--budget", "-1"], "budget_s must be a number >= 0")])
+def test_bad_sizes_and_options_are_usage_errors(change, message, capsys):
+    """Found by probing: tracebacks, or negative sizes and rates accepted with nonsense
+    printed. Now exit status 2 and one line naming the value."""
+    args = dict(zip(TINY[::2], TINY[1::2]))
+    args.update(zip(change[::2], change[1::2]))
+    assert cli.main(["tune", *[x for kv in args.items() for x in kv]]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"repeats": 2.5}, {"finalists": -1}, {"compile_workers": True},
+                                    {"budget_s": -1.0}, {"budget_s": "60"}])
+def test_auto_refuses_bad_options(kwargs):
+    with pytest.raises(ValueError, match=f"Auto: {next(iter(kwargs))} must be"):
+        layout.Auto(**kwargs)

@@ -112,6 +112,13 @@ class LayerSpec:
     training: bool = True
 
     def __post_init__(self):
+        for name in ("batch", "seq", "hidden", "heads", "mlp_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"LayerSpec: {name} must be a positive int, got {value!r}")
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"LayerSpec: {name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"LayerSpec: hidden {self.hidden} is not divisible by heads {self.heads}")
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)

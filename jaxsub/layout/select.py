@@ -70,6 +70,21 @@ class Auto:
     compile_workers: int | None = None
     finalists: int | None = None
 
+    def __post_init__(self):
+        def count(name, least, none_ok):
+            value = getattr(self, name)
+            if value is None and none_ok:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"jaxsub.layout.Auto: {name} must be an int >= {least}"
+                                 f"{' or None' if none_ok else ''}, got {value!r}")
+
+        count("repeats", 1, False)
+        count("compile_workers", 0, True)
+        count("finalists", 0, True)
+        if self.budget_s is not None and not (isinstance(self.budget_s, (int, float)) and self.budget_s >= 0):
+            raise ValueError(f"jaxsub.layout.Auto: budget_s must be a number >= 0 or None, got {self.budget_s!r}")
+
 
 _MEMO: dict = {}
 
