@@ -240,7 +240,8 @@ class Switched:
         """The cotangents of the rule's differentiable primals, and None for the seed. The
         log line is here, where the gradient is taken: a forward traced only to look at its
         structure (`jaxsub.stack.scan` checks its body so) says nothing."""
-        _ffi.fallback(self.op, "gradient of an additive mask", instead="the unfused path, whose softmax backward gives it")
+        _ffi.fallback(self.op, "gradient of an additive mask",
+                      instead="the unfused path, whose softmax backward gives it")
         return (*self.vjp(ct), None)
 
 

@@ -115,7 +115,7 @@ def _dense(y, w, library=False):
     reason: in a scan it reads the stacked w in place)."""
     if not library:
         return jnp.einsum("...n,ne->...e", y, w)
-    return _gemm._forward(y, w, None, 1)
+    return _gemm.forward(y, w, None, 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))

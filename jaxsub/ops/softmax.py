@@ -190,7 +190,8 @@ def softmax_4d(scores, mask4d, seed, scale, causal, kind, rate):
     `masks.normalize` returns it, the seed words (`dropout.seed_from_key`; NO_SEED when
     rate is 0). The unfused attention's middle step."""
     if scores.shape[-1] > _ffi.MAX_COLS or scores.size == 0:
-        _ffi.fallback(_OP, "zero-size input" if scores.size == 0 else f"last dimension {scores.shape[-1]} > {_ffi.MAX_COLS}")
+        _ffi.fallback(_OP, "zero-size input" if scores.size == 0
+                      else f"last dimension {scores.shape[-1]} > {_ffi.MAX_COLS}")
         keep = _dropout.seed_mask(seed, scores.shape, rate) if rate > 0.0 and scores.size else None
         return reference_softmax_dropout(scores, scale=scale, mask=None if kind == _masks.NONE else mask4d,
                                          causal=causal, keep=keep, rate=rate)
