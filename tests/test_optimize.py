@@ -936,6 +936,20 @@ def test_decorated_method_binds_self_and_fn_must_be_callable():
         jaxsub.optimize(3)
 
 
+def test_deepcopy_and_pickle_after_a_call():
+    """A called optimized function copies and pickles (found by probing: its traces hold
+    jaxprs, whose tracebacks cannot be pickled); the copy traces again and computes the same."""
+    import copy
+    import pickle
+
+    x = _normal(5, (3, N))
+    opt = jaxsub.optimize(ln_no_params)
+    want = opt(x)
+    for again in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert_close(again(x), want, what="copy")
+        assert _counts(again, x)["jaxsub_layer_norm_fwd"] == 1
+
+
 def test_explain_report_lists_matches_with_source():
     args = (_normal(0, (6, N)), _normal(1, (N,)), _normal(2, (N,)))
     text = str(jaxsub.explain(ln_two_pass, *args))

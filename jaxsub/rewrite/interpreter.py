@@ -202,6 +202,14 @@ class Optimized:
             self._cache[key] = traced
         return traced, arrays
 
+    def __getstate__(self):
+        """For copy.deepcopy and pickle: fn and the options; the traces (jaxprs, which hold
+        tracebacks) and the resolver are made again."""
+        return {"fn": self.fn, "options": self.options, "layouts": self.layouts}
+
+    def __setstate__(self, state):
+        self.__init__(state["fn"], state["options"], state["layouts"])
+
     def __get__(self, obj, objtype=None):
         """As a method: `self` is bound as a static argument (non-array leaves are part of
         the trace's key, as jax.jit's static arguments; arrays it holds are constants of
