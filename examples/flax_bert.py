@@ -183,11 +183,14 @@ def main(argv=None) -> int:
     p.add_argument("--data-parallel", action="store_true",
                    help="shard the batch over every device (the size's batch on each)")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the first and the last losses are compared)")
+    if args.log_every < 1:
+        p.error("--log-every must be >= 1")
     result = train(args.size, args.steps, args.seed, args.log_every,
                    devices=jax.devices() if args.data_parallel else None)
-    first, last = np.mean(result["losses"][:5]), np.mean(result["losses"][-5:])
+    n = min(5, len(result["losses"]) // 2)  # the first and last n steps, apart
+    first, last = np.mean(result["losses"][:n]), np.mean(result["losses"][-n:])
     print(f"loss: first steps {first:.3f} -> last steps {last:.3f}")
     return 0 if last < first else 1
 

@@ -391,12 +391,14 @@ def test_packed_backward_bias_result_is_the_gradient_column_sums(axis):
     (dict(kernel=jnp.zeros((12, 3, 4)), bias=jnp.zeros((3, 4))), ValueError, ["dense_attention_packed", "kernel"]),
     (dict(bias=jnp.zeros((3, 3, 5))), ValueError, ["jaxsub.dense_attention_packed: `bias`"]),
     (dict(x=jnp.zeros((2, 5, 12), jnp.bfloat16)), TypeError, ["jaxsub.dense_attention_packed: `kernel`"]),
+    (dict(with_input="no"), TypeError, ["jaxsub.dense_attention_packed: `with_input`"]),  # a tuple came back
 ])
 def test_dense_attention_packed_bad_inputs_raise(kwargs, exc, words):
     args = dict(x=jnp.zeros((2, 5, 12)), kernel=jnp.zeros((12, 3, 3, 4)), bias=jnp.zeros((3, 3, 4)))
     args.update(kwargs)
     with pytest.raises(exc) as info:
-        dense_op(args["x"], args["kernel"], args["bias"])
+        dense_op(args["x"], args["kernel"], args["bias"], **({"with_input": args["with_input"]} if "with_input" in args
+                                                              else {}))
     for w in words:
         assert w in str(info.value)
 

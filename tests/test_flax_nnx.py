@@ -60,3 +60,19 @@ def test_encoder_stack_matches_linen():
     x = _x(5)
     want = Encoder(num_layers=2, scan_layers=True, **FIELDS).apply({"params": _params(enc)}, x)
     np.testing.assert_array_equal(np.asarray(enc(x)), np.asarray(want))
+
+
+def test_train_and_eval_switch_dropout():
+    """nnx's model.train() / model.eval() set the layer's `deterministic` (found by
+    probing: they changed nothing, dropout only with deterministic=False at each call);
+    an explicit deterministic= still wins."""
+    layer = jnnx.EncoderLayer(32, rngs=nnx.Rngs(0, dropout=1), **FIELDS)
+    x = _x()
+    plain = layer(x)
+    layer.train()
+    assert not layer.deterministic
+    dropped = layer(x)
+    assert float(jnp.abs(dropped - plain).max()) > 1e-3
+    assert_close(layer(x, deterministic=True), plain, what="explicit")
+    layer.eval()
+    assert_close(layer(x), plain, what="eval")

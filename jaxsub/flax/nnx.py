@@ -8,6 +8,7 @@ creates parameters eagerly::
     layer = jaxsub.flax.nnx.EncoderLayer(1024, num_heads=16, mlp_dim=4096,
                                          dropout_rate=0.1, rngs=nnx.Rngs(0, dropout=1))
     y = layer(x, deterministic=False)          # draws from the 'dropout' stream of rngs
+    layer.train(); y = layer(x)                # the same: nnx's train() / eval() switch it
 
 Every keyword of the linen module is accepted (see `jaxsub.flax.EncoderLayer`).
 """
@@ -24,14 +25,17 @@ from jaxsub.flax import encoder as _linen
 class _Bridged(nnx.Module):
     _linen_cls: type
 
-    def __init__(self, hidden: int, *, rngs: nnx.Rngs, **fields):
+    def __init__(self, hidden: int, *, rngs: nnx.Rngs, deterministic: bool = True, **fields):
         self.module = bridge.ToNNX(self._linen_cls(**fields), rngs=rngs)
         # Parameters are created now, for an input of the layer's hidden size and dtype.
         dtype = fields.get("dtype") or jnp.float32
         bridge.lazy_init(self.module, jnp.zeros((1, 1, hidden), dtype))
+        # nnx's switch: model.train() sets it False (dropout on), model.eval() True.
+        self.deterministic = deterministic
 
-    def __call__(self, x, mask=None, *, deterministic: bool = True):
-        return self.module(x, mask, deterministic=deterministic)
+    def __call__(self, x, mask=None, *, deterministic: bool | None = None):
+        """deterministic: None takes the module's attribute (nnx's train() / eval())."""
+        return self.module(x, mask, deterministic=self.deterministic if deterministic is None else deterministic)
 
 
 class EncoderLayer(_Bridged):

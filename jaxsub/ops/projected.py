@@ -303,6 +303,8 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
     if three:
         bias = _check_three(op, "bias", bias, tuple(kernel.shape[axes + 1:]), "[H, D], the kernel's last two dims,",
                             x.dtype)
+    if not isinstance(with_input, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{op}: `with_input` must be a Python bool, got {with_input!r}")
     packed = _DensePacked(x, kernel, bias, axes, bool(with_input))
     if os.environ.get("JAXSUB_QKV_BIAS_FROM_ATTENTION") == "0":  # the two ops apart (for comparisons)
         qkv, _, again = packed.product()

@@ -174,6 +174,11 @@ def trace(fn, options: P.Options, args, kwargs):
         leaves = [next(it) if s is None else s for s in static]
         a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
         out, tree = jax.tree_util.tree_flatten(fn(*a, **k))
+        for leaf in out:
+            if not (hasattr(leaf, "dtype") or isinstance(leaf, (bool, int, float, complex))):
+                name = getattr(fn, "__name__", type(fn).__name__)
+                raise TypeError(f"jaxsub.optimize: {name} returned a {type(leaf).__name__} among its outputs; "
+                                f"an optimized function returns arrays and numbers (as a jitted one)")
         out_tree.append(tree)
         return out
 
