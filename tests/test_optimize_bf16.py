@@ -169,3 +169,25 @@ def test_gelu_rounded_constants(dtype):
         assert dict(jaxsub.explain(fn, x, b).totals) == {"bias_gelu_dropout": 1}
     for fn in (wrong_tanh, wrong_erf):
         assert not jaxsub.explain(fn, x, b).matches
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_layer_norm_with_jnp_means_of_a_16_bit_x(dtype):
+    """x.mean(-1) on a bf16/f16 x sums in f32 and rounds the mean back: a layer norm written
+    so, with no upcast of x, is matched (found by probing: neither a match nor a near-miss),
+    and the fused op is closer to the f32 layer norm than the 16-bit program is."""
+    def ln(x, g, b):
+        m = x.mean(-1, keepdims=True)
+        v = ((x - m) ** 2).mean(-1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(v + 1e-5) * g + b
+
+    rng = np.random.default_rng(11)
+    x32 = jnp.asarray(rng.standard_normal((4, 6, E)) * 3 + 1, jnp.float32)
+    g32, b32 = (jnp.asarray(rng.standard_normal(E), jnp.float32) for _ in range(2))
+    x, g, b = (a.astype(dtype) for a in (x32, g32, b32))
+    assert dict(jaxsub.explain(ln, x, g, b).totals) == {"layer_norm": 1}
+    assert "jaxsub_layer_norm_fwd" in jax.jit(jaxsub.optimize(ln)).lower(x, g, b).as_text()
+    truth = ln(*(a.astype(jnp.float32) for a in (x, g, b)))
+    got = np.abs(np.asarray(jax.jit(jaxsub.optimize(ln))(x, g, b), np.float32) - truth).max()
+    plain = np.abs(np.asarray(jax.jit(ln)(x, g, b), np.float32) - truth).max()
+    assert got <= plain, (got, plain)

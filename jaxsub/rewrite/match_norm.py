@@ -42,6 +42,13 @@ class _Stat:
 
 def _mean(g, ref):
     base, row = strip_row(g, ref)
+    # jnp.mean of a 16-bit x sums it in f32 and rounds the mean back: look through both
+    # converts (the kernels keep their statistics in f32).
+    down = g.op(base, "convert_element_type")
+    trip = []
+    if down is not None and base.dtype in ACTIVATION_DTYPES and down.ins[0].dtype == F32:
+        base, row_f32 = strip_row(g, down.ins[0])
+        trip = [down, *row_f32]
     div = g.op(base, "div")
     if div is None:
         return None
@@ -52,7 +59,13 @@ def _mean(g, ref):
     x, axes = red.ins[0], tuple(red.params["axes"])
     if g.scalar(div.ins[1]) != float(math.prod(x.shape[a] for a in axes)):
         return None
-    return _Stat(x, axes, [*row, div, *row2, red])
+    if trip:
+        up = g.op(x, "convert_element_type")
+        if up is None or up.ins[0].dtype != ref.dtype:
+            return None
+        x = up.ins[0]
+        trip.append(up)
+    return _Stat(x, axes, [*row, *trip, div, *row2, red])
 
 
 def _square(g, ref):
