@@ -406,8 +406,9 @@ class Analysis:
             parts += ["", "after jaxsub.optimize:", opt.class_table(),
                       "fused kernels: " + (", ".join(sorted(opt.targets)) or "none")]
             parts += [f"note: {n}" for n in opt.notes]
-            parts.append(f"data movement: {self.bytes:,} -> {opt.bytes:,} bytes, "
-                         f"{self.bytes_reduction_pct:.2f}% fewer")
+            pct = self.bytes_reduction_pct
+            parts.append(f"data movement: {self.bytes:,} -> {opt.bytes:,} bytes"
+                         + ("" if pct is None else f", {pct:.2f}% fewer"))
         return "\n".join(parts)
 
 
@@ -482,6 +483,8 @@ def analyze(fn, *args, compare_optimized=True, grad=False, argnums=0, time=False
       its kernels do not map onto the classes. Without a GPU it warns and leaves
       `.timing` None.
     """
+    if not callable(fn):
+        raise TypeError(f"jaxsub.analyze: `fn` must be callable, got {type(fn).__name__}")
     base = fn.fn if isinstance(fn, interpreter.Optimized) else fn
     opt = fn if isinstance(fn, interpreter.Optimized) else interpreter.optimize(fn)
     if grad:

@@ -22,6 +22,9 @@ GRAD_FACTOR = 4.0
 def tolerance(dtype, reduction: int = 1, grad: bool = False) -> float:
     """Allowed error (absolute and relative) for outputs of `dtype` that depend on a
     reduction over `reduction` elements; gradients get GRAD_FACTOR more."""
+    if jnp.dtype(dtype) not in _BASE:
+        raise ValueError(f"jaxsub.testing.tolerance: no tolerance for {jnp.dtype(dtype)}; the table has "
+                         f"{sorted(str(d) for d in _BASE)}")
     base = _BASE[jnp.dtype(dtype)]
     tol = base * max(1.0, math.sqrt(reduction) / 8.0)
     return tol * (GRAD_FACTOR if grad else 1.0)

@@ -333,3 +333,11 @@ def test_slices_move_their_window_not_the_array():
     rows = {r.op: r for r in jaxsub.analyze(f, buf, row, 3).ops}
     assert rows["dynamic_update_slice"].bytes == 2 * 1024
     assert rows["dynamic_slice"].bytes == 2 * 1024
+
+
+def test_a_function_that_moves_no_bytes_prints():
+    """Found by probing: printing raised (the reduction percentage is None at 0 bytes)."""
+    text = str(jaxsub.analyze(lambda x: x, _normal(0, (4, 8))))
+    assert "data movement: 0 -> 0 bytes" in text
+    with pytest.raises(TypeError, match="jaxsub.analyze: `fn` must be callable"):
+        jaxsub.analyze(5, _normal(0, (4, 8)))

@@ -171,6 +171,7 @@ _B = tuple(np.zeros((3, 4), np.float32) for _ in range(3))
     (dict(weights=_W[:2] + (np.zeros((12, 3, 4), np.float16),)), TypeError, ["attention_projected", "weights[2]"]),
     (dict(biases=_B[:1] + (np.zeros((4, 3), np.float32),) + _B[2:]), ValueError, ["attention_projected", "biases[1]"]),
     (dict(biases=np.zeros((3, 3, 4), np.float32)), TypeError, ["attention_projected", "`biases`"]),
+    (dict(biases=_B[:1] + (None,) + _B[2:]), TypeError, ["attention_projected", "biases[1]", "None"]),
     (dict(dropout_rate=0.1), ValueError, ["attention_projected", "key"]),
 ])
 def test_bad_inputs_raise_naming_op_and_argument(kwargs, exc, words):

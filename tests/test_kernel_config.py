@@ -222,3 +222,22 @@ def test_handlers_reject_bad_attributes(target):
 def test_cuda_every_configuration_matches_the_default(name, dtype, n):
     inp = jax.device_put(_inputs((67, n), dtype, seed=n), jax.devices("gpu")[0])
     _assert_all_match_default(name, inp, CONFIGS)
+
+
+def test_a_kernel_config_value_and_bad_use_blocks():
+    """Found by probing: a KernelConfig (the checked form) was refused as `kernel_config`;
+    a `use` block with a non-mapping entry, a string, or a resolver answering a non-mapping
+    gave Python's own errors, naming nothing."""
+    inp = _inputs((4, 8), jnp.float32)
+    want = _op(LN, inp)(*(inp[a] for a in ARGS))
+    got = _op(LN, inp, kernel_config=KernelConfig(fwd_threads=64))(*(inp[a] for a in ARGS))
+    assert_close(got, want, what="KernelConfig")
+    for bad in ({LN: 5}, "fast"):
+        with pytest.raises(TypeError, match="jaxsub.ops.config.use"):
+            with config.use(bad):
+                pass
+    with config.use(lambda op, signature: 5):
+        with pytest.raises(TypeError, match="resolver of the `use` block in effect returned 5"):
+            _op(LN, inp)(*(inp[a] for a in ARGS))
+    with pytest.raises(ValueError, match="no tolerance for float64"):
+        jaxsub.testing.tolerance(np.float64)

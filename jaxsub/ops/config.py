@@ -34,7 +34,11 @@ def lookup(op: str, signature: tuple) -> dict:
     resolver = _CURRENT.get()
     if resolver is None:
         return {}
-    return dict(resolver(op, signature) or {})
+    answer = resolver(op, signature) or {}
+    if not isinstance(answer, Mapping):
+        raise TypeError(f"jaxsub.ops.config: the resolver of the `use` block in effect returned {answer!r} for "
+                        f"{op}; expected a mapping {{option: value}}")
+    return dict(answer)
 
 
 def current() -> Resolver | None:
@@ -49,10 +53,17 @@ def use(resolver: Resolver | Mapping | None):
     """Run a block with `resolver` answering `lookup`. A mapping {op: {option: value}}
     applies the same configuration at every signature; None clears any outer block."""
     if isinstance(resolver, Mapping):
+        bad = {op: cfg for op, cfg in resolver.items() if not isinstance(cfg, Mapping)}
+        if bad:
+            raise TypeError(f"jaxsub.ops.config.use: each op's configuration must be a mapping {{option: value}}, "
+                            f"got {bad!r}")
         table = {op: dict(cfg) for op, cfg in resolver.items()}
 
         def resolver(op, signature, _table=table):
             return _table.get(op, {})
+    elif resolver is not None and not callable(resolver):
+        raise TypeError(f"jaxsub.ops.config.use: expects a mapping {{op: {{option: value}}}}, a resolver "
+                        f"(op, signature) -> mapping, or None; got {resolver!r}")
 
     token = _CURRENT.set(resolver)
     try:
@@ -100,6 +111,8 @@ class KernelConfig(NamedTuple):
 
 def _check_kernel_config(op: str, value, origin: str = "") -> KernelConfig:
     what = f"jaxsub.{op}: `kernel_config`{origin}"
+    if isinstance(value, KernelConfig):
+        value = value._asdict()
     if not isinstance(value, Mapping):
         raise TypeError(f"{what} must be None or a mapping with keys among {KERNEL_CONFIG_KEYS}, got {value!r}")
     unknown = sorted(set(value) - set(KERNEL_CONFIG_KEYS), key=str)

@@ -159,6 +159,9 @@ def _check_sequence(op, name, group):
 def _check_three(op, name, group, shape, what, dtype):
     """Three arrays (for q, k and v) of `shape` and `dtype`, or a clear error."""
     _check_sequence(op, name, group)
+    for i, a in enumerate(group):
+        if a is None:
+            raise TypeError(f"jaxsub.{op}: `{name}[{i}]` is None; pass three arrays (or {name}=None for none)")
     arrays = tuple(a if isinstance(a, jax.Array) else jnp.asarray(a) for a in group)
     for i, a in enumerate(arrays):
         if a.shape != shape:
