@@ -297,6 +297,11 @@ BAD_INPUTS = [
     (BDRLN, "rate", ValueError, _bad_bdrln(rate=-0.1)),
     (BDRLN, "key", ValueError, _bad_bdrln(key=None)),
     (BDRLN, "eps", ValueError, _bad_bdrln(eps=0.0)),
+    # Strings and bools converted by float() were taken (found by probing): eps=True was 1.0.
+    (BDRLN, "eps", TypeError, _bad_bdrln(eps=True)),
+    (BDRLN, "eps", TypeError, _bad_bdrln(eps="1e-5")),
+    (BDRLN, "rate", TypeError, _bad_bdrln(rate="0.1")),
+    (BDRLN, "rate", TypeError, _bad_bdrln(rate=False)),
 ]
 
 

@@ -22,6 +22,8 @@ from jaxsub.ops import config as _config
 
 
 def check_rate(op: str, rate, name: str = "rate") -> float:
+    if isinstance(rate, (str, bytes, bool, np.bool_)):  # float("0.1") and float(True) would pass
+        raise TypeError(f"jaxsub.{op}: `{name}` must be a static Python float, got {rate!r}")
     try:
         rate = float(rate)
     except (TypeError, jax.errors.ConcretizationTypeError) as e:

@@ -193,6 +193,8 @@ def _check_activation(op, name, a):
 
 
 def _check_eps(op, eps):
+    if isinstance(eps, (str, bytes, bool, np.bool_)):  # float("1e-5") and float(True) would pass
+        raise TypeError(f"jaxsub.{op}: `eps` must be a static Python float, got {eps!r}")
     try:
         eps = float(eps)
     except (TypeError, jax.errors.ConcretizationTypeError) as e:
