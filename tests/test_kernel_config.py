@@ -239,5 +239,11 @@ def test_a_kernel_config_value_and_bad_use_blocks():
     with config.use(lambda op, signature: 5):
         with pytest.raises(TypeError, match="resolver of the `use` block in effect returned 5"):
             _op(LN, inp)(*(inp[a] for a in ARGS))
+    with pytest.raises(ValueError, match="jaxsub.ops.config.use: no op 'layernorm' takes a configuration"):
+        with config.use({"layernorm": {"kernel_config": {}}}):
+            pass
+    with pytest.raises(ValueError, match="jaxsub.ops.config.use: attention has no option 'implementation'"):
+        with config.use({"attention": {"implementation": "fused"}}):
+            pass
     with pytest.raises(ValueError, match="no tolerance for float64"):
         jaxsub.testing.tolerance(np.float64)

@@ -22,6 +22,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+# The ops that ask `lookup`, and the options each reads from its answer.
+OPTIONS = {"attention": ("impl",), "layer_norm": ("kernel_config",),
+           "bias_dropout_residual_layer_norm": ("kernel_config",), "bias_gelu_dropout": ("kernel_config",)}
+
 # A resolver: (op name, signature) -> {option: value}. The signature is a tuple of
 # (name, value) pairs describing the call (shapes, dtype, static options).
 Resolver = Callable[[str, tuple], Mapping]
@@ -51,12 +55,23 @@ def current() -> Resolver | None:
 @contextlib.contextmanager
 def use(resolver: Resolver | Mapping | None):
     """Run a block with `resolver` answering `lookup`. A mapping {op: {option: value}}
-    applies the same configuration at every signature; None clears any outer block."""
+    applies the same configuration at every signature (its ops and options must be among
+    `OPTIONS`: a misspelt name raises instead of being ignored); None clears any outer
+    block."""
     if isinstance(resolver, Mapping):
         bad = {op: cfg for op, cfg in resolver.items() if not isinstance(cfg, Mapping)}
         if bad:
             raise TypeError(f"jaxsub.ops.config.use: each op's configuration must be a mapping {{option: value}}, "
                             f"got {bad!r}")
+        unknown = {op: sorted(set(cfg) - set(OPTIONS[op])) if op in OPTIONS else None
+                   for op, cfg in resolver.items()}
+        for op, extra in unknown.items():
+            if extra is None:
+                raise ValueError(f"jaxsub.ops.config.use: no op {op!r} takes a configuration; expected any of "
+                                 f"{sorted(OPTIONS)}")
+            if extra:
+                raise ValueError(f"jaxsub.ops.config.use: {op} has no option {extra[0]!r}; expected any of "
+                                 f"{OPTIONS[op]}")
         table = {op: dict(cfg) for op, cfg in resolver.items()}
 
         def resolver(op, signature, _table=table):
