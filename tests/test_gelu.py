@@ -335,6 +335,13 @@ def test_dense_bad_kernel():
         jaxsub.ops.bias_gelu_dropout_dense(x, bias, jnp.ones((8, 3)), rate=0.0, key=None)
     with pytest.raises(TypeError, match="bias_gelu_dropout_dense.*kernel"):
         jaxsub.ops.bias_gelu_dropout_dense(x, bias, jnp.ones((16, 3), BF16), rate=0.0, key=None)
+    # The GELU's own options, checked under the name of the function called.
+    w = jnp.ones((16, 3))
+    for opts, exc, arg in [(dict(rate=1.5), ValueError, "rate"), (dict(deterministic=None), TypeError, "deterministic"),
+                           (dict(kernel_config={"bwd_threads": 48}), ValueError, "kernel_config"),
+                           (dict(library_products=1), TypeError, "library_products")]:
+        with pytest.raises(exc, match=f"bias_gelu_dropout_dense: `{arg}`"):
+            jaxsub.ops.bias_gelu_dropout_dense(x, bias, w, **{"rate": 0.0, "key": None, **opts})
 
 
 # dense_bias_gelu_dropout: the product before the op in one call (on CPU the target's
@@ -429,13 +436,17 @@ def test_dense_gelu_targets_in_lowered_hlo():
     (dict(x=jnp.ones((4, 16), jnp.int32), w=jnp.ones((16, 32), jnp.int32)), TypeError, "dense_bias_gelu_dropout.*x"),
     (dict(w_out=jnp.ones((31, 8))), ValueError, "dense_bias_gelu_dropout.*out_kernel"),
     (dict(w_out=jnp.ones((32, 8), F16)), TypeError, "dense_bias_gelu_dropout.*out_kernel"),
-    (dict(rate=1.0), ValueError, "rate")])
+    (dict(rate=1.0), ValueError, "dense_bias_gelu_dropout: `rate`"),
+    (dict(approximate=1), TypeError, "dense_bias_gelu_dropout: `approximate`"),
+    (dict(kernel_config={"fwd_elems": 5}), ValueError, "dense_bias_gelu_dropout: `kernel_config`"),
+    (dict(library_products="yes"), TypeError, "dense_bias_gelu_dropout: `library_products`")])
 def test_dense_gelu_bad_inputs_raise(kwargs, exc, match):
     a = dict(x=jnp.ones((4, 16)), w=jnp.ones((16, 32)), bias=jnp.ones((32,)), w_out=None, rate=0.1)
     a.update(kwargs)
+    opts = {k: a[k] for k in ("approximate", "kernel_config", "library_products") if k in a}
     with pytest.raises(exc, match=match):
         jaxsub.ops.dense_bias_gelu_dropout(a["x"], a["w"], a["bias"], rate=a["rate"], key=jax.random.key(0),
-                                           out_kernel=a["w_out"])
+                                           out_kernel=a["w_out"], **opts)
 
 
 @pytest.mark.gpu

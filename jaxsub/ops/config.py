@@ -145,16 +145,18 @@ def _check_kernel_config(op: str, value, origin: str = "") -> KernelConfig:
     return KernelConfig(**{k: int(v) for k, v in value.items()})
 
 
-def kernel_config(op: str, value, signature: tuple) -> KernelConfig:
+def kernel_config(op: str, value, signature: tuple, caller: str | None = None) -> KernelConfig:
     """The kernel configuration a row op runs with: `value` (the op's `kernel_config`
     argument) when given, else the "kernel_config" entry of `lookup(op, signature)`, else
-    the defaults. TypeError/ValueError naming the op and `kernel_config` when it is bad."""
+    the defaults. TypeError/ValueError naming `caller` (the public function called, `op`
+    by default) and `kernel_config` when it is bad."""
+    caller = caller or op
     if value is not None:
-        return _check_kernel_config(op, value)
+        return _check_kernel_config(caller, value)
     value = lookup(op, signature).get("kernel_config")
     if value is None:
         return KernelConfig()
-    return _check_kernel_config(op, value, " from the configuration in effect")
+    return _check_kernel_config(caller, value, " from the configuration in effect")
 
 
 def row_signature(x, param_dtype, **static) -> tuple:

@@ -220,13 +220,13 @@ def _dense_gelu_unsupported(x, kernel, bias) -> str | None:
 # Public function.
 
 
-def _check_bool(name, value) -> bool:
+def _check_bool(name, value, op=_OP) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"jaxsub.{_OP}: `{name}` must be a Python bool, got {value!r}")
+        raise TypeError(f"jaxsub.{op}: `{name}` must be a Python bool, got {value!r}")
     return bool(value)
 
 
-def _check_inputs(x, bias):
+def _check_inputs(x, bias, op=_OP):
     x = x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(x)
     if bias is None:
         raise TypeError(f"jaxsub.{_OP}: `bias` is required (pass zeros of shape (x.shape[-1],) for none)")
@@ -243,17 +243,18 @@ def _check_inputs(x, bias):
     return x, bias
 
 
-def _prepare(x, bias, rate, key, approximate, deterministic, kernel_config):
-    """Checked (x, bias, rate, approximate, seed, kernel, fallback reason or None)."""
-    x, bias = _check_inputs(x, bias)
-    rate = _dropout.check_rate(_OP, rate)
-    approximate = _check_bool("approximate", approximate)
-    deterministic = _check_bool("deterministic", deterministic)
+def _prepare(x, bias, rate, key, approximate, deterministic, kernel_config, op=_OP):
+    """Checked (x, bias, rate, approximate, seed, kernel, fallback reason or None); errors
+    name `op` (the public function called)."""
+    x, bias = _check_inputs(x, bias, op)
+    rate = _dropout.check_rate(op, rate)
+    approximate = _check_bool("approximate", approximate, op)
+    deterministic = _check_bool("deterministic", deterministic, op)
     if deterministic:
         rate = 0.0
-    seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
+    seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
     kernel = _config.kernel_config(_OP, kernel_config, _config.row_signature(
-        x, bias.dtype, approximate=approximate, dropout_rate=rate))
+        x, bias.dtype, approximate=approximate, dropout_rate=rate), caller=op)
     n = x.shape[-1]
     reason = None
     if n > _ffi.MAX_COLS or x.size == 0:
@@ -317,17 +318,18 @@ def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, de
       (In a scanned stack it no longer saves time since the stack's custom calls write
       their residuals in place: bench/NOTES.md, thirty-first session.)
     """
+    name = f"{_OP}_dense"
     x, bias, rate, approximate, seed, config, reason = _prepare(x, bias, rate, key, approximate, deterministic,
-                                                                kernel_config)
+                                                                kernel_config, name)
     kernel = kernel if isinstance(kernel, jax.Array) else jnp.asarray(kernel)
     if kernel.ndim != 2 or kernel.shape[0] != x.shape[-1]:
-        raise ValueError(f"jaxsub.{_OP}_dense: `kernel` must have shape ({x.shape[-1]}, E), got {kernel.shape}")
+        raise ValueError(f"jaxsub.{name}: `kernel` must have shape ({x.shape[-1]}, E), got {kernel.shape}")
     if kernel.dtype != x.dtype:
-        raise TypeError(f"jaxsub.{_OP}_dense: `kernel` must have x's dtype ({x.dtype}), got {kernel.dtype}")
+        raise TypeError(f"jaxsub.{name}: `kernel` must have x's dtype ({x.dtype}), got {kernel.dtype}")
     if reason is not None:
         return _dense(bias_gelu_dropout(x, bias, rate=rate, key=key, approximate=approximate,
                                         kernel_config=kernel_config), kernel)
-    library = (_check_bool("library_products", library_products) and _gemm.in_place_pays(x.dtype)
+    library = (_check_bool("library_products", library_products, name) and _gemm.in_place_pays(x.dtype)
                and _gemm.supported(x, kernel))
     return _fused_dense(x, bias, kernel, seed, approximate, rate, config, library)
 
@@ -382,7 +384,7 @@ def dense_bias_gelu_dropout(x, kernel, bias, *, rate, key, approximate=False, de
     # The op's checks and configuration for the product, [..., F].
     product = jax.ShapeDtypeStruct((*x.shape[:-1], kernel.shape[1]), x.dtype)
     _, bias, rate, approximate, seed, config, reason = _prepare(product, bias, rate, key, approximate, deterministic,
-                                                                kernel_config)
+                                                                kernel_config, name)
     if out_kernel is not None:
         out_kernel = out_kernel if isinstance(out_kernel, jax.Array) else jnp.asarray(out_kernel)
         if out_kernel.ndim != 2 or out_kernel.shape[0] != kernel.shape[1]:
@@ -390,7 +392,7 @@ def dense_bias_gelu_dropout(x, kernel, bias, *, rate, key, approximate=False, de
                              f"got {out_kernel.shape}")
         if out_kernel.dtype != x.dtype:
             raise TypeError(f"jaxsub.{name}: `out_kernel` must have x's dtype ({x.dtype}), got {out_kernel.dtype}")
-    library = _check_bool("library_products", library_products) and _gemm.in_place_pays(x.dtype)
+    library = _check_bool("library_products", library_products, name) and _gemm.in_place_pays(x.dtype)
     why = _dense_gelu_unsupported(x, kernel, bias)
     if why is not None or reason is not None:
         if why != "":
