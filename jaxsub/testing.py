@@ -53,15 +53,20 @@ def assert_close(actual, expected, dtype=None, reduction: int = 1, grad: bool = 
 
 
 def assert_vmap_matches_loop(f, keys):
-    """vmap of f over a batch of keys equals f applied key by key (bit for bit), and two
-    different keys give different results: per-example keys keep their meaning."""
-
-
-    got = jax.jit(jax.vmap(f))(keys)
+    """vmap of f over a batch of keys (at least two) equals f applied key by key (bit for
+    bit), and the first two keys give different results: per-example keys keep their
+    meaning. f may return an array or any pytree of arrays."""
+    if keys.ndim < 1 or keys.shape[0] < 2:
+        raise ValueError(f"jaxsub.testing.assert_vmap_matches_loop: `keys` must be a batch of at least two keys, "
+                         f"got shape {keys.shape}")
+    got = jax.tree.leaves(jax.jit(jax.vmap(f))(keys))
     for i in range(keys.shape[0]):
-        for g, w in zip(got, jax.jit(f)(keys[i])):
+        want = jax.tree.leaves(jax.jit(f)(keys[i]))
+        assert len(want) == len(got)
+        for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
-    assert not np.array_equal(np.asarray(got[0][0]), np.asarray(got[0][1]))
+    assert any(not np.array_equal(np.asarray(g[0]), np.asarray(g[1])) for g in got), \
+        "the first two keys gave the same results"
 
 
 def ffi_attributes(hlo_text: str, target: str) -> list[dict]:

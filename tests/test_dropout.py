@@ -380,6 +380,30 @@ def test_residual_add_vmap_over_keys_matches_loop():
     assert_vmap_matches_loop(f, jax.random.split(jax.random.key(18), 3))
 
 
+def test_assert_vmap_matches_loop_takes_one_array_and_can_fail():
+    """jaxsub.testing's check on a function returning one array (it once zipped over the
+    array's rows), and on functions it must refuse: one ignoring its key, one whose vmap
+    differs from its loop."""
+    x = jnp.ones((4, 8))
+    keys = jax.random.split(jax.random.key(19), 3)
+    assert_vmap_matches_loop(lambda key: jaxsub.ops.bias_gelu_dropout(x, jnp.zeros(8), rate=0.5, key=key), keys)
+    with pytest.raises(AssertionError, match="the first two keys gave the same results"):
+        assert_vmap_matches_loop(lambda key: x * 2, keys)
+
+    @jax.custom_batching.custom_vmap
+    def shifted_under_vmap(u):
+        return u
+
+    @shifted_under_vmap.def_vmap
+    def _(axis_size, in_batched, u):
+        return u + 1.0, in_batched[0]
+
+    with pytest.raises(AssertionError, match="Arrays are not equal"):
+        assert_vmap_matches_loop(lambda key: shifted_under_vmap(jax.random.uniform(key, (3,))), keys)
+    with pytest.raises(ValueError, match="assert_vmap_matches_loop: `keys` must be a batch of at least two"):
+        assert_vmap_matches_loop(lambda key: x, keys[:1])
+
+
 @pytest.mark.parametrize("what", ["mixed dtypes", "wide rows", "zero size", "no CUDA target"])
 def test_residual_add_falls_back_to_the_formula(what, fallback_log, monkeypatch):
     """Operands the kernels do not take, or a GPU build without the target, run the jnp
