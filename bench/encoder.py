@@ -411,7 +411,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     wrong = [c for c in args.configs if c not in size.configs]
     if wrong:
         p.error(f"--configs {','.join(wrong)} not in this run's set ({','.join(size.configs)}); "
-                + ("the full-size set runs without --small, which `python -m bench` adds where there is no GPU"
+                + ("the full-size set runs without --small, which is added where there is no GPU"
                    if args.small else "add --small"))
     args.rows = [BASELINE, *[r for r in args.rows if r != BASELINE]]
     return args

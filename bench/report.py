@@ -66,10 +66,20 @@ def add_run_arguments(p: argparse.ArgumentParser, default_json: pathlib.Path, re
     p.add_argument("--json", type=pathlib.Path, default=default_json, help=f"output path (default {default_json})")
 
 
+def has_gpu() -> bool:
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
 def parse_run_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The parsed arguments, checked; `--small` is set (with a note) where no GPU is
+    visible, as the full-size shapes are sized for an H200 and take hours on a CPU (not
+    for `--floors`, which times nothing)."""
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if not args.small and not getattr(args, "floors", False) and not has_gpu():
+        print("no GPU found: running the small CPU configuration (--small)", flush=True)
+        args.small = True
     return args
 
 

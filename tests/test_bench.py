@@ -561,3 +561,24 @@ def test_step_dram_bytes_runs_from_the_compilation_cache(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "jaxsub: one step run" in run.stdout
     assert sorted(p.name for p in pathlib.Path(cache).iterdir()) == entries
+
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_benchmarks_run_small_without_a_gpu(monkeypatch, capsys, gpu):
+    """Found by probing: `python -m bench.attention` / `bench.layout` / `bench.ops` without
+    --small started the H200-sized shapes on a CPU (hours); only `python -m bench` switched.
+    Every benchmark's arguments now say --small where no GPU is visible, with a note;
+    --floors (no timing) keeps the full-size floors."""
+    from bench import encoder, layout, ops, report
+
+    monkeypatch.setattr(report, "has_gpu", lambda: gpu)
+    parsed = [encoder.parse_args([]), ops.parse_args([]), bench_attention.parse_args([])]
+    seen = []
+    monkeypatch.setattr(report, "print_run_header", lambda: seen.append("header") or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        layout.main([])
+    printed = capsys.readouterr().out
+    assert [a.small for a in parsed] == [not gpu] * 3 and seen == ["header"]
+    assert printed.count("no GPU found: running the small CPU configuration (--small)") == (0 if gpu else 4)
+    assert not bench_attention.parse_args(["--floors"]).small
