@@ -479,6 +479,18 @@ def test_fused_on_gpu_with_kernel_and_supported_shape_is_fused(monkeypatch, fall
     assert "jaxsub_attention_fwd" in hlo and not fallback_log
 
 
+def test_unfused_wide_rows_fallback_logs_under_the_function_called(monkeypatch, fallback_log):
+    """Found by probing: the unfused attention's rows wider than the softmax kernel takes
+    fell back under softmax_dropout's name. (The width limit is lowered for the test.)"""
+    monkeypatch.setattr(_ffi, "MAX_COLS", 2)
+    q, k, v, _ = qkv(107, 2, 3, 7, 2, 8, F32)
+    got = op(q, k, v, implementation="unfused")
+    assert_close(got, reference_attention(q, k, v), what="wide-row fallback")
+    jaxsub.ops.attention_packed(jnp.stack([q, q, q], axis=2), implementation="unfused")
+    assert [name for name, _ in fallback_log] == ["attention", "attention_packed"]
+    assert [why for _, why in fallback_log] == ["last dimension 7 > 2", "last dimension 3 > 2"]
+
+
 @pytest.mark.parametrize("platform,has_kernel,sm90,dtype,d,want", [
     ("gpu", True, False, BF16, 64, "fused"), ("gpu", True, False, F16, 32, "fused"),
     ("gpu", True, False, BF16, 128, "unfused"), ("gpu", True, True, BF16, 128, "fused"),

@@ -273,7 +273,8 @@ def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate):
     grad_mask = _masks.differentiated(kind, mask4d)
     q, k, v, mask4d, seed = _masks.primals(q, k, v, mask4d, seed)
     if grad_mask:
-        return switched(_OP, lambda q, k, v, m: _unfused(q, k, v, m, seed, kind, causal, scale, rate), q, k, v, mask4d)
+        return switched(_OP, lambda q, k, v, m: _unfused(q, k, v, m, seed, kind, causal, scale, rate, op=_OP),
+                        q, k, v, mask4d)
     out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
     return out, (q, k, v, out, lse, mask4d, seed)
 
@@ -300,7 +301,8 @@ def _fused_packed_fwd(qkv, mask4d, seed, axis, scale, causal, kind, rate):
     qkv, mask4d, seed = _masks.primals(qkv, mask4d, seed)
     if grad_mask:
         return switched("attention_packed",
-                        lambda qkv, m: _unfused(*packed_slices(qkv, axis), m, seed, kind, causal, scale, rate),
+                        lambda qkv, m: _unfused(*packed_slices(qkv, axis), m, seed, kind, causal, scale, rate,
+                                                op="attention_packed"),
                         qkv, mask4d)
     out, lse = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)
     return out, (qkv, out, lse, mask4d, seed)
@@ -321,20 +323,21 @@ _fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd, symbolic_zeros=True)
 # Public function.
 
 
-def _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate):
+def _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate, *, op):
     # Both GEMMs in the input dtype: the GPU accumulates in f32 and rounds once, as an f32
     # result cast back would, but autodiff then keeps every cotangent in that dtype too.
     # (With an f32 result, the backward turned dS into f32 [B, H, Sq, Sk] tensors and ran
     # mixed f32 x bf16 GEMMs.)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-    p = _softmax.softmax_4d(scores, mask4d, seed, scale, causal, kind, rate)
+    p = _softmax.softmax_4d(scores, mask4d, seed, scale, causal, kind, rate, op=op)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def unfused_source(source, mask4d, seed, kind, causal, scale, rate):
-    """The unfused path on a source of q, k and v (`_attention`'s `source`)."""
+def unfused_source(source, mask4d, seed, kind, causal, scale, rate, *, op):
+    """The unfused path on a source of q, k and v (`_attention`'s `source`); `op` names
+    the public function in log lines."""
     qkv, axis, extra = source.product()
-    return source.result(_unfused(*packed_slices(qkv, axis), mask4d, seed, kind, causal, scale, rate), extra)
+    return source.result(_unfused(*packed_slices(qkv, axis), mask4d, seed, kind, causal, scale, rate, op=op), extra)
 
 
 _platform = _ffi.platform_of  # where q lives (a module attribute: tests replace it)
@@ -547,7 +550,7 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
         _ffi.fallback(op, reason, instead="the unfused path")
     if source is not None:
-        return unfused_source(source, mask4d, seed, kind, causal, scale, rate)
+        return unfused_source(source, mask4d, seed, kind, causal, scale, rate, op=op)
     if packed is not None:
         q, k, v = packed_slices(*packed)
-    return _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate)
+    return _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate, op=op)

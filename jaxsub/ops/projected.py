@@ -69,7 +69,8 @@ def _fused_projected_fwd(x, weights, biases, mask4d, seed, scale, causal, kind, 
     x, weights, biases, mask4d, seed = _masks.primals(x, weights, biases, mask4d, seed)
     if grad_mask:
         return _attn.switched("attention_projected", lambda x, w, b, m: _attn.unfused_source(
-            _Projected(x, w, b), m, seed, kind, causal, scale, rate), x, weights, biases, mask4d)
+            _Projected(x, w, b), m, seed, kind, causal, scale, rate, op="attention_projected"), x, weights, biases,
+            mask4d)
     q, k, v = _projections(x, weights, biases)
     out, lse = _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
     return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed)
@@ -122,7 +123,8 @@ def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal,
     x, kernel, bias, mask4d, seed = _masks.primals(x, kernel, bias, mask4d, seed)
     if grad_mask:
         return _attn.switched("dense_attention_packed", lambda x, w, b, m: _attn.unfused_source(
-            _DensePacked(x, w, b, axes, shared), m, seed, kind, causal, scale, rate), x, kernel, bias, mask4d)
+            _DensePacked(x, w, b, axes, shared), m, seed, kind, causal, scale, rate, op="dense_attention_packed"),
+            x, kernel, bias, mask4d)
     return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)
 
 

@@ -185,12 +185,13 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
     return softmax_4d(scores.reshape(b, h, sq, sk), mask4, seed, scale, causal, kind, rate).reshape(scores.shape)
 
 
-def softmax_4d(scores, mask4d, seed, scale, causal, kind, rate):
+def softmax_4d(scores, mask4d, seed, scale, causal, kind, rate, op=_OP):
     """`softmax_dropout` after its checks: scores [B, H, Sq, Sk], the mask as
     `masks.normalize` returns it, the seed words (`dropout.seed_from_key`; NO_SEED when
-    rate is 0). The unfused attention's middle step."""
+    rate is 0). The unfused attention's middle step (`op`: the public function called,
+    for the fallback's log line)."""
     if scores.shape[-1] > _ffi.MAX_COLS or scores.size == 0:
-        _ffi.fallback(_OP, "zero-size input" if scores.size == 0
+        _ffi.fallback(op, "zero-size input" if scores.size == 0
                       else f"last dimension {scores.shape[-1]} > {_ffi.MAX_COLS}")
         keep = _dropout.seed_mask(seed, scores.shape, rate) if rate > 0.0 and scores.size else None
         return reference_softmax_dropout(scores, scale=scale, mask=None if kind == _masks.NONE else mask4d,
