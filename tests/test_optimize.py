@@ -956,3 +956,23 @@ def test_explain_report_lists_matches_with_source():
     assert "layer_norm" in text and "float32[6, 32]" in text and "eps=1e-05" in text
     assert "test_optimize.py" in text and "ln_two_pass" in text
     assert "Totals: layer_norm x1" in text
+
+
+def test_dead_code_is_neither_matched_nor_counted():
+    """Found by probing: explain listed a layer norm whose result the function never
+    returned (jit drops it; the compiled program had no call for it). A layer norm read
+    only by an effect (a debug callback) stays, as it does under jit."""
+    x, s, b = _normal(0, (6, N)), _normal(1, (N,)), _normal(2, (N,))
+
+    def dead(x, s, b):
+        ln_two_pass(x, s, b)
+        return x * 2
+
+    def printed(x, s, b):
+        jax.debug.callback(lambda y: None, ln_two_pass(x, s, b))
+        return x * 2
+
+    assert not jaxsub.explain(dead, x, s, b).matches
+    assert_close(jaxsub.optimize(dead)(x, s, b), x * 2, what="dead")
+    assert jaxsub.explain(printed, x, s, b).totals == {"layer_norm": 1}
+    assert _counts(jaxsub.optimize(printed), x, s, b)["jaxsub_layer_norm_fwd"] == 1

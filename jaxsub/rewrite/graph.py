@@ -212,7 +212,26 @@ def build(jaxpr, consts) -> Graph:
     g.invars = [Ref(v.aval) for v in jaxpr.invars]
     g.outvars = _Builder(g).emit(jaxpr, consts, g.invars)
     g.uses.update(g.outvars)
+    _drop_dead(g)
     return g
+
+
+def _drop_dead(g: Graph) -> None:
+    """Removes the nodes whose outputs reach no output and that have no effects (what
+    jit's dead-code elimination drops), so that the plan neither matches them (explain
+    listed matches the compiled program had no call for) nor counts their uses."""
+    live = set(g.outvars)
+    kept = []
+    for node in reversed(g.nodes):
+        if node.eqn.effects or any(r in live for r in node.outs):
+            live.update(node.ins)
+            kept.append(node)
+            continue
+        g.uses.subtract(node.ins)
+        for r in node.outs:
+            del g.producer[r]
+    g.nodes = kept[::-1]
+    g.uses = +g.uses
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
