@@ -194,6 +194,31 @@ def test_softmax_custom_jvp_flag():
     assert not report.unsearched
 
 
+def test_users_custom_jvp_softmax_is_left_alone():
+    """Found by probing: a user's custom_jvp around a softmax, with a derivative rule of its
+    own, was matched as jax.nn.softmax's and the rule silently dropped (gradients 10x off)."""
+
+    @jax.custom_jvp
+    def softmax(s):
+        return jax.nn.softmax(s, axis=-1)
+
+    @softmax.defjvp
+    def _(primals, tangents):
+        y, dy = jax.jvp(lambda s: jax.nn.softmax(s, axis=-1), primals, tangents)
+        return y, 0.1 * dy
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+        return jnp.einsum("bhqk,bkhd->bqhd", softmax(s), v)
+
+    args = _qkv()
+    report = jaxsub.explain(f, *args)
+    assert not report.matches and [e.pattern for e in report.unsearched] == ["custom_jvp_call"]
+    loss = lambda f: lambda *a: jnp.sin(f(*a)).sum()  # noqa: E731
+    for got, want in zip(jax.grad(loss(jaxsub.optimize(f)), (0, 1, 2))(*args), jax.grad(loss(f), (0, 1, 2))(*args)):
+        assert_close(got, want, what="user's rule")
+
+
 def test_fully_masked_rows_differ_only_there():
     """The documented difference: rows without a visible key give 0, the original the mean of v."""
     q, k, v = _qkv("bhsd")

@@ -22,6 +22,7 @@ moving the axis costs a transpose of the scores in memory.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 
@@ -93,10 +94,20 @@ def _shift(g: G.Graph, ref, x, axis):
             ref = node.ins[0]
 
 
+def _jax_softmax_rule(node) -> bool:
+    """Whether a `custom_jvp_call`'s derivative rule is jax.nn.softmax's own (under
+    jax_softmax_custom_jvp), told by the rule's source in its debug info. A user's
+    custom_jvp around a softmax has a rule of its own, which the fused op would drop."""
+    rule = node.params.get("jvp_jaxpr_fun", node.params.get("jvp_jaxpr_thunk"))
+    where = getattr(getattr(rule, "debug_info", None), "func_src_info", None) or ""
+    name, _, path = where.partition(" at ")
+    return name == "_softmax_jvp" and os.path.join("jax", "_src", "nn", "functions.py") in path
+
+
 def _softmax_call(node):
-    """The Softmax of a `custom_jvp_call` whose body is a softmax of its first operand."""
+    """The Softmax of jax.nn.softmax's `custom_jvp_call` (a softmax of its first operand)."""
     jaxpr, consts = G._body(node.params)
-    if node.params.get("num_consts", 0) or len(node.outs) != 1 or jaxpr is None:
+    if node.params.get("num_consts", 0) or len(node.outs) != 1 or jaxpr is None or not _jax_softmax_rule(node):
         return None
     body = G.build(jaxpr, consts)
     found = parse(body, body.outvars[0])
