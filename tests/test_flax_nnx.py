@@ -76,3 +76,18 @@ def test_train_and_eval_switch_dropout():
     assert_close(layer(x, deterministic=True), plain, what="explicit")
     layer.eval()
     assert_close(layer(x), plain, what="eval")
+
+
+def test_eval_mode_runs_under_plain_jax_transforms():
+    """Found by probing: in eval mode the layer failed under plain jax.jit / grad / vmap
+    (Flax's TraceContextError: the bridge advanced the rng streams' counts, a mutation of
+    the closed-over module), where an nnx.Dropout model in eval mode runs. Without dropout
+    no stream is drawn from; with dropout (train mode) nnx's own transforms are needed."""
+    layer = jnnx.EncoderLayer(32, rngs=nnx.Rngs(0, dropout=1), **FIELDS)
+    x = _x()
+    want = layer(x)
+    counts = nnx.to_pure_dict(nnx.state(layer, nnx.RngCount))
+    assert_close(jax.jit(lambda x: layer(x))(x), want, what="jit")
+    assert_close(jax.vmap(lambda x: layer(x[None])[0])(x), want, what="vmap")
+    assert jax.grad(lambda x: layer(x).sum())(x).shape == x.shape
+    assert nnx.to_pure_dict(nnx.state(layer, nnx.RngCount)) == counts

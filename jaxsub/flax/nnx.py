@@ -16,10 +16,15 @@ Every keyword of the linen module is accepted (see `jaxsub.flax.EncoderLayer`).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import bridge
 
 from jaxsub.flax import encoder as _linen
+
+
+def _true(flag) -> bool:
+    return isinstance(flag, (bool, np.bool_)) and bool(flag)
 
 
 class _Bridged(nnx.Module):
@@ -35,7 +40,11 @@ class _Bridged(nnx.Module):
 
     def __call__(self, x, mask=None, *, deterministic: bool | None = None):
         """deterministic: None takes the module's attribute (nnx's train() / eval())."""
-        return self.module(x, mask, deterministic=self.deterministic if deterministic is None else deterministic)
+        deterministic = self.deterministic if deterministic is None else deterministic
+        # Without dropout no stream is drawn from: the bridge would otherwise advance every
+        # stream's count, a mutation that plain jax.jit / grad / vmap of an eval-mode model
+        # refuse (as an nnx.Dropout in eval mode draws nothing).
+        return self.module(x, mask, deterministic=deterministic, **({"rngs": {}} if _true(deterministic) else {}))
 
 
 class EncoderLayer(_Bridged):
