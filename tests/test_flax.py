@@ -35,36 +35,45 @@ def _key_padding():
 
 
 def _additive(masking):
-    """Additive masks: BERT's padding form (1 - valid) * -1e4 as [B, S]; a learned-bias-like
-    [H, S, S] with the second example's last keys hidden by -inf ([B, H, S, S])."""
+    """Additive biases: BERT's padding form (1 - valid) * -1e4 as [B, S]; a learned-bias-like
+    [H, S, S] with the second example's last keys hidden by -inf ([B, H, S, S]); the same
+    learned bias alone ([1, H, S, S]), to go with a boolean mask."""
     if masking == "additive_padding":
         return (1.0 - _key_padding().astype(jnp.float32)) * -1e4
-    bias = np.random.default_rng(5).standard_normal((1, H, S, S)).astype(np.float32)
-    return jnp.where(_key_padding()[:, None, None, :], jnp.asarray(bias), -jnp.inf)
+    bias = jnp.asarray(np.random.default_rng(5).standard_normal((1, H, S, S)).astype(np.float32))
+    if masking == "mask_and_bias":
+        return bias
+    return jnp.where(_key_padding()[:, None, None, :], bias, -jnp.inf)
 
 
 @pytest.mark.parametrize("pre_layer_norm,masking", [
     (False, "none"), (False, "key_padding"), (False, "causal"), (True, "none"), (True, "both"),
-    (False, "additive_padding"), (True, "additive_bias")])
+    (False, "additive_padding"), (True, "additive_bias"), (False, "mask_and_bias"), (True, "int_mask")])
 def test_matches_plain_flax(pre_layer_norm, masking):
+    """Values and gradients (the parameters', x's, and a bias's) against plain Flax, whose
+    attention takes `mask` and `bias` as its own arguments."""
     causal = masking in ("causal", "both")
     layer, x, params = _setup(pre_layer_norm=pre_layer_norm, causal=causal)
     ref = reference_layer(layer)
-    mask = _key_padding() if masking in ("key_padding", "both") else None
-    if masking.startswith("additive"):
-        mask = _additive(masking)
+    mask = _key_padding() if masking in ("key_padding", "both", "mask_and_bias") else None
+    if masking == "int_mask":  # Flax's convention: nonzero attends
+        mask = _key_padding().astype(jnp.int32) * 3
+    bias = _additive(masking) if masking.startswith("additive") or masking == "mask_and_bias" else None
 
-    def loss(module, p, x):
-        y = module.apply({"params": p}, x, mask)
+    def loss(module, p, x, bias):
+        y = module.apply({"params": p}, x, mask, bias=bias)
         return jnp.sum(y * jnp.cos(y)), y
 
     # f32 products in f32 on a GPU backend too (XLA's default there rounds them to TF32).
     with jax.default_matmul_precision("highest"):
-        (_, y), (gp, gx) = jax.jit(jax.value_and_grad(lambda p, x: loss(layer, p, x), (0, 1), has_aux=True))(params, x)
+        grad = lambda module: jax.jit(jax.value_and_grad(  # noqa: E731
+            lambda p, x, bias: loss(module, p, x, bias), (0, 1, 2), has_aux=True))
+        (_, y), (gp, gx, gb) = grad(layer)(params, x, bias)
         flax_params = to_flax_params(params)
-        (_, y_ref), (gp_ref, gx_ref) = jax.jit(
-            jax.value_and_grad(lambda p, x: loss(ref, p, x), (0, 1), has_aux=True))(flax_params, x)
+        (_, y_ref), (gp_ref, gx_ref, gb_ref) = grad(ref)(flax_params, x, bias)
 
+    if masking == "mask_and_bias":
+        assert_close(gb, gb_ref, reduction=S * E * F, grad=True, what="dbias")
     # The layer chains reductions over E, S and F; its error grows with all of them.
     assert_close(y, y_ref, reduction=E * F, what="output")
     assert_close(gx, gx_ref, reduction=S * E * F, grad=True, what="dx")
@@ -74,6 +83,42 @@ def test_matches_plain_flax(pre_layer_norm, masking):
         for k in path:
             have = have[k.key]
         assert_close(have, want, reduction=B * S * E * F, grad=True, what=jax.tree_util.keystr(path))
+
+
+def test_mask_must_say_boolean_or_additive():
+    """Found by probing: nn.make_attention_mask's float 0/1 mask (Flax reads it as boolean)
+    was taken as additive, +1 / 0 on the scores: padded keys were not hidden. A floating
+    mask now raises; a boolean or integer one is Flax's mask, an additive one goes in
+    `bias`, for the layer, the stack, the plain-Flax twin and the nnx module."""
+    import flax.linen as nn
+    from flax import nnx
+
+    from jaxsub.flax import nnx as jnnx
+
+    layer, x, params = _setup(seed=11)
+    valid = _key_padding()
+    flax_mask = nn.make_attention_mask(valid, valid)  # float32 0/1, [B, 1, S, S]
+    assert flax_mask.dtype == jnp.float32
+    want = layer.apply({"params": params}, x, flax_mask.astype(bool))
+    enc = Encoder(num_layers=2, num_heads=H, mlp_dim=F, layouts="none")
+    nnx_layer = jnnx.EncoderLayer(E, num_heads=H, mlp_dim=F, rngs=nnx.Rngs(0))
+    for call in (lambda m: layer.apply({"params": params}, x, m),
+                 lambda m: reference_layer(layer).apply({"params": to_flax_params(params)}, x, m),
+                 lambda m: enc.init(jax.random.key(0), x, m), lambda m: nnx_layer(x, m)):
+        with pytest.raises(TypeError, match=r"jaxsub.flax.\w+: `mask` is float32; it must be boolean"):
+            call(flax_mask)
+    with pytest.raises(TypeError, match="jaxsub.flax.EncoderLayer: `bias` .* must be floating, got bool"):
+        layer.apply({"params": params}, x, bias=valid)
+    assert_close(layer.apply({"params": params}, x, flax_mask.astype(jnp.int8)), want, what="int8 mask")
+    # The hidden keys stay hidden under a bias too, and the stack passes both to each layer.
+    bias = jnp.asarray(np.random.default_rng(3).standard_normal((H, S, S)), jnp.float32)
+    both = layer.apply({"params": params}, x, valid, bias=bias)
+    assert_close(both, layer.apply({"params": params}, x, bias=jnp.where(valid[:, None, None], bias, -jnp.inf)),
+                 what="mask and bias")
+    p2 = enc.init(jax.random.key(0), x)["params"]
+    assert_close(enc.apply({"params": p2}, x, valid, bias=bias),
+                 enc.apply({"params": p2}, x, bias=jnp.where(valid[:, None, None], bias, -jnp.inf)),
+                 what="stack, mask and bias")
 
 
 def test_param_conversion_round_trips():

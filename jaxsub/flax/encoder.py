@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxsub import layout, ops, stack
 from jaxsub.ops import dropout as _dropout
+from jaxsub.ops import masks as _masks
 
 Initializer = Callable[..., Any]
 
@@ -75,6 +76,48 @@ def _key_padding_to_4d(mask):
     """A [B, Sk] key-padding mask as [B, 1, 1, Sk]; other masks unchanged."""
     mask = jnp.asarray(mask)
     return mask[:, None, None, :] if mask.ndim == 2 else mask
+
+
+def _checked_mask(where: str, mask, bias):
+    """(mask, bias) of a module's call, checked: mask boolean (an integer one as mask != 0,
+    as Flax reads it), bias floating."""
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if jnp.issubdtype(mask.dtype, jnp.floating):
+            raise TypeError(
+                f"jaxsub.flax.{where}: `mask` is {mask.dtype}; it must be boolean (or integer: nonzero attends). A "
+                f"floating mask is ambiguous: Flax reads 0/1 floats (nn.make_attention_mask's default) as "
+                f"boolean, jaxsub's ops read floats as additive. Pass mask.astype(bool), or an additive mask or "
+                f"learned bias as `bias`")
+        if mask.dtype != jnp.bool_:
+            mask = mask != 0
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"jaxsub.flax.{where}: `bias` (added to the scaled scores) must be floating, "
+                            f"got {bias.dtype}")
+    return mask, bias
+
+
+def _attention_mask(where: str, x, heads: int, mask, bias):
+    """The one mask the attention ops take for a module's (mask, bias): the boolean mask,
+    the additive bias, or (both) the bias where the mask attends and -inf elsewhere, which
+    the ops read as the boolean mask would hide those keys. Shapes: [B, S] (key padding)
+    or broadcastable to [B, H, S, S]."""
+    mask, bias = _checked_mask(where, mask, bias)
+    if mask is None or bias is None:
+        return bias if mask is None else mask
+    b, s = x.shape[0], x.shape[1]
+    m4 = _masks.normalize(f"flax.{where}", mask, (b, heads), s, s, key_padding_ok=True)[0]
+    b4 = _masks.normalize(f"flax.{where}", bias, (b, heads), s, s, key_padding_ok=True)[0]
+    return jnp.where(m4, b4, -jnp.inf)
+
+
+def _as_arguments(mask) -> dict:
+    """A combined mask (`_attention_mask`) as the keyword arguments of EncoderLayer's call."""
+    if mask is not None and jnp.issubdtype(mask.dtype, jnp.floating):
+        return {"bias": mask}
+    return {"mask": mask}
 
 
 def _library(library_products: bool | None) -> bool:
@@ -164,11 +207,16 @@ class EncoderLayer(_LayerFields):
       GEMMs, bench/NOTES.md, twenty-second session), off on CPU, where XLA's dot is
       faster. Same numbers up to the order of f32 sums.
 
-    `__call__(x, mask=None, deterministic=True, *, dropout_keys=None)`: x [B, S, E]; mask
-    as in `ops.attention` (boolean key padding [B, S], or boolean / additive broadcastable
-    to [B, H, S, S]). With deterministic=False, dropout keys come from the 'dropout' rng,
-    or from `dropout_keys`, a dict as `dropout_keys()` returns (keys or their uint32
-    words).
+    `__call__(x, mask=None, deterministic=True, *, bias=None, dropout_keys=None)`: x
+    [B, S, E]. mask: Flax's attention mask, boolean (True attends) or integer (nonzero
+    attends), of shape [B, S] (key padding) or broadcastable to [B, H, S, S]; a floating
+    mask raises a TypeError (Flax reads 0/1 floats as boolean, jaxsub's ops read floats as
+    additive: say which with mask.astype(bool) or `bias`). bias: an additive mask or a
+    learned bias on the scaled scores (e.g. (1 - valid) * -1e4 as [B, S], or T5's
+    relative-position bias broadcastable to [B, H, S, S]), differentiable; with a mask
+    too, the bias applies where the mask attends. With deterministic=False, dropout keys
+    come from the 'dropout' rng, or from `dropout_keys`, a dict as `dropout_keys()` returns
+    (keys or their uint32 words).
     A query that sees no key gets a zero attention output (plain Flax averages V).
     """
 
@@ -198,9 +246,9 @@ class EncoderLayer(_LayerFields):
         return {"attn": self._key(self.attention_dropout_rate, det), "drop1": self._key(self.dropout_rate, det),
                 "gelu": self._key(self.dropout_rate, det), "drop2": self._key(self.dropout_rate, det)}
 
-    def selection(self, x, mask=None):
-        """The layout Selection this layer uses for input x [B, S, E] (and mask)."""
-        return self._resolve(x, mask)[1]
+    def selection(self, x, mask=None, *, bias=None):
+        """The layout Selection this layer uses for input x [B, S, E] (and mask, bias)."""
+        return self._resolve(x, _attention_mask("EncoderLayer", x, self.num_heads, mask, bias))[1]
 
     def _resolve(self, x, mask):
         problem = layout.EncoderProblem(self._spec(x, mask))
@@ -232,10 +280,11 @@ class EncoderLayer(_LayerFields):
             approximate_gelu=self.approximate_gelu, mask_shape=mask_shape, mask_dtype=mask_dtype)
 
     @nn.compact
-    def __call__(self, x, mask=None, deterministic=True, *, dropout_keys=None):
+    def __call__(self, x, mask=None, deterministic=True, *, bias=None, dropout_keys=None):
         x = jnp.asarray(x, self.dtype)
         if x.ndim != 3:
             raise ValueError(f"jaxsub.flax.EncoderLayer: `x` must be [B, S, E], got shape {x.shape}")
+        mask = _attention_mask("EncoderLayer", x, self.num_heads, mask, bias)
         problem, selection = self._resolve(x, mask)
         e, h = problem.spec.hidden, problem.spec.heads
         d = e // h
@@ -259,9 +308,8 @@ class EncoderLayer(_LayerFields):
 class ReferenceEncoderLayer(_LayerFields):
     """`EncoderLayer` in plain Flax: the same computation with the same fields, built from
     nn.MultiHeadDotProductAttention, nn.Dense, nn.LayerNorm and nn.Dropout. It is the
-    oracle of the tests and the layer `to_flax_params` converts to. A boolean mask is
-    Flax attention's mask, an additive (floating) one its `bias` (both on the scaled
-    scores, as in `EncoderLayer`).
+    oracle of the tests and the layer `to_flax_params` converts to. Its `mask` and `bias`
+    (as `EncoderLayer`'s) are Flax attention's mask and bias.
 
     Parameter tree::
 
@@ -275,7 +323,7 @@ class ReferenceEncoderLayer(_LayerFields):
 
 
     @nn.compact
-    def __call__(self, x, mask=None, deterministic=True):
+    def __call__(self, x, mask=None, deterministic=True, *, bias=None):
         x = jnp.asarray(x, self.dtype)
         e = x.shape[-1]
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
@@ -283,13 +331,10 @@ class ReferenceEncoderLayer(_LayerFields):
         # The exact two-pass variance, as jaxsub's layer norm computes it.
         norm = dict(epsilon=self.epsilon, dtype=self.dtype, param_dtype=self.param_dtype,
                     use_fast_variance=False)
-        masks, bias = [], None
-        if mask is not None:
-            mask = _key_padding_to_4d(mask)
-            if jnp.issubdtype(mask.dtype, jnp.floating):
-                bias = mask  # additive: Flax's attention takes it as a bias on the scaled scores
-            else:
-                masks.append(mask)
+        mask, bias = _checked_mask("ReferenceEncoderLayer", mask, bias)
+        masks = [] if mask is None else [_key_padding_to_4d(mask)]
+        if bias is not None:
+            bias = _key_padding_to_4d(bias)  # Flax's attention adds it to the scaled scores
         if self.causal:
             masks.append(nn.make_causal_mask(x[..., 0]))
         attn_mask = nn.combine_masks(*masks) if masks else None
@@ -369,7 +414,9 @@ class _Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, mask):
-        return EncoderLayer(**self.layer, name="layer")(x, mask, self.deterministic), None
+        """mask: the combined mask (`_attention_mask`)."""
+        layer = EncoderLayer(**self.layer, name="layer")
+        return layer(x, deterministic=self.deterministic, **_as_arguments(mask)), None
 
 
 class Encoder(_LayerFields):
@@ -414,11 +461,15 @@ class Encoder(_LayerFields):
     layouts: Any = "auto"
 
     @nn.compact
-    def __call__(self, x, mask=None, deterministic=True):
+    def __call__(self, x, mask=None, deterministic=True, *, bias=None):
+        """x [B, S, E]; mask, bias as EncoderLayer's, the same for every layer."""
         layer = dict(_fields(self), layouts=self.layouts)
         deterministic = bool(deterministic)
         block = nn.remat(_Block, prevent_cse=not self.scan_layers) if self.remat else _Block
         x = jnp.asarray(x, self.dtype)
+        if x.ndim != 3:
+            raise ValueError(f"jaxsub.flax.Encoder: `x` must be [B, S, E], got shape {x.shape}")
+        mask = _attention_mask("Encoder", x, self.num_heads, mask, bias)
         if self.scan_layers and self.is_initializing():
             # nn.scan makes the stacked parameters (so init draws what it always drew);
             # applying runs the same layers through stack.scan.
@@ -471,7 +522,8 @@ class Encoder(_LayerFields):
             p, seed = xs
             keys = None if seed is None else {n: _dropout.Words(seed[4 * j:4 * j + 4]) if on else None
                                               for j, (n, on) in enumerate(present)}
-            return module.apply({"params": p}, h, mask, deterministic, dropout_keys=keys)
+            return module.apply({"params": p}, h, deterministic=deterministic, dropout_keys=keys,
+                                **_as_arguments(mask))
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)  # the loop already keeps XLA from merging layers

@@ -38,13 +38,15 @@ class _Bridged(nnx.Module):
         # nnx's switch: model.train() sets it False (dropout on), model.eval() True.
         self.deterministic = deterministic
 
-    def __call__(self, x, mask=None, *, deterministic: bool | None = None):
-        """deterministic: None takes the module's attribute (nnx's train() / eval())."""
+    def __call__(self, x, mask=None, *, bias=None, deterministic: bool | None = None):
+        """mask, bias: as the linen module's. deterministic: None takes the module's
+        attribute (nnx's train() / eval())."""
         deterministic = self.deterministic if deterministic is None else deterministic
         # Without dropout no stream is drawn from: the bridge would otherwise advance every
         # stream's count, a mutation that plain jax.jit / grad / vmap of an eval-mode model
         # refuse (as an nnx.Dropout in eval mode draws nothing).
-        return self.module(x, mask, deterministic=deterministic, **({"rngs": {}} if _true(deterministic) else {}))
+        return self.module(x, mask, deterministic=deterministic, bias=bias,
+                           **({"rngs": {}} if _true(deterministic) else {}))
 
 
 class EncoderLayer(_Bridged):
