@@ -147,7 +147,7 @@ def test_bad_rate_raises(rate):
 
 
 def test_missing_key_raises():
-    with pytest.raises(ValueError, match="dropout_mask.*`key`"):
+    with pytest.raises(ValueError, match=r"dropout_mask: `key` is required when dropout is active \(rate > 0\)$"):
         jaxsub.ops.dropout_mask(None, (4,), 0.1)
 
 

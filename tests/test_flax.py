@@ -301,6 +301,10 @@ def test_lazy_export_and_bad_hidden_size():
     for field in ({"dtype": jnp.int32}, {"param_dtype": jnp.int8}):
         with pytest.raises(TypeError, match=f"EncoderLayer: `{next(iter(field))}` must be float32"):
             EncoderLayer(num_heads=4, mlp_dim=F, **field).init(jax.random.key(0), jnp.ones((1, 3, E)))
+    # A dropout rate out of range: named as the layer's field (LayerSpec's before; probe round five).
+    for field in ({"dropout_rate": 1.0}, {"attention_dropout_rate": -0.1}, {"dropout_rate": "0.1"}):
+        with pytest.raises(ValueError, match=f"EncoderLayer: `{next(iter(field))}` must be a float in"):
+            EncoderLayer(num_heads=4, mlp_dim=F, **field).init(jax.random.key(0), jnp.ones((1, 3, E)))
     none = EncoderLayer(num_heads=4, mlp_dim=F, dtype=None)  # Flax's "from the inputs" (and the parameters)
     x = jnp.ones((1, 3, E), jnp.float32)
     assert none.apply(none.init(jax.random.key(0), x), x).dtype == jnp.float32

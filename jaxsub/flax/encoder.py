@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -260,6 +261,10 @@ class EncoderLayer(_LayerFields):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a positive int, got {value!r}")
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
+                raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a float in [0, 1), got {value!r}")
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             value = x.dtype if value is None else jnp.dtype(value)  # None: Flax's "from the input"

@@ -74,7 +74,8 @@ def seed_from_key(op: str, key) -> jax.Array:
     A threefry key's data is exactly two words and is used as is (no extra kernel); keys
     with more words (rbg) are hashed into two (`_fold`). `Words` are used as they are."""
     if key is None:
-        raise ValueError(f"jaxsub.{op}: `key` is required when dropout is active (rate > 0, not deterministic)")
+        when = "rate > 0" if op == "dropout_mask" else "rate > 0, not deterministic"
+        raise ValueError(f"jaxsub.{op}: `key` is required when dropout is active ({when})")
     if isinstance(key, Words):
         words = key.words
         if words.dtype != jnp.uint32 or words.shape not in ((2,), (4,)):
