@@ -418,7 +418,7 @@ class Analysis:
 
 def _flat(fn, args, kwargs):
     """fn as a function of its array leaves (other leaves static, as optimize treats them)."""
-    arrays, (in_tree, static, _) = interpreter._split(args, kwargs)
+    arrays, (in_tree, static, *_) = interpreter._split(args, kwargs)
 
     def flat(*xs):
         it = iter(xs)

@@ -976,3 +976,16 @@ def test_dead_code_is_neither_matched_nor_counted():
     assert_close(jaxsub.optimize(dead)(x, s, b), x * 2, what="dead")
     assert jaxsub.explain(printed, x, s, b).totals == {"layer_norm": 1}
     assert _counts(jaxsub.optimize(printed), x, s, b)["jaxsub_layer_norm_fwd"] == 1
+
+
+def test_static_scalars_that_compare_equal_trace_apart():
+    """Found by probing: the trace cache keyed static leaves by == and hash, so 1, 1.0 and
+    True shared one trace (x * 1.0 after x * 1 came back int32), as did 0.0 and -0.0."""
+    f = jaxsub.optimize(lambda x, s: x * s)
+    xi = jnp.arange(4)
+    for a, b in [(1, 1.0), (1.0, True), (True, 1)]:
+        f(xi, a)
+        assert f(xi, b).dtype == (xi * b).dtype
+    g = jaxsub.optimize(lambda x, s: x / s)
+    g(jnp.ones(2), 0.0)
+    np.testing.assert_array_equal(np.asarray(g(jnp.ones(2), -0.0)), [-np.inf, -np.inf])

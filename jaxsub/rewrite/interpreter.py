@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import numpy as np
@@ -146,7 +147,11 @@ class Traced:
 
 def _abstract(leaf):
     aval = jax.typeof(leaf) if hasattr(jax, "typeof") else jax.core.get_aval(leaf)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+    # Inside shard_map a value's type also says which mesh axes it varies over: the trace
+    # keeps that, so that JAX types the replayed program as it would the original.
+    manual = getattr(aval, "manual_axis_type", None)
+    extra = {} if manual is None or not manual.varying else {"manual_axis_type": manual, "sharding": aval.sharding}
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False), **extra)
 
 
 def _is_array(leaf):
@@ -160,13 +165,24 @@ def _split(args, kwargs):
     leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [x for x in leaves if _is_array(x)]
     static = tuple(None if _is_array(x) else x for x in leaves)
-    return arrays, (in_tree, static, tuple(_abstract(x) for x in arrays))
+    # The key holds each static leaf with its type (1, 1.0 and True are equal, and hash
+    # alike, but trace to different dtypes) and a float's sign (0.0 == -0.0).
+    kinds = tuple(None if x is None else (type(x), math.copysign(1.0, x) if isinstance(x, float) else 0.0)
+                  for x in static)
+    return arrays, (in_tree, static, tuple(_abstract(x) for x in arrays), kinds, _context_mesh())
+
+
+def _context_mesh():
+    """The abstract mesh in effect (shard_map's, pmap's, `jax.sharding.use_mesh`'s): a
+    trace made under one mesh does not run under another."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    return None if get is None else get()
 
 
 def trace(fn, options: P.Options, args, kwargs):
     """Trace fn for the abstract values of (args, kwargs), build its graph and plan.
     Returns the Traced specialization and the array leaves it takes."""
-    arrays, (in_tree, static, _) = _split(args, kwargs)
+    arrays, (in_tree, static, *_) = _split(args, kwargs)
     out_tree = []
 
     def flat(*xs):
