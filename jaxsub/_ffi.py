@@ -153,6 +153,50 @@ def workspace(x, k: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((min(max(rows, 1), WORKSPACE_ROWS), k, x.shape[-1]), jnp.float32)
 
 
+def _vma(x) -> frozenset:
+    """The manual mesh axes (shard_map's) that x's value varies over; empty outside."""
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):
+        return frozenset()
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; `vma` before
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
+
+
+def varying(tree, axes: frozenset):
+    """`tree` with each array leaf typed as varying over `axes` (shard_map with check_vma:
+    `lax.pcast` to "varying", whose transpose sums a cotangent over those axes)."""
+    def cast(x):
+        missing = axes - _vma(x)
+        if not missing or not isinstance(x, (jax.Array, jax.core.Tracer)):
+            return x
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
+
+    return jax.tree.map(cast, tree) if axes else tree
+
+
+class custom_vjp:
+    """`jax.custom_vjp` for jaxsub's ops, made right inside `shard_map`: the array
+    arguments are cast to the union of the mesh axes they vary over before the call, so
+    that each gradient's type is its argument's, and a replicated argument (a parameter
+    next to a sharded activation) gets its gradient summed over the devices by the cast's
+    transpose, as JAX's own ops do. Outside shard_map it is jax.custom_vjp."""
+
+    def __init__(self, fun, nondiff_argnums=()):
+        self._fun = jax.custom_vjp(fun, nondiff_argnums=nondiff_argnums)
+        self._nondiff = frozenset(nondiff_argnums)
+        functools.update_wrapper(self, fun)
+
+    def defvjp(self, fwd, bwd, **kwargs):
+        self._fun.defvjp(fwd, bwd, **kwargs)
+
+    def __call__(self, *args):
+        diff = [a for i, a in enumerate(args) if i not in self._nondiff]
+        axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves(diff)))
+        if axes:
+            args = tuple(a if i in self._nondiff else varying(a, axes) for i, a in enumerate(args))
+        return self._fun(*args)
+
+
 def call(target: str, out_types, *args, barrier: bool = True, rule: str | None = None, shard: str = "",
          keep: str | None = None, **attrs):
     """An ffi_call of a jaxsub target. Kernels treat leading axes as rows, so `vmap` maps
@@ -173,6 +217,9 @@ def call(target: str, out_types, *args, barrier: bool = True, rule: str | None =
             lambda types, *xs: jax.ffi.ffi_call(target, types, vmap_method="sequential")(*xs, **attrs),
             rule, shard, args, (out_types,) if single else out_types, keep)
         out = out[0] if single else out
+    # Inside shard_map a custom call's results carry no mesh axes; they vary over those of
+    # its operands.
+    out = varying(out, frozenset().union(*(_vma(x) for x in args)))
     if not barrier:
         return out
     # The results pass through an optimization barrier (an identity that costs nothing):

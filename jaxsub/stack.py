@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxsub import _partition
+from jaxsub import _ffi, _partition
 from jaxsub._jaxpr import bind, dense_cotangent, perturbed, primal_values
 from jaxsub.ops import config as _config
 
@@ -252,8 +252,9 @@ def _fixed(closed, producer, stored_vars) -> tuple:
         if v in known:
             return known[v]
         eqn = producer.get(v)
+        # (pvary / pcast type a value for shard_map and evaluate only under it.)
         if eqn is None or depth > 32 or eqn.primitive.name in ("ffi_call", "custom_vjp_call", "custom_jvp_call",
-                                                                  *_partition.WRAPPERS):
+                                                                  "pvary", "pcast", *_partition.WRAPPERS):
             return None
         ins = [value(u, depth + 1) for u in eqn.invars]
         if any(x is None for x in ins):
@@ -367,6 +368,11 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
     length = _length(xs, length)
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise ValueError(f"{_OP}: `unroll` must be an int >= 1, got {unroll!r}")
+    if frozenset().union(*(_ffi._vma(a) for a in jax.tree.leaves((consts, init, xs)))):
+        # Inside shard_map (check_vma) the values are typed by the mesh axes they vary
+        # over, which the step's buffers and the rules' traces would have to keep.
+        _ffi.fallback("stack.scan", "inside shard_map, on values varying over its mesh axes", "lax.scan")
+        return lax.scan(lambda h, x: body(consts, h, x), init, xs, length=length, reverse=reverse, unroll=unroll)
     resolver = _config.current()
     if resolver is not None:
         # The rules trace body again, under jax.checkpoint after this call has returned:
@@ -420,7 +426,7 @@ class _Plans:
         return self._made[live]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(0, 1))
 def _scan(body, plans, consts, init, xs):
     return lax.scan(lambda h, x: body(consts, h, x), init, xs, length=plans.length, reverse=plans.reverse,
                     unroll=plans.unroll)

@@ -164,6 +164,69 @@ _PARTITIONED = textwrap.dedent("""
 """)
 
 
+# Gradients inside shard_map (check_vma, its default): each op's, optimize's, stack.scan's
+# and the Encoder's parameter gradients equal one device's, summed over the devices by
+# JAX (found by probing: bias_add's was one device's part alone; the others raised
+# "Custom VJP bwd rule must produce an output with the same type", optimize's replay
+# mixed typed and untyped values, stack.scan could not plan its step).
+_SHARD_MAP_GRADS = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxsub
+    from jax.sharding import Mesh, PartitionSpec as P
+    try:
+        from jax import shard_map
+    except ImportError:
+        from jax.experimental.shard_map import shard_map
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    rng = np.random.default_rng(0)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    x, s, b, w, q = r(8, 6, 16), r(16), r(16), r(16, 16) * 0.3, r(8, 6, 2, 8)
+    ws = r(3, 16, 16) * 0.3
+
+    def plain_ln(h, s, b):
+        m = h.mean(-1, keepdims=True)
+        v = ((h - m) ** 2).mean(-1, keepdims=True)
+        return (h - m) * jax.lax.rsqrt(v + 1e-5) * s + b
+
+    def stacked(x, ws):
+        return jaxsub.stack.scan(lambda c, h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    cases = {  # (x, params) -> output; x sharded on its batch, the params replicated
+        "layer_norm": lambda x, p: jaxsub.ops.layer_norm(x, p[0], p[1]),
+        "bdrln": lambda x, p: jaxsub.ops.bias_dropout_residual_layer_norm(x, p[1], x * 0.5, p[0], p[1],
+                                                                          rate=0.0, key=None),
+        "bias_gelu": lambda x, p: jaxsub.ops.bias_gelu_dropout(x, p[1], rate=0.0, key=None),
+        "bias_add": lambda x, p: jaxsub.ops.bias_add(x, p[1]),
+        "dense": lambda x, p: jaxsub.ops.dense(x, p[2]),
+        "optimize": lambda x, p: jaxsub.optimize(lambda x, s, b, w: plain_ln(x @ w, s, b))(x, *p[:3]),
+        "stack.scan": lambda x, p: stacked(x, p[3]),
+        "attention": lambda q, p: jaxsub.ops.attention(q * p[0][0], q, q, implementation="fused"),
+    }
+    params = (s, b, w, ws)
+    for name, f in cases.items():
+        a = q if name == "attention" else x
+        loss = lambda a, p: jnp.sum(jnp.sin(f(a, p)))
+        per_device = shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("d"), P()),
+                               out_specs=(P("d"), P()))
+        got, want = jax.jit(per_device)(a, params), jax.grad(loss, argnums=(0, 1))(a, params)
+        for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            err = float(jnp.abs(g - w_).max())
+            assert err <= 1e-5 * (1.0 + float(jnp.abs(w_).max())), (name, err)
+    enc = jaxsub.flax.Encoder(num_layers=2, num_heads=2, mlp_dim=32, scan_layers=True)
+    p = enc.init(jax.random.key(0), x)
+    loss = lambda p, x: jnp.sum(enc.apply(p, x) ** 2)
+    got = jax.jit(shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))(p, x)
+    for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(jax.grad(loss)(p, x))):
+        assert float(jnp.abs(g - w_).max()) <= 1e-5 * (1.0 + float(jnp.abs(w_).max())), "Encoder"
+    print("ok")
+""")
+
+
+def test_gradients_inside_shard_map(four_cpu_devices):
+    four_cpu_devices(_SHARD_MAP_GRADS)
+
+
 def test_ops_on_four_devices(four_cpu_devices):
     four_cpu_devices(_SCRIPT)
 

@@ -264,7 +264,7 @@ def packed_slices(qkv, axis):
     return tuple(jax.lax.index_in_dim(qkv, i, axis, keepdims=False) for i in range(3))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _fused(q, k, v, mask4d, seed, scale, causal, kind, rate):
     return _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)[0]
 
@@ -291,7 +291,7 @@ def _fused_bwd(scale, causal, kind, rate, res, dout):
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _fused_packed(qkv, mask4d, seed, axis, scale, causal, kind, rate):
     return _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)[0]
 

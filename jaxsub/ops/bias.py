@@ -72,7 +72,7 @@ def bias_grad(dy, bias):
 # anyway); nothing of x's size is saved.
 
 
-@jax.custom_vjp
+@_ffi.custom_vjp
 def _bias_add(x, bias):
     return _forward(x, bias)
 

@@ -196,7 +196,7 @@ def _drop_bias(y, bias, keep, rate):
     return jnp.where(keep, v / jnp.asarray(1.0 - rate, v.dtype), jnp.zeros((), v.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(4,))
 def _residual_add_jnp(x, y, bias, seed, rate):
     return x + _drop_bias(y, bias, seed_mask(seed, y.shape, rate), rate)
 
@@ -229,7 +229,7 @@ def _residual_fwd_call(x, y, bias, seed, rate):
                      **_DEFAULT_LAUNCH)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(4,))
 def _residual_add_fused(x, y, bias, seed, rate):
     return _residual_fwd_call(x, y, bias, seed, rate)
 

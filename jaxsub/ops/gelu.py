@@ -85,7 +85,7 @@ def _bwd_call(dy, x, bias, seed, *, approximate, rate, kernel, with_y=False):
 # configuration are static.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused(x, bias, seed, approximate, rate, kernel):
     return _fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel)
 
@@ -118,7 +118,7 @@ def _dense(y, w, library=False):
     return _gemm.forward(y, w, None, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _fused_dense(x, bias, w, seed, approximate, rate, kernel, library):
     return _dense(_fwd_call(x, bias, seed, approximate=approximate, rate=rate, kernel=kernel), w, library)
 
@@ -169,7 +169,7 @@ def _dg_forward(x, w, bias, w_out, seed, approximate, rate, library):
     return out.reshape(*x.shape[:-1], out.shape[-1]), h
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _dense_gelu(x, w, bias, w_out, seed, approximate, rate, kernel, library):
     return _dg_forward(x, w, bias, w_out, seed, approximate, rate, library)[0]
 

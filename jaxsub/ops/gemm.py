@@ -117,7 +117,7 @@ def backward(axes, x, kernel, bias, dy, dx_other=None):
     return dx, dkernel, (None if bias is None else _bias.bias_grad(dy, bias))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(2,))
 def _dense(x, kernel, axes):
     return forward(x, kernel, None, axes)
 
@@ -126,7 +126,7 @@ _dense.defvjp(lambda x, kernel, axes: (forward(x, kernel, None, axes), (x, kerne
               lambda axes, res, dy: backward(axes, *res, None, dy)[:2])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(3,))
 def _dense_bias(x, kernel, bias, axes):
     return forward(x, kernel, bias, axes)
 
@@ -140,7 +140,7 @@ _dense_bias.defvjp(lambda x, kernel, bias, axes: (forward(x, kernel, bias, axes)
 # kernel that reads both gradients and writes their sum (a post-LN layer's input feeds the
 # q/k/v projection and the first residual: ~6.5 µs per BERT-large layer at b8 x s512 on
 # an H200, bench/NOTES.md). bias may be None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(3,))
 def _dense_input(x, kernel, bias, axes):
     return forward(x, kernel, bias, axes), x
 

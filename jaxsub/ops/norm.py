@@ -128,7 +128,7 @@ def _bdrln_bwd_call(dy, dy2, x, bias, residual, scale, mean, rstd, seed, rate, k
 
 # with_input: return (y, x), x's second cotangent added to dx in the kernel
 # (layer_norm_and_input).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _layer_norm(x, scale, bias, eps, kernel, with_input):
     y = _layer_norm_fwd_call(x, scale, bias, eps, kernel)[0]
     return (y, x) if with_input else y
@@ -152,7 +152,7 @@ _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 # outputs reach the backward as separate cotangents, and the kernel adds them as it reads
 # them (dy2 for the second y, dh after the layer norm's gradient of h), instead of XLA
 # adding them in a kernel of its own first (bdrln_pair, bdrln_and_sum).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _bdrln(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, outputs):
     return _bdrln_fwd(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, outputs)[0]
 

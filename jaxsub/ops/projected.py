@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsub import _ffi
 from jaxsub.ops import attn as _attn
 from jaxsub.ops import bias as _bias
 from jaxsub.ops import gemm as _gemm
@@ -58,7 +59,7 @@ def _stacked_projection(x, weights, biases):
     return qkv if biases is None else _bias.bias_add(qkv, jnp.stack(biases))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _fused_projected(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
     q, k, v = _projections(x, weights, biases)
     return _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)[0]
@@ -107,7 +108,7 @@ _fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd, symbolic_zer
 # not as slices of one, which XLA would copy out one kernel each.
 # `three` (static) says which form `bias` has, so that the backward returns its gradient in
 # that form without keeping the bias as a residual.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
 def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
     return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)[0]
 

@@ -88,7 +88,7 @@ def _bwd_call(dy, scores, lse, mask, seed, scale, causal, kind, rate):
 # static.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _fused(scores, mask, seed, scale, causal, kind, rate):
     return _fwd_call(scores, mask, seed, scale, causal, kind, rate)[0]
 
