@@ -645,3 +645,16 @@ class TestCuda:
         unfused = run_vjp_jit(q, k, v, dout, mask, key, causal=True, rate=0.1, implementation="unfused")
         for name, f, u in zip(("out", "dq", "dk", "dv"), fused, unfused):
             assert_close(f, u, BF16, reduction=s, grad=name != "out", what=name)
+
+
+def test_float16_unfused_scales_before_its_scores_overflow():
+    """Found by probing: float16 q.k of 102 400 (|q| = |k| = 40, D 64) overflowed in the
+    unfused path's score product before its 1/8 scale, giving NaN where the fused kernel
+    (f32 scores), jax.nn.dot_product_attention and f32 math are finite."""
+    q = jnp.full((1, 4, 1, 64), 40.0, F16)
+    v = jnp.asarray(np.random.default_rng(3).standard_normal((1, 4, 1, 64)), F16)
+    want = reference_attention(*(a.astype(F32) for a in (q, q, v)))
+    for impl in ("unfused", "fused"):
+        out, vjp = jax.vjp(lambda q, v: op(q, q, v, implementation=impl), q, v)
+        assert_close(out, want, F16, reduction=64, what=impl)
+        assert all(bool(jnp.isfinite(g).all()) for g in vjp(jnp.ones_like(out)))
