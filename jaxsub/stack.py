@@ -368,10 +368,13 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
     length = _length(xs, length)
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise ValueError(f"{_OP}: `unroll` must be an int >= 1, got {unroll!r}")
-    if frozenset().union(*(_ffi._vma(a) for a in jax.tree.leaves((consts, init, xs)))):
-        # Inside shard_map (check_vma) the values are typed by the mesh axes they vary
-        # over, which the step's buffers and the rules' traces would have to keep.
-        _ffi.fallback("stack.scan", "inside shard_map, on values varying over its mesh axes", "lax.scan")
+    typed = frozenset().union(*(_ffi._vma(a) for a in jax.tree.leaves((consts, init, xs))))
+    if typed or length == 0:
+        # No step: nothing to store. Inside shard_map (check_vma) the values are typed by
+        # the mesh axes they vary over, which the step's buffers and the rules' traces
+        # would have to keep.
+        if typed:
+            _ffi.fallback("stack.scan", "inside shard_map, on values varying over its mesh axes", "lax.scan")
         return lax.scan(lambda h, x: body(consts, h, x), init, xs, length=length, reverse=reverse, unroll=unroll)
     resolver = _config.current()
     if resolver is not None:

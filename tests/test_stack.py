@@ -304,6 +304,19 @@ def test_length_without_xs():
                  what="dconst")
 
 
+def test_zero_steps_differentiate_as_lax_scan():
+    """Found by probing: with no step (xs of length 0, or length=0) the forward ran but
+    the gradient raised from a slice of the empty residual stacks."""
+    w, c0 = jnp.zeros((0, 4, 4)), jnp.ones((3, 4))
+    body = lambda k, h, x: (jnp.tanh(h @ x), h.sum())  # noqa: E731
+    loss = lambda scan: lambda c, w: scan(c, w)[0].sum() + scan(c, w)[1].sum()  # noqa: E731
+    got = jax.grad(loss(lambda c, w: stack.scan(body, c, w)), argnums=(0, 1))(c0, w)
+    want = jax.grad(loss(lambda c, w: lax.scan(lambda h, x: body(None, h, x), c, w)), argnums=(0, 1))(c0, w)
+    _assert_tree_close(got, want, "xs of length 0")
+    g = jax.grad(lambda c: stack.scan(lambda k, h, x: (jnp.tanh(h), None), c, None, length=0)[0].sum())(c0)
+    np.testing.assert_array_equal(np.asarray(g), np.ones((3, 4)))
+
+
 def test_bad_input():
     c, h, xs = _inputs(seed=10)
     with pytest.raises(TypeError, match="jaxsub.stack.scan.*pair"):
