@@ -132,7 +132,11 @@ def test_corrupt_and_foreign_files_are_ignored_with_a_warning(monkeypatch):
                   lambda t: t["stages"][0]["candidates"][0].update(seconds=-1.0),
                   lambda t: t["stages"][0].pop("name"),
                   lambda t: t.update(layers="zzz"),
-                  lambda t: t.update(transposes=[{"from": "a"}])]
+                  lambda t: t.update(transposes=[{"from": "a"}]),
+                  # probe round six: a string tuning time, a nested path, every candidate failed
+                  lambda t: t.update(tuning_s="abc"),
+                  lambda t: t.update(layers=[{"path": [[[1]]], "seconds": 1.0}]),
+                  lambda t: [r.update(seconds=float("inf")) for r in t["stages"][0]["candidates"]]]
     for tamper in tamperings:
         tables = json.loads(json.dumps(good))
         tamper(tables)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pathlib
 import tempfile
@@ -104,18 +105,25 @@ def _check_tables(tables: dict) -> None:
     for key in ("stages", "transposes", "layers"):
         if not isinstance(tables.get(key, []), list):
             raise ValueError(f"{key!r} is not a list")
+    tuning_s = tables.get("tuning_s", 0.0)
+    if isinstance(tuning_s, bool) or not isinstance(tuning_s, (int, float)) or not tuning_s >= 0:
+        raise ValueError(f"tuning time {tuning_s!r} is not a number >= 0")
     for stage in tables["stages"]:
         if not isinstance(stage["name"], str) or not isinstance(stage["candidates"], list):
             raise ValueError(f"stage {stage!r} has no name or no list of candidates")
         for row in stage["candidates"]:
             names(row, ("in", "out", "config"), "candidate")
             seconds(row, "candidate")
+        if stage["candidates"] and all(row["seconds"] == math.inf for row in stage["candidates"]):
+            raise ValueError(f"stage {stage['name']!r} has no candidate that ran (every time infinite)")
     for row in tables.get("transposes", []):
         names(row, ("from", "to"), "transpose")
         seconds(row, "transpose")
     for row in tables.get("layers", []):
-        if not isinstance(row["path"], list) or not all(isinstance(k, list) for k in row["path"]):
-            raise ValueError(f"whole-layer path {row['path']!r} is not a list of lists")
+        path = row["path"]
+        if not isinstance(path, list) or not all(
+                isinstance(k, list) and len(k) == 3 and all(f is None or isinstance(f, str) for f in k) for k in path):
+            raise ValueError(f"whole-layer path {path!r} is not a list of candidate keys [in, out, config]")
         seconds(row, "whole-layer")
 
 
