@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -71,7 +72,7 @@ def tune_command(args) -> int:
     try:  # bad sizes, rates or tuning options: a usage error, not a traceback
         spec = layout.LayerSpec(
             batch=args.batch, seq=args.seq, hidden=args.hidden, heads=args.heads,
-            mlp_dim=args.mlp_dim or 4 * args.hidden, dtype=args.dtype, dropout_rate=args.dropout,
+            mlp_dim=4 * args.hidden if args.mlp_dim is None else args.mlp_dim, dtype=args.dtype, dropout_rate=args.dropout,
             attention_dropout_rate=args.attention_dropout, pre_layer_norm=args.pre_layer_norm, causal=args.causal,
             mask_shape=(args.batch, args.seq) if args.padding_mask else None,
             mask_dtype="bool" if args.padding_mask else None)
@@ -82,6 +83,16 @@ def tune_command(args) -> int:
     except ValueError as e:
         print(f"python -m jaxsub tune: error: {e}", file=sys.stderr)
         return 2
+    if args.json is not None:  # checked before tuning, whose minutes a bad path would lose
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            writable = os.access(args.json if args.json.exists() else args.json.parent, os.W_OK) \
+                and not args.json.is_dir()
+        except OSError:
+            writable = False
+        if not writable:
+            print(f"python -m jaxsub tune: error: cannot write --json {args.json}", file=sys.stderr)
+            return 2
     problem = layout.EncoderProblem(spec)
     device = jax.devices()[0]
     print(f"device {device.platform}: {device.device_kind}; jax {jax.__version__}")
@@ -119,7 +130,6 @@ def tune_command(args) -> int:
     for (i, key), why in failed.items():
         print(f"  failed: {problem.stages[i].name} {key}: {why}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "device": f"{device.platform}: {device.device_kind}", "jax_version": jax.__version__,
             "spec": spec.to_json(), "source": source, "selection": selection.to_json(),
