@@ -153,6 +153,13 @@ def workspace(x, k: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((min(max(rows, 1), WORKSPACE_ROWS), k, x.shape[-1]), jnp.float32)
 
 
+def _manual() -> bool:
+    """Whether the trace is inside shard_map (manual mesh axes in effect): only there do
+    values carry the mesh axes they vary over."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    return get is None or bool(getattr(get(), "manual_axes", True))
+
+
 def _vma(x) -> frozenset:
     """The manual mesh axes (shard_map's) that x's value varies over; empty outside."""
     if not isinstance(x, (jax.Array, jax.core.Tracer)):
@@ -190,6 +197,8 @@ class custom_vjp:
         self._fun.defvjp(fwd, bwd, **kwargs)
 
     def __call__(self, *args):
+        if not _manual():
+            return self._fun(*args)
         diff = [a for i, a in enumerate(args) if i not in self._nondiff]
         axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves(diff)))
         if axes:
@@ -219,7 +228,8 @@ def call(target: str, out_types, *args, barrier: bool = True, rule: str | None =
         out = out[0] if single else out
     # Inside shard_map a custom call's results carry no mesh axes; they vary over those of
     # its operands.
-    out = varying(out, frozenset().union(*(_vma(x) for x in args)))
+    if _manual():
+        out = varying(out, frozenset().union(*(_vma(x) for x in args)))
     if not barrier:
         return out
     # The results pass through an optimization barrier (an identity that costs nothing):
