@@ -91,3 +91,19 @@ def test_eval_mode_runs_under_plain_jax_transforms():
     assert_close(jax.vmap(lambda x: layer(x[None])[0])(x), want, what="vmap")
     assert jax.grad(lambda x: layer(x).sum())(x).shape == x.shape
     assert nnx.to_pure_dict(nnx.state(layer, nnx.RngCount)) == counts
+
+
+def test_nnx_is_an_attribute_of_jaxsub_flax():
+    """Found by probing: `jaxsub.flax.nnx.EncoderLayer`, the README's spelling, needed an
+    explicit `import jaxsub.flax.nnx` first (checked in a fresh process)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    import jaxsub
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(jaxsub.__file__).parents[1]))
+    code = "import jaxsub; print(jaxsub.flax.nnx.EncoderLayer.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "EncoderLayer", out.stderr[-2000:]

@@ -989,3 +989,16 @@ def test_static_scalars_that_compare_equal_trace_apart():
     g = jaxsub.optimize(lambda x, s: x / s)
     g(jnp.ones(2), 0.0)
     np.testing.assert_array_equal(np.asarray(g(jnp.ones(2), -0.0)), [-np.inf, -np.inf])
+
+
+def test_constant_outputs_are_arrays_as_under_jit():
+    """Found by probing: an output that is a literal or constant (jnp.asarray(True), a
+    Python 3.0) came back as a Python bool or JAX's internal typed literal, without
+    .dtype or .block_until_ready()."""
+    x = jnp.ones(3)
+    for f in (lambda x: jnp.asarray(True), lambda x: 3.0, lambda x: jnp.zeros(()), lambda x: (x.sum(), 2),
+              lambda x: jnp.float32(3.0)):
+        got, want = jaxsub.optimize(f)(x), jax.jit(f)(x)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert isinstance(g, jax.Array) and (g.dtype, g.weak_type) == (w.dtype, w.weak_type)
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

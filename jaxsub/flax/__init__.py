@@ -17,3 +17,13 @@ __all__ = [
     "to_flax_params",
     "from_flax_params",
 ]
+
+
+def __getattr__(name):
+    # The nnx modules import flax.nnx, loaded on first use: `jaxsub.flax.nnx.EncoderLayer`
+    # works after `import jaxsub` alone, as the README writes it.
+    if name == "nnx":
+        import importlib
+
+        return importlib.import_module("jaxsub.flax.nnx")
+    raise AttributeError(f"module 'jaxsub.flax' has no attribute {name!r}")

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 from jaxsub import layout, ops, stack
 from jaxsub.ops import dropout as _dropout
-from jaxsub.ops import masks as _masks
 
 Initializer = Callable[..., Any]
 
@@ -73,10 +72,23 @@ class _Norm(nn.Module):
         return scale, bias
 
 
-def _key_padding_to_4d(mask):
-    """A [B, Sk] key-padding mask as [B, 1, 1, Sk]; other masks unchanged."""
-    mask = jnp.asarray(mask)
-    return mask[:, None, None, :] if mask.ndim == 2 else mask
+def _four_d(where: str, name: str, a, batch: int, heads: int, seq: int):
+    """A module's mask or bias as [B or 1, H or 1, S or 1, S or 1]: a 2-D one of shape
+    [B, S] is key padding (ambiguous, a ValueError, where B == S > 1), any other 2-D one
+    [Sq, Sk] as Flax reads it; otherwise it broadcasts to [B, H, S, S]."""
+    full = (batch, heads, seq, seq)
+    if a.ndim == 2 and a.shape == (batch, seq) and batch > 1:
+        if batch == seq:
+            raise ValueError(f"jaxsub.flax.{where}: a 2-D `{name}` of shape {a.shape} is ambiguous when B == S: pass "
+                             f"key padding as {name}[:, None, None, :] or a mask over [S, S] as {name}[None, None]")
+        return a[:, None, None, :]
+    if a.ndim > 4:
+        raise ValueError(f"jaxsub.flax.{where}: `{name}` has rank {a.ndim}; it must broadcast to [B, H, S, S] {full}")
+    shape = (1,) * (4 - a.ndim) + tuple(a.shape)
+    if any(have not in (1, want) for have, want in zip(shape, full)):
+        raise ValueError(f"jaxsub.flax.{where}: `{name}` of shape {tuple(a.shape)} does not broadcast to "
+                         f"[B, H, S, S] {full} (a 2-D one of shape [B, S] is key padding)")
+    return a.reshape(shape)
 
 
 def _checked_mask(where: str, mask, bias):
@@ -100,18 +112,22 @@ def _checked_mask(where: str, mask, bias):
     return mask, bias
 
 
-def _attention_mask(where: str, x, heads: int, mask, bias):
-    """The one mask the attention ops take for a module's (mask, bias): the boolean mask,
-    the additive bias, or (both) the bias where the mask attends and -inf elsewhere, which
-    the ops read as the boolean mask would hide those keys. Shapes: [B, S] (key padding)
-    or broadcastable to [B, H, S, S]."""
+def _checked_4d(where: str, x, heads: int, mask, bias):
+    """(mask, bias) checked (`_checked_mask`) and as 4-D arrays (`_four_d`), or None."""
     mask, bias = _checked_mask(where, mask, bias)
+    b, s = x.shape[0], x.shape[1]
+    return tuple(None if a is None else _four_d(where, name, a, b, heads, s)
+                 for name, a in (("mask", mask), ("bias", bias)))
+
+
+def _attention_mask(where: str, x, heads: int, mask, bias):
+    """The one mask the attention ops take for a module's (mask, bias), 4-D: the boolean
+    mask, the additive bias, or (both) the bias where the mask attends and -inf elsewhere,
+    which the ops read as the boolean mask would hide those keys."""
+    mask, bias = _checked_4d(where, x, heads, mask, bias)
     if mask is None or bias is None:
         return bias if mask is None else mask
-    b, s = x.shape[0], x.shape[1]
-    m4 = _masks.normalize(f"flax.{where}", mask, (b, heads), s, s, key_padding_ok=True)[0]
-    b4 = _masks.normalize(f"flax.{where}", bias, (b, heads), s, s, key_padding_ok=True)[0]
-    return jnp.where(m4, b4, -jnp.inf)
+    return jnp.where(mask, bias, -jnp.inf)
 
 
 def _as_arguments(mask) -> dict:
@@ -210,7 +226,8 @@ class EncoderLayer(_LayerFields):
 
     `__call__(x, mask=None, deterministic=True, *, bias=None, dropout_keys=None)`: x
     [B, S, E]. mask: Flax's attention mask, boolean (True attends) or integer (nonzero
-    attends), of shape [B, S] (key padding) or broadcastable to [B, H, S, S]; a floating
+    attends), of shape [B, S] (key padding; where B == S a 2-D mask is ambiguous, a
+    ValueError) or broadcastable to [B, H, S, S] (a 2-D one: [S, S]); a floating
     mask raises a TypeError (Flax reads 0/1 floats as boolean, jaxsub's ops read floats as
     additive: say which with mask.astype(bool) or `bias`). bias: an additive mask or a
     learned bias on the scaled scores (e.g. (1 - valid) * -1e4 as [B, S], or T5's
@@ -336,10 +353,10 @@ class ReferenceEncoderLayer(_LayerFields):
         # The exact two-pass variance, as jaxsub's layer norm computes it.
         norm = dict(epsilon=self.epsilon, dtype=self.dtype, param_dtype=self.param_dtype,
                     use_fast_variance=False)
-        mask, bias = _checked_mask("ReferenceEncoderLayer", mask, bias)
-        masks = [] if mask is None else [_key_padding_to_4d(mask)]
-        if bias is not None:
-            bias = _key_padding_to_4d(bias)  # Flax's attention adds it to the scaled scores
+        # The mask and the bias as EncoderLayer reads them, for Flax's attention (which adds
+        # the bias to the scaled scores).
+        mask, bias = _checked_4d("ReferenceEncoderLayer", x, self.num_heads, mask, bias)
+        masks = [] if mask is None else [mask]
         if self.causal:
             masks.append(nn.make_causal_mask(x[..., 0]))
         attn_mask = nn.combine_masks(*masks) if masks else None

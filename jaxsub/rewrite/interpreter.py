@@ -15,6 +15,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import stack
@@ -130,7 +131,18 @@ def run(g: G.Graph, plan: P.Plan, args):
             outs = G.bind(node.eqn, vals)
         env.update(zip(node.outs, outs))
     read = reader(None)
-    return [read(r) for r in g.outvars]
+    return [_as_array(read(r), r) for r in g.outvars]
+
+
+def _as_array(value, ref):
+    """An output as jit gives it: a literal or constant output (a Python scalar or JAX's
+    typed literal) as an array of its aval's dtype, weakly typed where the aval is."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        return value
+    value = np.asarray(value)
+    if getattr(ref.aval, "weak_type", False) and value.ndim == 0:
+        return jnp.asarray(value.item())  # a Python scalar: jnp's weak type, as jit's
+    return jnp.asarray(value, ref.dtype)
 
 
 def _seeded(seeds, read, ref):
