@@ -330,8 +330,17 @@ def _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate, *, op):
     # mixed f32 x bf16 GEMMs.)
     if q.dtype == jnp.float16 and abs(scale) < 1.0:
         # float16 scores before the scale overflow where the scaled ones do not (|q.k| of
-        # 65 504 is |q|, |k| ~ 32 at D 64): scale q instead, as the fused kernels do in f32.
-        q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+        # 65 504 is |q|, |k| ~ 32 at D 64): scale q instead (in f32, rounded once). Below
+        # 2^-6 (head dims past 4096) q * scale would lose bits to float16's subnormals:
+        # q and k each take the square root.
+        if abs(scale) >= 2.0 ** -6:
+            q_factor, k_factor = scale, None
+        else:
+            k_factor = math.sqrt(abs(scale))
+            q_factor = math.copysign(k_factor, scale)
+        q = (q.astype(jnp.float32) * q_factor).astype(q.dtype)
+        if k_factor is not None:
+            k = (k.astype(jnp.float32) * k_factor).astype(k.dtype)
         scale = 1.0
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     p = _softmax.softmax_4d(scores, mask4d, seed, scale, causal, kind, rate, op=op)
