@@ -122,12 +122,12 @@ def test_mask_must_say_boolean_or_additive():
 
 
 def test_two_d_masks_and_bad_biases():
-    """Found by probing: a 2-D [S, S] mask meant [Sq, Sk] when B != S and key padding when
-    B == S (silently); a [B, S] additive bias raised from attention_packed at B == S; a
+    """Found by probing: a [B, S] additive bias raised from attention_packed at B == S; a
     bias of a bad shape was reported as attention_packed's `mask`; the plain-Flax twin read
-    every 2-D mask as key padding. Now a 2-D [B, S] mask or bias is key padding, any other
-    2-D one [S, S] (as Flax reads it), B == S is a ValueError saying how to write either,
-    and the errors name the module and the argument; both layers agree."""
+    every 2-D mask as key padding. Now a 2-D [B, S] mask or bias is key padding (also at
+    B == S, the common case of a padding mask; an [S, S] one goes in as [None, None]), any
+    other 2-D one [S, S], as Flax reads it; errors name the module and the argument; both
+    layers agree."""
     layer, x, params = _setup(seed=13)
     ref = reference_layer(layer)
     rp = to_flax_params(params)
@@ -137,12 +137,14 @@ def test_two_d_masks_and_bad_biases():
         assert_close(got, ref.apply({"params": rp}, x, mask), reduction=E * F, what=f"2-D mask {mask.shape}")
     assert_close(layer.apply({"params": params}, x, tril), layer.apply({"params": params}, x, tril[None, None]),
                  what="[S, S] as [1, 1, S, S]")
-    square = jnp.ones((S, S, E))
-    for module, p in ((layer, params), (ref, rp)):
-        for kw in ({"mask": tril}, {"bias": jnp.zeros((S, S))}):
-            name = next(iter(kw))
-            with pytest.raises(ValueError, match=rf"jaxsub.flax.\w+: a 2-D `{name}` of shape \({S}, {S}\) is ambiguous"):
-                module.apply({"params": p}, square, **kw)
+    # B == S: [B, S] is key padding, for the mask and for an additive bias.
+    square = jnp.asarray(np.random.default_rng(14).standard_normal((S, S, E)), jnp.float32)
+    valid = jnp.arange(S)[None, :] < (jnp.arange(S)[:, None] % 5 + 3)
+    want = layer.apply({"params": params}, square, valid[:, None, None, :])
+    assert_close(layer.apply({"params": params}, square, valid), want, what="B == S key padding")
+    assert_close(layer.apply({"params": params}, square, bias=jnp.where(valid, 0.0, -1e4)), want,
+                 what="B == S additive key padding")
+    assert_close(ref.apply({"params": rp}, square, valid), want, reduction=E * F, what="B == S plain Flax")
     for bad in (jnp.zeros((3, S, S)), jnp.zeros((1, 1, 1, S, S))):
         with pytest.raises(ValueError, match=r"jaxsub.flax.EncoderLayer: `bias` .*(does not broadcast|has rank 5)"):
             layer.apply({"params": params}, x, bias=bad)

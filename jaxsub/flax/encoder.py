@@ -74,13 +74,11 @@ class _Norm(nn.Module):
 
 def _four_d(where: str, name: str, a, batch: int, heads: int, seq: int):
     """A module's mask or bias as [B or 1, H or 1, S or 1, S or 1]: a 2-D one of shape
-    [B, S] is key padding (ambiguous, a ValueError, where B == S > 1), any other 2-D one
-    [Sq, Sk] as Flax reads it; otherwise it broadcasts to [B, H, S, S]."""
+    [B, S] is key padding, whatever S (an [S, S] one at B == S too: pass that as
+    a[None, None]), any other 2-D one [Sq, Sk] as Flax reads it; otherwise it broadcasts
+    to [B, H, S, S]."""
     full = (batch, heads, seq, seq)
     if a.ndim == 2 and a.shape == (batch, seq) and batch > 1:
-        if batch == seq:
-            raise ValueError(f"jaxsub.flax.{where}: a 2-D `{name}` of shape {a.shape} is ambiguous when B == S: pass "
-                             f"key padding as {name}[:, None, None, :] or a mask over [S, S] as {name}[None, None]")
         return a[:, None, None, :]
     if a.ndim > 4:
         raise ValueError(f"jaxsub.flax.{where}: `{name}` has rank {a.ndim}; it must broadcast to [B, H, S, S] {full}")
@@ -226,8 +224,8 @@ class EncoderLayer(_LayerFields):
 
     `__call__(x, mask=None, deterministic=True, *, bias=None, dropout_keys=None)`: x
     [B, S, E]. mask: Flax's attention mask, boolean (True attends) or integer (nonzero
-    attends), of shape [B, S] (key padding; where B == S a 2-D mask is ambiguous, a
-    ValueError) or broadcastable to [B, H, S, S] (a 2-D one: [S, S]); a floating
+    attends), of shape [B, S] (key padding, also where B == S) or broadcastable to
+    [B, H, S, S] (another 2-D one: [S, S]); a floating
     mask raises a TypeError (Flax reads 0/1 floats as boolean, jaxsub's ops read floats as
     additive: say which with mask.astype(bool) or `bias`). bias: an additive mask or a
     learned bias on the scaled scores (e.g. (1 - valid) * -1e4 as [B, S], or T5's
