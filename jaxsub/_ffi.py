@@ -153,14 +153,14 @@ def workspace(x, k: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((min(max(rows, 1), WORKSPACE_ROWS), k, x.shape[-1]), jnp.float32)
 
 
-def _manual() -> bool:
+def inside_shard_map() -> bool:
     """Whether the trace is inside shard_map (manual mesh axes in effect): only there do
     values carry the mesh axes they vary over."""
     get = getattr(jax.sharding, "get_abstract_mesh", None)
     return get is None or bool(getattr(get(), "manual_axes", True))
 
 
-def _vma(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """The manual mesh axes (shard_map's) that x's value varies over; empty outside."""
     if not isinstance(x, (jax.Array, jax.core.Tracer)):
         return frozenset()
@@ -173,7 +173,7 @@ def varying(tree, axes: frozenset):
     """`tree` with each array leaf typed as varying over `axes` (shard_map with check_vma:
     `lax.pcast` to "varying", whose transpose sums a cotangent over those axes)."""
     def cast(x):
-        missing = axes - _vma(x)
+        missing = axes - varying_axes(x)
         if not missing or not isinstance(x, (jax.Array, jax.core.Tracer)):
             return x
         return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
@@ -197,10 +197,10 @@ class custom_vjp:
         self._fun.defvjp(fwd, bwd, **kwargs)
 
     def __call__(self, *args):
-        if not _manual():
+        if not inside_shard_map():
             return self._fun(*args)
         diff = [a for i, a in enumerate(args) if i not in self._nondiff]
-        axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves(diff)))
+        axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(diff)))
         if axes:
             args = tuple(a if i in self._nondiff else varying(a, axes) for i, a in enumerate(args))
         return self._fun(*args)
@@ -228,8 +228,8 @@ def call(target: str, out_types, *args, barrier: bool = True, rule: str | None =
         out = out[0] if single else out
     # Inside shard_map a custom call's results carry no mesh axes; they vary over those of
     # its operands.
-    if _manual():
-        out = varying(out, frozenset().union(*(_vma(x) for x in args)))
+    if inside_shard_map():
+        out = varying(out, frozenset().union(*(varying_axes(x) for x in args)))
     if not barrier:
         return out
     # The results pass through an optimization barrier (an identity that costs nothing):

@@ -368,7 +368,7 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
     length = _length(xs, length)
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise ValueError(f"{_OP}: `unroll` must be an int >= 1, got {unroll!r}")
-    typed = _ffi._manual() and frozenset().union(*(_ffi._vma(a) for a in jax.tree.leaves((consts, init, xs))))
+    typed = _ffi.inside_shard_map() and any(_ffi.varying_axes(a) for a in jax.tree.leaves((consts, init, xs)))
     if typed or length == 0:
         # No step: nothing to store. Inside shard_map (check_vma) the values are typed by
         # the mesh axes they vary over, which the step's buffers and the rules' traces
