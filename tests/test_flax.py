@@ -145,6 +145,10 @@ def test_two_d_masks_and_bad_biases():
     assert_close(layer.apply({"params": params}, square, bias=jnp.where(valid, 0.0, -1e4)), want,
                  what="B == S additive key padding")
     assert_close(ref.apply({"params": rp}, square, valid), want, reduction=E * F, what="B == S plain Flax")
+    # The layout key of a [B, S] padding mask is what `python -m jaxsub tune --padding-mask` writes.
+    from jaxsub.flax import encoder as encoder_module
+    made = encoder_module._attention_mask("EncoderLayer", x, H, _key_padding(), None)
+    assert made.shape == (B, 1, 1, S) and layer._spec(x, made).mask_shape == (B, S)
     for bad in (jnp.zeros((3, S, S)), jnp.zeros((1, 1, 1, S, S))):
         with pytest.raises(ValueError, match=r"jaxsub.flax.EncoderLayer: `bias` .*(does not broadcast|has rank 5)"):
             layer.apply({"params": params}, x, bias=bad)

@@ -292,6 +292,8 @@ class EncoderLayer(_LayerFields):
         mask_shape = mask_dtype = None
         if mask is not None:
             mask_shape, mask_dtype = tuple(jnp.shape(mask)), jnp.result_type(mask).name
+            if mask_dtype == "bool" and mask_shape == (b, 1, 1, s):
+                mask_shape = (b, s)  # key padding, as `python -m jaxsub tune --padding-mask` keys it
         return layout.LayerSpec(
             batch=b, seq=s, hidden=e, heads=self.num_heads, mlp_dim=self.mlp_dim,
             dtype=(x.dtype if self.dtype is None else jnp.dtype(self.dtype)).name,
