@@ -153,11 +153,18 @@ def workspace(x, k: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((min(max(rows, 1), WORKSPACE_ROWS), k, x.shape[-1]), jnp.float32)
 
 
+def context_mesh():
+    """The abstract mesh in effect (shard_map's, pmap's, `jax.sharding.use_mesh`'s), or
+    None where this jax has no such notion."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    return None if get is None else get()
+
+
 def inside_shard_map() -> bool:
     """Whether the trace is inside shard_map (manual mesh axes in effect): only there do
     values carry the mesh axes they vary over."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    return get is None or bool(getattr(get(), "manual_axes", True))
+    mesh = context_mesh()
+    return mesh is None or bool(getattr(mesh, "manual_axes", True))
 
 
 def varying_axes(x) -> frozenset:
@@ -173,10 +180,8 @@ def varying(tree, axes: frozenset):
     """`tree` with each array leaf typed as varying over `axes` (shard_map with check_vma:
     `lax.pcast` to "varying", whose transpose sums a cotangent over those axes)."""
     def cast(x):
-        missing = axes - varying_axes(x)
-        if not missing or not isinstance(x, (jax.Array, jax.core.Tracer)):
-            return x
-        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
+        missing = axes - varying_axes(x) if isinstance(x, (jax.Array, jax.core.Tracer)) else None
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
     return jax.tree.map(cast, tree) if axes else tree
 

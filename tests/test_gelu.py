@@ -342,6 +342,8 @@ def test_dense_bad_kernel():
                            (dict(library_products=1), TypeError, "library_products")]:
         with pytest.raises(exc, match=f"bias_gelu_dropout_dense: `{arg}`"):
             jaxsub.ops.bias_gelu_dropout_dense(x, bias, w, **{"rate": 0.0, "key": None, **opts})
+    with pytest.raises(ValueError, match="bias_gelu_dropout_dense: `bias` must have shape"):
+        jaxsub.ops.bias_gelu_dropout_dense(x, bias[:3], w, rate=0.0, key=None)
 
 
 # dense_bias_gelu_dropout: the product before the op in one call (on CPU the target's

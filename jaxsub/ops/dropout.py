@@ -74,8 +74,7 @@ def seed_from_key(op: str, key) -> jax.Array:
     A threefry key's data is exactly two words and is used as is (no extra kernel); keys
     with more words (rbg) are hashed into two (`_fold`). `Words` are used as they are."""
     if key is None:
-        when = "rate > 0" if op == "dropout_mask" else "rate > 0, not deterministic"
-        raise ValueError(f"jaxsub.{op}: `key` is required when dropout is active ({when})")
+        raise ValueError(f"jaxsub.{op}: `key` is required when dropout is active (rate > 0, not deterministic)")
     if isinstance(key, Words):
         words = key.words
         if words.dtype != jnp.uint32 or words.shape not in ((2,), (4,)):
@@ -163,6 +162,8 @@ def dropout_mask(key, shape, rate) -> jax.Array:
     shape = tuple(int(d) for d in shape)
     if rate == 0.0:
         return jnp.ones(shape, jnp.bool_)
+    if key is None:  # (it has no `deterministic`, which seed_from_key's message names)
+        raise ValueError("jaxsub.dropout_mask: `key` is required when dropout is active (rate > 0)")
     return seed_mask(seed_from_key("dropout_mask", key), shape, rate)
 
 

@@ -229,17 +229,17 @@ def _check_bool(name, value, op=_OP) -> bool:
 def _check_inputs(x, bias, op=_OP):
     x = x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(x)
     if bias is None:
-        raise TypeError(f"jaxsub.{_OP}: `bias` is required (pass zeros of shape (x.shape[-1],) for none)")
+        raise TypeError(f"jaxsub.{op}: `bias` is required (pass zeros of shape (x.shape[-1],) for none)")
     bias = bias if isinstance(bias, jax.Array) else jnp.asarray(bias)
     if x.ndim < 1:
-        raise ValueError(f"jaxsub.{_OP}: `x` must have rank >= 1, got shape {x.shape}")
+        raise ValueError(f"jaxsub.{op}: `x` must have rank >= 1, got shape {x.shape}")
     if x.dtype not in _DTYPES:
-        raise TypeError(f"jaxsub.{_OP}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"jaxsub.{op}: `x` must be float32, bfloat16 or float16, got {x.dtype}")
     if bias.shape != (x.shape[-1],):
         raise ValueError(
-            f"jaxsub.{_OP}: `bias` must have shape ({x.shape[-1]},) (x.shape[-1]), got {bias.shape}")
+            f"jaxsub.{op}: `bias` must have shape ({x.shape[-1]},) (x.shape[-1]), got {bias.shape}")
     if bias.dtype not in (x.dtype, jnp.dtype(jnp.float32)):
-        raise TypeError(f"jaxsub.{_OP}: `bias` must have x's dtype ({x.dtype}) or float32, got {bias.dtype}")
+        raise TypeError(f"jaxsub.{op}: `bias` must have x's dtype ({x.dtype}) or float32, got {bias.dtype}")
     return x, bias
 
 

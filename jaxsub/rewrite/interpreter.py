@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsub import stack
+from jaxsub import _ffi, stack
 from jaxsub.layout import select as _select
 from jaxsub.ops import config as _config
 from jaxsub.ops import dropout as _dropout
@@ -181,14 +181,8 @@ def _split(args, kwargs):
     # alike, but trace to different dtypes) and a float's sign (0.0 == -0.0).
     kinds = tuple(None if x is None else (type(x), math.copysign(1.0, x) if isinstance(x, float) else 0.0)
                   for x in static)
-    return arrays, (in_tree, static, tuple(_abstract(x) for x in arrays), kinds, _context_mesh())
-
-
-def _context_mesh():
-    """The abstract mesh in effect (shard_map's, pmap's, `jax.sharding.use_mesh`'s): a
-    trace made under one mesh does not run under another."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    return None if get is None else get()
+    # A trace made under one mesh (shard_map's, pmap's) does not run under another.
+    return arrays, (in_tree, static, tuple(_abstract(x) for x in arrays), kinds, _ffi.context_mesh())
 
 
 def trace(fn, options: P.Options, args, kwargs):
