@@ -1,9 +1,11 @@
 """Kernel time of the row ops' CUDA kernels at their default configurations, at the b8×s512
 and b96×s128 layers' row counts (4096 and 12288), bf16, dropout 0.1: layer_norm and BDRLN
 [R, 1024] (BDRLN also as `bdrln_pair`, the two-cotangent backward), bias_gelu_dropout
-[R, 4096]. Kernel µs per application from a profiler trace (bench/trace.py) over 4
-distinct input sets (bench/timing.py's `random_sets` and `apply_k`); one line per op and size with the forward, the backward (fwd+bwd
-minus fwd) and every kernel of the fwd+bwd program. GPU only.
+[R, 4096]; softmax_dropout at those layers' score shapes, [8·16·512, 512] and
+[96·16·128, 128] (scale 1/8). Kernel µs per application from a profiler trace
+(bench/trace.py) over 4 distinct input sets (bench/timing.py's `random_sets` and
+`apply_k`); one line per op and size with the forward, the backward (fwd+bwd minus fwd)
+and every kernel of the fwd+bwd program. GPU only.
 
 To compare builds, run it once per build in alternating processes (the first argument
 is a label printed on each line): `python3 tools/time_rows.py main layer_norm,bdrln`.
@@ -23,17 +25,20 @@ ROWS = (4096, 12288)
 
 
 def ops():
-    """op -> (columns, argument count, apply(args, key)); bdrln_pair's two outputs are
-    summed as y1 + 0.5 y2, so its backward gets the two cotangents (c, 0.5 c)."""
+    """op -> ((rows, columns) per size, argument count, apply(args, key)); bdrln_pair's two
+    outputs are summed as y1 + 0.5 y2, so its backward gets the two cotangents (c, 0.5 c)."""
     def pair(a, key):
         y1, y2 = norm.bdrln_pair(*a, rate=0.1, key=key)
         return y1 + 0.5 * y2
 
+    layer = lambda cols: tuple((rows, cols) for rows in ROWS)  # noqa: E731
     return {
-        "layer_norm": (1024, 3, lambda a, key: jaxsub.ops.layer_norm(*a)),
-        "bdrln": (1024, 5, lambda a, key: jaxsub.ops.bias_dropout_residual_layer_norm(*a, rate=0.1, key=key)),
-        "bdrln_pair": (1024, 5, pair),
-        "gelu": (4096, 2, lambda a, key: jaxsub.ops.bias_gelu_dropout(*a, rate=0.1, key=key)),
+        "layer_norm": (layer(1024), 3, lambda a, key: jaxsub.ops.layer_norm(*a)),
+        "bdrln": (layer(1024), 5, lambda a, key: jaxsub.ops.bias_dropout_residual_layer_norm(*a, rate=0.1, key=key)),
+        "bdrln_pair": (layer(1024), 5, pair),
+        "gelu": (layer(4096), 2, lambda a, key: jaxsub.ops.bias_gelu_dropout(*a, rate=0.1, key=key)),
+        "softmax": (((8 * 16 * 512, 512), (96 * 16 * 128, 128)), 1,
+                    lambda a, key: jaxsub.ops.softmax_dropout(a[0], scale=0.125, rate=0.1, key=key)),
     }
 
 
@@ -43,9 +48,10 @@ def main(argv: list[str]) -> int:
     label = argv[0] if argv else "-"
     table = ops()
     want = argv[1].split(",") if len(argv) > 1 else list(table)
-    for rows in ROWS:
+    for size in range(len(ROWS)):
         for name in want:
-            cols, nargs, apply = table[name]
+            sizes, nargs, apply = table[name]
+            rows, cols = sizes[size]
             # x (and the BDRLN residual) [rows, cols]; bias, scale, ln_bias [cols].
             specs = [((rows, cols), jnp.bfloat16) if i == 0 or (i == 2 and nargs == 5) else ((cols,), jnp.bfloat16)
                      for i in range(nargs)]
