@@ -460,6 +460,28 @@ def test_rewrite_dropout_false_leaves_dropout_alone():
     assert reasons.count("dropout not rewritten (rewrite_dropout=False)") == 2
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
+def test_dropout_under_vmap_over_per_example_keys_is_left_as_written(raw):
+    """jax.vmap over per-example keys batches the bernoulli call (a key array [E]): a fused
+    op draws its mask from one key, so that dropout stays the user's, the rest is fused, and
+    the numbers are plain JAX's (optimize raised "`key` must be a single PRNG key")."""
+    block, args = _flax_dropout_block(8)
+    params, x, _ = args
+    split = jax.random.split(jax.random.PRNGKey(3) if raw else jax.random.key(3), 3)
+
+    def f(params, xs, keys):
+        return jax.vmap(block, in_axes=(None, 0, 0))(params, xs, keys)
+
+    xs = jnp.stack([x, 2 * x, -x])
+    opt = jaxsub.optimize(f)
+    counts = _counts(opt, params, xs, split)
+    assert counts == {"jaxsub_bdrln_fwd": 0, "jaxsub_layer_norm_fwd": 1, "jaxsub_bias_gelu_dropout_fwd": 1}
+    assert_close(jax.jit(opt)(params, xs, split), jax.jit(f)(params, xs, split), reduction=N)
+    loss = lambda g: lambda p: jnp.sum(g(p, xs, split) ** 2)  # noqa: E731
+    for got, want in zip(jax.tree.leaves(jax.grad(loss(opt))(params)), jax.tree.leaves(jax.grad(loss(f))(params))):
+        assert_close(got, want, reduction=8 * N, grad=True)
+
+
 class ScanLayer(nn.Module):
     @nn.compact
     def __call__(self, x, _):

@@ -526,6 +526,18 @@ def test_flax_linen_broadcast_dropout_is_a_near_miss():
     assert_close(jaxsub.optimize(f)(*args), f(*args), reduction=S * D)
 
 
+def test_flax_linen_dropout_under_vmap_over_keys_is_a_near_miss():
+    """Per-example keys (jax.vmap over keys): the attention's dropout stays the user's and
+    explain says why, where optimize raised "`key` must be a single PRNG key"."""
+    f, (params, x, _) = _linen_dropout(broadcast=False)
+    keys = jax.random.split(jax.random.key(4), 2)
+    g = jax.vmap(f, in_axes=(None, 0, 0))
+    xs = jnp.stack([x, -x])
+    report = jaxsub.explain(g, params, xs, keys)
+    assert any("one key per example" in m.detail for m in report.near_misses), str(report)
+    assert_close(jax.jit(jaxsub.optimize(g))(params, xs, keys), jax.jit(g)(params, xs, keys), reduction=S * D)
+
+
 # ---------------------------------------------------------------------------------------
 # Partial matches and near-misses.
 

@@ -320,7 +320,7 @@ class EncoderLayer(_LayerFields):
         det = bool(deterministic)
         if dropout_keys is None:  # the seeds as quarters of one row: one kernel on a GPU, not one per key
             keys = self.dropout_keys(det)
-            keys = dict(zip(keys, _dropout.shared_seeds("jaxsub.flax.EncoderLayer", keys.values())))
+            keys = dict(zip(keys, _dropout.shared_seeds("flax.EncoderLayer", keys.values())))
         else:
             keys = dropout_keys
         return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det,

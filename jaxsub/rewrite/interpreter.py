@@ -109,7 +109,7 @@ def run(g: G.Graph, plan: P.Plan, args):
     keys, early = _seed_keys(g, plan)
     for node in early:
         env.update(zip(node.outs, G.bind(node.eqn, [reader(node)(r) for r in node.ins])))
-    seeds = dict(zip(keys, _dropout.shared_seeds("jaxsub.optimize", [env[k] for k in keys])))
+    seeds = dict(zip(keys, _dropout.shared_seeds("optimize", [env[k] for k in keys])))
     early = set(early)
 
     for node in g.nodes:

@@ -297,9 +297,9 @@ class _Attn:
         elif drop is None:
             bern = _broadcast_dropout(g, ref)
             if bern is not None:
-                self.near_miss = (f"dropout mask {shapes(bern.outs[0])} is broadcast over the probabilities "
-                                  f"{shapes(ref)}; the fused op drops every element independently",
-                                  ("drop", id(bern)))
+                why = (match_dropout.batched_key(bern) or f"dropout mask {shapes(bern.outs[0])} is broadcast over the "
+                       f"probabilities {shapes(ref)}; the fused op drops every element independently")
+                self.near_miss = why, ("drop", id(bern))
                 return False
         sm = parse(g, ref)
         if sm is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxsub.rewrite import graph as G
-from jaxsub.rewrite.patterns import same_constant
+from jaxsub.rewrite.patterns import same_constant, shapes
 
 NOT_REWRITTEN = "dropout not rewritten (rewrite_dropout=False)"
 
@@ -54,9 +54,20 @@ def _rate(p):
     return round(1.0 - p, 7)
 
 
+def batched_key(bern) -> str | None:
+    """Why a `_bernoulli` call cannot become a fused op's dropout when its key is a batch of
+    keys (jax.vmap over per-example keys), else None."""
+    key = bern.ins[0]
+    if key.shape == ():
+        return None
+    return (f"dropout key {shapes(key)} is one key per example (jax.vmap over keys); a fused op draws its mask "
+            "from one key: put jax.vmap outside jaxsub.optimize to fuse it")
+
+
 def _bernoulli(g: G.Graph, mask):
     node = g.producer.get(mask)
-    if node is None or node.call_name != "_bernoulli" or len(node.ins) != 2:
+    # One key: under vmap over per-example keys the call is batched (batched_key).
+    if node is None or node.call_name != "_bernoulli" or len(node.ins) != 2 or node.ins[0].shape != ():
         return None
     p = g.scalar(node.ins[1])
     return (node, p) if p is not None and 0.0 < p < 1.0 else None
