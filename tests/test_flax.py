@@ -338,9 +338,47 @@ def test_lazy_export_and_bad_hidden_size():
     for field in ({"dropout_rate": 1.0}, {"attention_dropout_rate": -0.1}, {"dropout_rate": "0.1"}):
         with pytest.raises(ValueError, match=f"EncoderLayer: `{next(iter(field))}` must be a float in"):
             EncoderLayer(num_heads=4, mlp_dim=F, **field).init(jax.random.key(0), jnp.ones((1, 3, E)))
+    # An array rate: said to be no Python number (probe round 8: the message read as a range error).
+    with pytest.raises(ValueError, match="of type ArrayImpl \\(a Python number\\)"):
+        EncoderLayer(num_heads=4, mlp_dim=F, dropout_rate=jnp.asarray(0.2)).init(jax.random.key(0), jnp.ones((1, 3, E)))
     none = EncoderLayer(num_heads=4, mlp_dim=F, dtype=None)  # Flax's "from the inputs" (and the parameters)
     x = jnp.ones((1, 3, E), jnp.float32)
     assert none.apply(none.init(jax.random.key(0), x), x).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("stack", [None, "scan", "unrolled"])
+def test_dtype_none_computes_in_the_promoted_dtype(stack):
+    """dtype=None is Flax's "from the inputs and the parameters": a bfloat16 input with
+    float32 parameters computes in float32, as the plain Flax layer does (the fused ops
+    were handed a bfloat16 residual with float32 activations and raised; probe round 8)."""
+    fields = dict(num_heads=4, mlp_dim=F, dtype=None, layouts="none")
+    module = EncoderLayer(**fields) if stack is None else Encoder(num_layers=2, scan_layers=stack == "scan", **fields)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, E)), jnp.bfloat16)
+    params = module.init(jax.random.key(0), x.astype(jnp.float32))
+    got = module.apply(params, x)
+    assert got.dtype == jnp.float32
+    assert_close(got, module.apply(params, x.astype(jnp.float32)), reduction=E * F)
+    if stack is None:
+        twin = reference_layer(module).apply({"params": to_flax_params(params["params"])}, x)
+        assert twin.dtype == jnp.float32
+        assert_close(got, twin, reduction=E * F)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, E), (2, 0, E)])
+def test_empty_batch_or_sequence_gives_an_empty_output(shape):
+    """As plain Flax: an empty batch or sequence gives an empty output (and zero gradients),
+    the parameters made as for any input; LayerSpec raised "batch must be a positive int"
+    (probe round 8)."""
+    layer = EncoderLayer(num_heads=4, mlp_dim=F, dropout_rate=0.1)
+    x = jnp.zeros(shape)
+    params = layer.init(jax.random.key(0), jnp.ones((2, 5, E)))
+    assert jax.tree.map(jnp.shape, layer.init(jax.random.key(0), x)) == jax.tree.map(jnp.shape, params)
+    twin = reference_layer(layer).apply({"params": to_flax_params(params["params"])}, x)
+    for module, p in ((layer, params), (Encoder(num_layers=2, num_heads=4, mlp_dim=F), None)):
+        p = module.init(jax.random.key(0), jnp.ones((2, 5, E))) if p is None else p
+        run = lambda p: module.apply(p, x, None, False, rngs={"dropout": jax.random.key(1)})  # noqa: E731
+        assert run(p).shape == twin.shape == shape
+        assert all((g == 0).all() for g in jax.tree.leaves(jax.grad(lambda p: run(p).sum())(p)))
 
 
 def _scanned_train_step(dtype, hidden, heads, seq, layouts="none"):

@@ -157,6 +157,15 @@ class _LayerFields(nn.Module):
     bias_init: Initializer = nn.initializers.zeros
 
 
+def _compute_dtype(dtype, param_dtype, x):
+    """The activations' dtype: `dtype`, or for None Flax's, the input's promoted with the
+    parameters' (a bfloat16 input with float32 parameters computes in float32)."""
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    x_dtype = jnp.result_type(x)
+    return jnp.result_type(x_dtype, x_dtype if param_dtype is None else param_dtype)
+
+
 class EncoderLayer(_LayerFields):
     """One transformer encoder layer on jaxsub's fused ops.
 
@@ -240,14 +249,14 @@ class EncoderLayer(_LayerFields):
     recompute_gelu: bool = False
     library_products: bool | None = None
 
-    def _affine(self, name, fan_in, kernel_shape, bias_shape):
+    def _affine(self, name, fan_in, kernel_shape, bias_shape, dtype):
         kernel, bias = _Affine(fan_in, kernel_shape, bias_shape, self.kernel_init, self.bias_init,
                                self.param_dtype, name=name)()
-        return kernel.astype(self.dtype), bias.astype(self.dtype)
+        return kernel.astype(dtype), bias.astype(dtype)
 
-    def _norm(self, name, features):
+    def _norm(self, name, features, dtype):
         scale, bias = _Norm(features, self.param_dtype, name=name)()
-        return scale.astype(self.dtype), bias.astype(self.dtype)
+        return scale.astype(dtype), bias.astype(dtype)
 
     def _key(self, rate, deterministic):
         """A fresh dropout key, or None when this dropout is off (no rng is consumed)."""
@@ -279,7 +288,8 @@ class EncoderLayer(_LayerFields):
         for name in ("dropout_rate", "attention_dropout_rate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
-                raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a float in [0, 1), got {value!r}")
+                kind = "" if isinstance(value, numbers.Real) else f" of type {type(value).__name__} (a Python number)"
+                raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a float in [0, 1){kind}, got {value!r}")
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             value = x.dtype if value is None else jnp.dtype(value)  # None: Flax's "from the input"
@@ -296,33 +306,42 @@ class EncoderLayer(_LayerFields):
                 mask_shape = (b, s)  # key padding, as `python -m jaxsub tune --padding-mask` keys it
         return layout.LayerSpec(
             batch=b, seq=s, hidden=e, heads=self.num_heads, mlp_dim=self.mlp_dim,
-            dtype=(x.dtype if self.dtype is None else jnp.dtype(self.dtype)).name,
+            dtype=_compute_dtype(self.dtype, self.param_dtype, x).name,
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
             pre_layer_norm=self.pre_layer_norm, causal=self.causal, epsilon=self.epsilon,
             approximate_gelu=self.approximate_gelu, mask_shape=mask_shape, mask_dtype=mask_dtype)
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True, *, bias=None, dropout_keys=None):
-        x = jnp.asarray(x, self.dtype)
+        dtype = _compute_dtype(self.dtype, self.param_dtype, x)
+        x = jnp.asarray(x, dtype)
         if x.ndim != 3:
             raise ValueError(f"jaxsub.flax.EncoderLayer: `x` must be [B, S, E], got shape {x.shape}")
         mask = _attention_mask("EncoderLayer", x, self.num_heads, mask, bias)
-        problem, selection = self._resolve(x, mask)
-        e, h = problem.spec.hidden, problem.spec.heads
+        empty = 0 in x.shape[:2]
+        if empty:  # an empty batch or sequence: the fields checked, no layout to choose
+            problem = selection = None
+            e, h = self._spec(jnp.zeros((1, 1, x.shape[2]), dtype), None).hidden, self.num_heads
+        else:
+            problem, selection = self._resolve(x, mask)
+            e, h = problem.spec.hidden, problem.spec.heads
         d = e // h
         params = {}
-        params["qkv_kernel"], params["qkv_bias"] = self._affine("qkv", e, (e, 3, h, d), (3, h, d))
-        params["out_kernel"], params["out_bias"] = self._affine("out", e, (h, d, e), (e,))
-        params["attn_scale"], params["attn_bias"] = self._norm("attention_norm", e)
-        params["in_kernel"], params["in_bias"] = self._affine("mlp_in", e, (e, self.mlp_dim), (self.mlp_dim,))
-        params["ffn_kernel"], params["ffn_bias"] = self._affine("mlp_out", self.mlp_dim, (self.mlp_dim, e), (e,))
-        params["mlp_scale"], params["mlp_bias"] = self._norm("mlp_norm", e)
+        params["qkv_kernel"], params["qkv_bias"] = self._affine("qkv", e, (e, 3, h, d), (3, h, d), dtype)
+        params["out_kernel"], params["out_bias"] = self._affine("out", e, (h, d, e), (e,), dtype)
+        params["attn_scale"], params["attn_bias"] = self._norm("attention_norm", e, dtype)
+        params["in_kernel"], params["in_bias"] = self._affine("mlp_in", e, (e, self.mlp_dim), (self.mlp_dim,), dtype)
+        params["ffn_kernel"], params["ffn_bias"] = self._affine("mlp_out", self.mlp_dim, (self.mlp_dim, e), (e,),
+                                                                dtype)
+        params["mlp_scale"], params["mlp_bias"] = self._norm("mlp_norm", e, dtype)
         det = bool(deterministic)
         if dropout_keys is None:  # the seeds as quarters of one row: one kernel on a GPU, not one per key
             keys = self.dropout_keys(det)
             keys = dict(zip(keys, _dropout.shared_seeds("flax.EncoderLayer", keys.values())))
         else:
             keys = dropout_keys
+        if empty:  # nothing to compute, as in plain Flax (the parameters and keys made as always)
+            return jnp.zeros(x.shape, dtype)
         return problem.apply(selection, params, x, mask=mask, keys=keys, deterministic=det,
                              recompute_gelu=self.recompute_gelu, library_products=_library(self.library_products))
 
@@ -488,7 +507,7 @@ class Encoder(_LayerFields):
         layer = dict(_fields(self), layouts=self.layouts)
         deterministic = bool(deterministic)
         block = nn.remat(_Block, prevent_cse=not self.scan_layers) if self.remat else _Block
-        x = jnp.asarray(x, self.dtype)
+        x = jnp.asarray(x, _compute_dtype(self.dtype, self.param_dtype, x))
         if x.ndim != 3:
             raise ValueError(f"jaxsub.flax.Encoder: `x` must be [B, S, E], got shape {x.shape}")
         mask = _attention_mask("Encoder", x, self.num_heads, mask, bias)
@@ -505,7 +524,7 @@ class Encoder(_LayerFields):
                 x, _ = block(layer, deterministic, name=f"layers_{i}")(x, mask)
         if self.pre_layer_norm:
             scale, bias = _Norm(x.shape[-1], self.param_dtype, name="final_norm")()
-            x = ops.layer_norm(x, scale.astype(self.dtype), bias.astype(self.dtype), eps=self.epsilon)
+            x = ops.layer_norm(x, scale.astype(x.dtype), bias.astype(x.dtype), eps=self.epsilon)
         return x
 
     def _scan(self, layer, deterministic, x, mask):
