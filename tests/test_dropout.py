@@ -146,6 +146,40 @@ def test_bad_rate_raises(rate):
         jaxsub.ops.dropout_mask(jax.random.key(0), (4,), rate)
 
 
+def test_rate_the_16_bit_steps_would_bias_raises():
+    """Keep decisions come in steps of 2^-16, and kept elements are scaled by 1 / (1 - rate):
+    at 0.99999 the output's expected value was 1.53x the input's, at 1 - 1e-7 152x (probe
+    round 9). Rates whose bias passes 1% raise, naming the op; every rate up to 0.999 runs,
+    and the kept elements' mean scale is within 1% of 1 there."""
+    x, b = jnp.ones((64, 1024)), jnp.zeros(1024)
+    for rate in (0.99999, 1 - 1e-7):
+        with pytest.raises(ValueError, match=r"bias_gelu_dropout: `rate` .* too close to 1.*steps of 2\^-16"):
+            jaxsub.ops.bias_gelu_dropout(x, b, rate=rate, key=jax.random.key(0))
+        with pytest.raises(ValueError, match="dropout_mask: `rate`"):
+            jaxsub.ops.dropout_mask(jax.random.key(0), (4,), rate)
+    rates = np.linspace(0.0, 0.999, 4001)
+    assert max(jaxsub.ops.dropout.scale_error(r) for r in rates) < 0.01
+    for rate in (0.999, 0.9993):
+        kept = jaxsub.ops.dropout_mask(jax.random.key(1), (1 << 22,), rate).mean() / (1 - rate)
+        assert abs(float(kept) - 1) < 0.12, rate  # ~4200 kept: a few standard deviations
+
+
+@pytest.mark.parametrize("p", [1e-5, 0.9])
+def test_optimize_leaves_a_rate_its_steps_would_bias_as_written(p):
+    """A user's dropout at keep probability 1e-5 stays theirs (bias + GELU fused without
+    it), one at 0.9 is fused."""
+    def f(x, b, key):
+        h = jax.nn.gelu(x + b)
+        return jnp.where(jax.random.bernoulli(key, p, x.shape), h / p, 0.0)
+
+    args = (jnp.ones((8, 16)), jnp.ones(16), jax.random.key(2))
+    report = str(jaxsub.explain(f, *args))
+    assert ("no dropout" if p < 0.5 else "dropout rate=0.1") in report, report
+    if p < 0.5:
+        np.testing.assert_array_equal(jax.jit(jaxsub.optimize(f))(*args) != 0, jax.jit(f)(*args) != 0)
+        assert_close(jax.jit(jaxsub.optimize(f))(*args), jax.jit(f)(*args), reduction=1)
+
+
 def test_missing_key_raises():
     with pytest.raises(ValueError, match=r"dropout_mask: `key` is required when dropout is active \(rate > 0\)$"):
         jaxsub.ops.dropout_mask(None, (4,), 0.1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxsub.ops import dropout as _dropout
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite.patterns import same_constant, shapes
 
@@ -70,7 +71,9 @@ def _bernoulli(g: G.Graph, mask):
     if node is None or node.call_name != "_bernoulli" or len(node.ins) != 2 or node.ins[0].shape != ():
         return None
     p = g.scalar(node.ins[1])
-    return (node, p) if p is not None and 0.0 < p < 1.0 else None
+    # A rate the fused ops' 2^-16 steps would bias (ops.dropout.scale_error) stays the user's.
+    ok = p is not None and 0.0 < p < 1.0 and _dropout.scale_error(_rate(p)) <= _dropout.MAX_SCALE_ERROR
+    return (node, p) if ok else None
 
 
 def _scaled(g: G.Graph, ref, p):
