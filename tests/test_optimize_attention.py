@@ -174,6 +174,8 @@ def test_tril_is_causal_and_scale_after_additive_mask():
     report = _check(attn_tril_additive, (*_qkv(), bias), {"attention": 1})
     text = str(report)
     assert "causal" in text and "additive mask" in text and "scale=0.3" in text
+    # The additive mask's own difference from f32 code on rows it hides everywhere (README).
+    assert "additive mask is below -256 everywhere gets its unmasked attention" in text
 
 
 class _SoftmaxCustomJvp:

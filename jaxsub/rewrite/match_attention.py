@@ -591,4 +591,7 @@ def _describe(att, causal, rate):
         parts.append("fully-masked rows give 0 instead of the mean of v")
     elif fills:
         parts.append("fully-masked rows give 0 instead of NaN")
+    if any(not m.boolean for m in att.masks):
+        parts.append("a row whose additive mask is below -256 everywhere gets its unmasked attention "
+                     "(f32 code: the mean of v)")
     return ", ".join(parts)
