@@ -437,6 +437,13 @@ def test_bad_inputs_raise_naming_op_and_argument(name, kwargs, exc, arg, impleme
     assert arg in str(info.value)
 
 
+def test_fewer_key_heads_says_how_to_group():
+    """Grouped-query attention (fewer k/v heads) is not fused: the error says how to repeat."""
+    q, k, v, _ = qkv(5, 2, 7, 7, 4, 8, F32)
+    with pytest.raises(ValueError, match=r"`k` must have q's H \(4\).*jnp.repeat\(k, 2, axis=2\)"):
+        jaxsub.ops.attention(q, k[:, :, :2], v[:, :, :2])
+
+
 def test_traced_scale_is_a_type_error():
     q, k, v, _ = qkv(95, 1, 2, 2, 1, 4, F32)
     with pytest.raises(TypeError, match="attention.*`scale`"):

@@ -438,7 +438,11 @@ def _check_inputs(q, k, v):
             raise TypeError(f"jaxsub.{_OP}: `{name}` must have q's dtype ({q.dtype}), got {a.dtype}")
     for axis, dim in ((0, "B"), (2, "H"), (3, "D")):
         if k.shape[axis] != q.shape[axis]:
-            raise ValueError(f"jaxsub.{_OP}: `k` must have q's {dim} ({q.shape[axis]}), got shape {k.shape}")
+            hint = ""
+            if dim == "H" and k.shape[2] and q.shape[2] % k.shape[2] == 0:
+                hint = (f" (grouped-query attention is not fused: repeat k and v over the groups, "
+                        f"jnp.repeat(k, {q.shape[2] // k.shape[2]}, axis=2))")
+            raise ValueError(f"jaxsub.{_OP}: `k` must have q's {dim} ({q.shape[axis]}), got shape {k.shape}{hint}")
     if v.shape != k.shape:
         raise ValueError(f"jaxsub.{_OP}: `v` must have k's shape {k.shape} (same Sk), got {v.shape}")
     return q, k, v
