@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
+    for name in ("layers", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
     from bench import encoder
 
     cfg = dataclasses.replace(encoder.FULL.configs["b8s512-bf16"], layers=args.layers)

@@ -14,6 +14,7 @@ import jax
 
 import jaxsub
 from bench import timing
+from jaxsub.layout import cache
 
 
 def fmt(value, spec: str = ".1f") -> str:
@@ -77,6 +78,8 @@ def parse_run_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if getattr(args, "json", None) is not None and not cache.can_write(args.json):  # before the run
+        p.error(f"cannot write --json {args.json}")
     if not args.small and not getattr(args, "floors", False) and not has_gpu():
         print("no GPU found: running the small CPU configuration (--small)", flush=True)
         args.small = True

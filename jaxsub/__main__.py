@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
@@ -67,7 +66,7 @@ def _fmt(seconds) -> str:
 
 def tune_command(args) -> int:
     from jaxsub import layout
-    from jaxsub.layout import select, solver, tuning
+    from jaxsub.layout import cache, select, solver, tuning
 
     try:  # bad sizes, rates or tuning options: a usage error, not a traceback
         spec = layout.LayerSpec(
@@ -83,16 +82,9 @@ def tune_command(args) -> int:
     except ValueError as e:
         print(f"python -m jaxsub tune: error: {e}", file=sys.stderr)
         return 2
-    if args.json is not None:  # checked before tuning, whose minutes a bad path would lose
-        try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            writable = os.access(args.json if args.json.exists() else args.json.parent, os.W_OK) \
-                and not args.json.is_dir()
-        except OSError:
-            writable = False
-        if not writable:
-            print(f"python -m jaxsub tune: error: cannot write --json {args.json}", file=sys.stderr)
-            return 2
+    if args.json is not None and not cache.can_write(args.json):  # before tuning's minutes
+        print(f"python -m jaxsub tune: error: cannot write --json {args.json}", file=sys.stderr)
+        return 2
     problem = layout.EncoderProblem(spec)
     device = jax.devices()[0]
     print(f"device {device.platform}: {device.device_kind}; jax {jax.__version__}")

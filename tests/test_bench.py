@@ -142,6 +142,25 @@ def test_attention_shape_option_rejects_bad_shapes(text, capsys):
     assert "--shape" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("module", [bench_attention, bench_encoder, bench_ops], ids=["attention", "encoder", "ops"])
+def test_unwritable_json_is_a_usage_error_before_the_run(module, tmp_path, capsys):
+    """Probe round 9: the path was found unwritable only when the results were written,
+    after the whole run (under /proc even when running as root)."""
+    with pytest.raises(SystemExit):
+        module.parse_args(["--small", "--json", "/proc/nope.json"])
+    assert "cannot write --json /proc/nope.json" in capsys.readouterr().err
+    fine = tmp_path / "new" / "r.json"
+    assert module.parse_args(["--small", "--json", str(fine)]).json == fine and not fine.exists()
+
+
+def test_pass_time_refuses_zero_layers(capsys):
+    from bench import pass_time
+
+    with pytest.raises(SystemExit):
+        pass_time.main(["--layers", "0"])
+    assert "--layers must be >= 1" in capsys.readouterr().err
+
+
 def test_attention_floors_match_hand_counts():
     full = bench_attention.FULL.cases
     bert, causal = full["bert"], full["causal"]

@@ -77,7 +77,8 @@ def test_cache_round_trip_through_the_command(tmp_path, monkeypatch, capsys):
     # probe round six: 0 was taken as "the default" (4 x hidden); an unwritable --json
     # raised only after the tuning
     (["--mlp-dim", "0"], "mlp_dim must be a positive int"),
-    (["--json", "/proc/nope/a.json"], "cannot write --json /proc/nope/a.json")])
+    (["--json", "/proc/nope/a.json"], "cannot write --json /proc/nope/a.json"),
+    (["--json", "/proc/nope.json"], "cannot write --json /proc/nope.json")])  # os.access: yes, as root
 def test_bad_sizes_and_options_are_usage_errors(change, message, capsys):
     """Found by probing: tracebacks, or negative sizes and rates accepted with nonsense
     printed. Now exit status 2 and one line naming the value."""

@@ -32,6 +32,23 @@ import jax
 FORMAT = 1
 
 
+def can_write(path: pathlib.Path) -> bool:
+    """Whether a file can be written at `path` (its folders made), tried by opening it for
+    appending, so that a command that writes its results last learns of a bad path before
+    its minutes of work. os.access says yes to root for a path under /proc."""
+    path = pathlib.Path(path)
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError:
+        return False
+    if not existed:
+        path.unlink(missing_ok=True)
+    return True
+
+
 def cache_dir(directory=None) -> pathlib.Path:
     """`directory` when given, else the user's cache directory for layout results."""
     if directory is not None:
