@@ -158,8 +158,9 @@ def train(size_name: str, steps: int, seed: int = 0, log_every: int = 25, log=pr
         tokens, labels, weights = batch(rng)
         params, opt_state, loss, acc = step(params, opt_state, tokens, labels, weights, jax.random.fold_in(key, i))
         if (i + 1) % log_every == 0 or i == 0 or i == steps - 1:
+            loss_now, acc_now = float(loss), float(acc)  # waits for step i, so the rate counts it
             rate = "" if start is None or i == 0 else f"  {i / (time.perf_counter() - start):.1f} steps/s"
-            log(f"step {i + 1:5d}  loss {float(loss):.3f}  masked accuracy {float(acc):.3f}{rate}")
+            log(f"step {i + 1:5d}  loss {loss_now:.3f}  masked accuracy {acc_now:.3f}{rate}")
         losses.append(loss)
         accs.append(acc)
     jax.block_until_ready(params)
