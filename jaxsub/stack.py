@@ -183,7 +183,11 @@ def _length(xs, length) -> int:
 
 
 def _avals(tree):
-    return jax.tree.map(lambda a: (tuple(jnp.shape(a)), jnp.dtype(_dtype(a))), tree)
+    def aval(a):
+        dtype = _dtype(a)  # a PRNG key's dtype is no NumPy dtype
+        return tuple(jnp.shape(a)), dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else jnp.dtype(dtype)
+
+    return jax.tree.map(aval, tree)
 
 
 def _plan(body, consts, carry, xs, length, reverse, unroll=1, live=None) -> _Plan:

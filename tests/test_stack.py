@@ -304,6 +304,29 @@ def test_length_without_xs():
                  what="dconst")
 
 
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "raw"])
+def test_prng_key_in_the_carry(typed):
+    """The `key, sub = split(key)` idiom with the key in the carry: a typed key raised
+    "Cannot interpret 'key<fry>' as a data type" (probe round 10), with or without a
+    gradient."""
+    w = jax.random.normal(jax.random.key(0), (4, 6, 6)) * 0.3
+    h0 = jax.random.normal(jax.random.key(2), (3, 6))
+    k0 = jax.random.key(4) if typed else jax.random.PRNGKey(4)
+
+    def body(c, carry, x):
+        h, k = carry
+        k, sub = jax.random.split(k)
+        return (jnp.tanh(h @ x) + 0.1 * jax.random.normal(sub, h.shape), k), h.sum()
+
+    run = lambda scan: lambda w: scan((h0, k0), w)  # noqa: E731
+    ours, ref = run(lambda c, w: stack.scan(body, c, w)), run(lambda c, w: lax.scan(lambda c, x: body(None, c, x), c, w))
+    got, want = ours(w), ref(w)
+    _assert_tree_close((got[0][0], got[1]), (want[0][0], want[1]), "value")
+    np.testing.assert_array_equal(jax.random.key_data(got[0][1]), jax.random.key_data(want[0][1]))
+    loss = lambda f: lambda w: f(w)[0][0].sum() + f(w)[1].sum()  # noqa: E731
+    _assert_tree_close(jax.grad(loss(ours))(w), jax.grad(loss(ref))(w), "gradient")
+
+
 def test_zero_steps_differentiate_as_lax_scan():
     """Found by probing: with no step (xs of length 0, or length=0) the forward ran but
     the gradient raised from a slice of the empty residual stacks."""
