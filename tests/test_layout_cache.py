@@ -143,6 +143,10 @@ def test_corrupt_and_foreign_files_are_ignored_with_a_warning(monkeypatch):
         path.write_text(json.dumps({"format": cache.FORMAT, "key": key, "tables": tables}))
         with pytest.warns(RuntimeWarning, match="corrupt cache file"):
             assert cache.load(key) is None
+    # Bytes that are no UTF-8 text (probe round 10: a UnicodeDecodeError from the layer).
+    path.write_bytes(b"\xff\xfe{")
+    with pytest.warns(RuntimeWarning, match="cannot read cache file"):
+        assert cache.load(key) is None
     # The timed path treats it as a miss, re-times and replaces the file.
     monkeypatch.setattr(tuning, "measure", _fake_measure)
     monkeypatch.setattr(tuning, "measure_layers", _fake_layers)

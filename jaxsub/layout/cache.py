@@ -87,7 +87,7 @@ def _read(path: pathlib.Path, key: dict) -> dict | None:
         text = path.read_text()
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:  # UnicodeDecodeError: bytes that are no UTF-8 text
         warnings.warn(f"jaxsub.layout: cannot read cache file {path} ({e}); ignoring it", RuntimeWarning,
                       stacklevel=3)
         return None
