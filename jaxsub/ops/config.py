@@ -9,7 +9,11 @@ the selected configuration without the user's code changing.
 
 The context is a `contextvars.ContextVar`: it follows the Python call stack, so it holds
 while a function is traced (jit, grad, vmap all trace in the caller's context) and never
-leaks into other threads.
+leaks into other threads. It is read at trace time only and is not part of `jax.jit`'s
+cache key: a jitted function called again under another block reuses its first trace
+(make a new `jax.jit` of the function, or call its `clear_cache()`, to trace it again).
+`jaxsub.optimize` enters its block itself, inside its own trace, so this does not arise
+there.
 """
 
 from __future__ import annotations
