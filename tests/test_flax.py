@@ -164,6 +164,31 @@ def test_param_conversion_round_trips():
     assert jax.tree.map(jnp.shape, to_flax_params(params)) == jax.tree.map(jnp.shape, ref_params)
 
 
+def test_param_conversion_of_a_scanned_stack_and_bad_trees():
+    """A scanned Encoder's stacked layer tree converts layer by layer (leading axes pass
+    through; the kernel's hidden axis was sliced as q/k/v before, with no error), and trees
+    that are no layer's raise naming the function and what is wrong (bare KeyErrors, or
+    extra subtrees dropped silently, before; probe round 10)."""
+    enc = Encoder(num_layers=3, num_heads=4, mlp_dim=F)
+    stacked = enc.init(jax.random.key(0), jnp.ones((1, 3, E)))["params"]["layers"]["layer"]
+    flax_tree = to_flax_params(stacked)
+    per_layer = jax.vmap(to_flax_params)(stacked)
+    assert jax.tree.map(jnp.shape, flax_tree) == jax.tree.map(jnp.shape, per_layer)
+    for a, b in zip(jax.tree.leaves(flax_tree), jax.tree.leaves(per_layer)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(from_flax_params(flax_tree)), jax.tree.leaves(stacked)):
+        np.testing.assert_array_equal(a, b)
+    layer, _, params = _setup()
+    flat = {**params, "qkv": {"kernel": params["qkv"]["kernel"].reshape(E, -1), "bias": params["qkv"]["bias"]}}
+    for bad, message in (({**params, "pooler": {}}, "subtrees qkv, out"), (enc.init(jax.random.key(0), jnp.ones(
+            (1, 3, E)))["params"], "got \\['layers'\\]"), (to_flax_params(params), "got \\['attention'"),
+            (flat, "`params\\['qkv'\\]\\['kernel'\\]` must have rank >= 4 with 3 at axis -3")):
+        with pytest.raises(ValueError, match=f"to_flax_params: .*{message}"):
+            to_flax_params(bad)
+    with pytest.raises(ValueError, match="from_flax_params: `params` must be one layer's"):
+        from_flax_params(params)
+
+
 def test_key_padding_hides_padded_tokens():
     layer, x, params = _setup(seed=5)
     mask = _key_padding()

@@ -420,28 +420,52 @@ _SHARED = ("attention_norm", "mlp_in", "mlp_out", "mlp_norm")
 _QKV = ("query", "key", "value")
 
 
+def _layer_tree(where, params, names, shapes):
+    """`params` checked to be one layer's tree with exactly the subtrees `names`, and the
+    arrays `shapes` lists ((subtree, leaf) -> the trailing rank it must have and, where
+    given, the size of its axis -3); leading axes beyond them (a scanned stack's layer
+    axis) pass through."""
+    keys = set(params) if hasattr(params, "keys") else None
+    if keys != set(names):
+        got = sorted(keys) if keys is not None else type(params).__name__
+        raise ValueError(f"jaxsub.flax.{where}: `params` must be one layer's 'params' collection with the subtrees "
+                         f"{', '.join(names)} (a scanned Encoder's params['layers']['layer'] too); got {got}")
+    for (tree, leaf), (rank, three) in shapes.items():
+        shape = jnp.shape(params[tree].get(leaf) if hasattr(params[tree], "get") else None)
+        if len(shape) < rank or (three and shape[-3] != 3):
+            want = f"rank >= {rank}" + (" with 3 at axis -3 (q, k, v)" if three else "")
+            raise ValueError(f"jaxsub.flax.{where}: `params['{tree}']['{leaf}']` must have {want}, got shape {shape}")
+
+
 def to_flax_params(params):
     """EncoderLayer parameters -> ReferenceEncoderLayer parameters (the same layer).
 
     Takes the 'params' collection of one layer (or a {'params': ...} variables dict,
-    returned in the same form)."""
-    if set(params) == {"params"}:
+    returned in the same form); a scanned Encoder's stacked params['layers']['layer'] give
+    the stacked trees of its layers (leading axes pass through)."""
+    if hasattr(params, "keys") and set(params) == {"params"}:
         return {"params": to_flax_params(params["params"])}
+    _layer_tree("to_flax_params", params, ("qkv", "out", *_SHARED),
+                {("qkv", "kernel"): (4, True), ("qkv", "bias"): (3, True)})
     qkv = params["qkv"]
-    attention = {name: {"kernel": qkv["kernel"][:, i], "bias": qkv["bias"][i]} for i, name in enumerate(_QKV)}
+    attention = {name: {"kernel": qkv["kernel"][..., i, :, :], "bias": qkv["bias"][..., i, :, :]}
+                 for i, name in enumerate(_QKV)}
     attention["out"] = dict(params["out"])
     return {"attention": attention, **{n: dict(params[n]) for n in _SHARED}}
 
 
 def from_flax_params(params):
     """ReferenceEncoderLayer parameters -> EncoderLayer parameters; inverse of
-    `to_flax_params`."""
-    if set(params) == {"params"}:
+    `to_flax_params` (stacked trees too)."""
+    if hasattr(params, "keys") and set(params) == {"params"}:
         return {"params": from_flax_params(params["params"])}
+    _layer_tree("from_flax_params", params, ("attention", *_SHARED), {})
     attention = params["attention"]
+    _layer_tree("from_flax_params", attention, (*_QKV, "out"),
+                {**{(n, "kernel"): (3, False) for n in _QKV}, **{(n, "bias"): (2, False) for n in _QKV}})
     qkv = {
-        "kernel": jnp.stack([attention[n]["kernel"] for n in _QKV], axis=1),
-        "bias": jnp.stack([attention[n]["bias"] for n in _QKV], axis=0),
+        "kernel": jnp.stack([attention[n]["kernel"] for n in _QKV], axis=-3),
+        "bias": jnp.stack([attention[n]["bias"] for n in _QKV], axis=-3),
     }
     return {"qkv": qkv, "out": dict(attention["out"]), **{n: dict(params[n]) for n in _SHARED}}
 
