@@ -178,7 +178,7 @@ def _length(xs, length) -> int:
         raise ValueError(f"{_OP}: `length` is needed when `xs` has no arrays")
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"{_OP}: every leaf of `xs` (and `length`, if given) needs one leading size, got "
-                         f"{sorted(str(n) for n in sizes)}")
+                         f"{sorted('a scalar' if n is None else str(n) for n in sizes)}")
     return sizes.pop()
 
 

@@ -164,6 +164,15 @@ def test_param_conversion_round_trips():
     assert jax.tree.map(jnp.shape, to_flax_params(params)) == jax.tree.map(jnp.shape, ref_params)
 
 
+def test_encoder_stack_fields_are_checked():
+    """`scan_unroll` 0 raised as jaxsub.stack.scan's `unroll`, a negative `num_layers` as an
+    MLIR error (probe round 10); now ValueErrors naming the Encoder's field."""
+    for field in ({"scan_unroll": 0}, {"num_layers": -1}, {"scan_unroll": True}):
+        fields = {"num_layers": 2, **field}
+        with pytest.raises(ValueError, match=f"Encoder: `{next(iter(field))}` must be an int >="):
+            Encoder(num_heads=4, mlp_dim=F, **fields).init(jax.random.key(0), jnp.ones((1, 3, E)))
+
+
 def test_param_conversion_of_a_scanned_stack_and_bad_trees():
     """A scanned Encoder's stacked layer tree converts layer by layer (leading axes pass
     through; the kernel's hidden axis was sliced as q/k/v before, with no error), and trees

@@ -89,7 +89,7 @@ def test_bad_sizes_and_options_are_usage_errors(change, message, capsys):
 
 
 @pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"repeats": 2.5}, {"finalists": -1}, {"compile_workers": True},
-                                    {"budget_s": -1.0}, {"budget_s": "60"}])
+                                    {"budget_s": -1.0}, {"budget_s": "60"}, {"cache_dir": 123}])
 def test_auto_refuses_bad_options(kwargs):
-    with pytest.raises(ValueError, match=f"Auto: {next(iter(kwargs))} must be"):
+    with pytest.raises((ValueError, TypeError), match=f"Auto: {next(iter(kwargs))} must be"):
         layout.Auto(**kwargs)

@@ -353,6 +353,8 @@ def test_bad_input():
     for unroll in (0, 1.5, True):
         with pytest.raises(ValueError, match="jaxsub.stack.scan.*unroll"):
             stack.scan(_body, h, xs, c, unroll=unroll)
+    with pytest.raises(ValueError, match=r"leading size, got \['a scalar'\]"):  # "['None']" before
+        stack.scan(lambda c, h, x: (h + x, None), 0.0, jnp.float32(1.0))
 
 
 def test_small_residuals_share_a_buffer(monkeypatch):

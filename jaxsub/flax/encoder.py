@@ -530,6 +530,11 @@ class Encoder(_LayerFields):
         """x [B, S, E]; mask, bias as EncoderLayer's, the same for every layer."""
         layer = dict(_fields(self), layouts=self.layouts)
         deterministic = bool(deterministic)
+        for name in ("num_layers", "scan_unroll"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_layers" else 1):
+                raise ValueError(f"jaxsub.flax.Encoder: `{name}` must be an int >= "
+                                 f"{0 if name == 'num_layers' else 1}, got {value!r}")
         block = nn.remat(_Block, prevent_cse=not self.scan_layers) if self.remat else _Block
         x = jnp.asarray(x, _compute_dtype(self.dtype, self.param_dtype, x))
         if x.ndim != 3:

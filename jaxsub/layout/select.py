@@ -84,6 +84,8 @@ class Auto:
         count("finalists", 0, True)
         if self.budget_s is not None and not (isinstance(self.budget_s, (int, float)) and self.budget_s >= 0):
             raise ValueError(f"jaxsub.layout.Auto: budget_s must be a number >= 0 or None, got {self.budget_s!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"jaxsub.layout.Auto: cache_dir must be a path or None, got {self.cache_dir!r}")
 
 
 _MEMO: dict = {}
