@@ -319,7 +319,8 @@ def test_prng_key_in_the_carry(typed):
         return (jnp.tanh(h @ x) + 0.1 * jax.random.normal(sub, h.shape), k), h.sum()
 
     run = lambda scan: lambda w: scan((h0, k0), w)  # noqa: E731
-    ours, ref = run(lambda c, w: stack.scan(body, c, w)), run(lambda c, w: lax.scan(lambda c, x: body(None, c, x), c, w))
+    ours = run(lambda c, w: stack.scan(body, c, w))
+    ref = run(lambda c, w: lax.scan(lambda c, x: body(None, c, x), c, w))
     got, want = ours(w), ref(w)
     _assert_tree_close((got[0][0], got[1]), (want[0][0], want[1]), "value")
     np.testing.assert_array_equal(jax.random.key_data(got[0][1]), jax.random.key_data(want[0][1]))

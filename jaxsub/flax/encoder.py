@@ -162,7 +162,7 @@ def _compute_dtype(dtype, param_dtype, x):
     parameters' (a bfloat16 input with float32 parameters computes in float32)."""
     if dtype is not None:
         return jnp.dtype(dtype)
-    x_dtype = jnp.result_type(x)
+    x_dtype = jnp.asarray(x).dtype
     return jnp.result_type(x_dtype, x_dtype if param_dtype is None else param_dtype)
 
 

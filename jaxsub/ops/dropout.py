@@ -33,8 +33,8 @@ def check_rate(op: str, rate, name: str = "rate") -> float:
     if scale_error(rate) > MAX_SCALE_ERROR:
         raise ValueError(f"jaxsub.{op}: `{name}` {rate} is too close to 1: keep decisions are drawn in steps of "
                          f"2^-16, so the kept elements' 1 / (1 - rate) would make the output's expected value "
-                         f"{1 + scale_error(rate):.3g}x the input's (more than {MAX_SCALE_ERROR:.0%} off; every rate up to "
-                         f"0.999 is within it)")
+                         f"{expected_scale(rate):.3g}x the input's (more than {MAX_SCALE_ERROR:.0%} off; every "
+                         f"rate up to 0.999 is within it)")
     return rate
 
 
@@ -42,12 +42,17 @@ def check_rate(op: str, rate, name: str = "rate") -> float:
 MAX_SCALE_ERROR = 0.01
 
 
+def expected_scale(rate: float) -> float:
+    """E[dropout(x)] / x at `rate`: the keep probability is (2^16 - threshold) / 2^16, the
+    kept elements are scaled by 1 / (1 - rate)."""
+    return (2**16 - int(threshold(rate))) / (2**16 * (1.0 - rate))
+
+
 def scale_error(rate: float) -> float:
-    """|E[dropout(x)] / x - 1| at `rate`: the keep probability is (2^16 - threshold) / 2^16,
-    the kept elements are scaled by 1 / (1 - rate). At most 0.5 / (2^16 (1 - rate)): 2.5e-5
-    up to rates of 0.7, under 1% up to 0.999; a keep probability below 2^-16 still keeps
-    2^-16 of the elements."""
-    return abs((2**16 - int(threshold(rate))) / (2**16 * (1.0 - rate)) - 1.0)
+    """|expected_scale(rate) - 1|: at most 0.5 / (2^16 (1 - rate)), 2.5e-5 up to rates of
+    0.7 and under 1% up to 0.999; a keep probability below 2^-16 still keeps 2^-16 of the
+    elements."""
+    return abs(expected_scale(rate) - 1.0)
 
 
 def threshold(rate: float) -> np.uint32:
