@@ -314,8 +314,8 @@ __device__ __forceinline__ void keep_masks32(const AttnArgs& a, const Seed& seed
 }
 
 __device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
@@ -362,14 +362,15 @@ __device__ __forceinline__ void fwd_store(const AttnArgs& a, OF&& O, const float
   for (int r = 0; r < 2; ++r) {
     const float total = quad_sum(l[r]);
     // The dropout scale multiplies the output once, after the bf16/f16 product.
-    const float inv = total > 0.f ? a.keep_scale / total : 0.f;
+    // A NaN total (a NaN or +inf score the row sees) makes the row and its lse NaN.
+    const float inv = total == 0.f ? 0.f : a.keep_scale / total;
     const int64_t i = q0 + quad + r * 8;
     if (i >= a.sq) continue;
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)
       *reinterpret_cast<uint32_t*>(og + i * out_row + dn * 8 + tq * 2) =
           pack2<T>(O(dn, 2 * r) * inv, O(dn, 2 * r + 1) * inv);
-    if (tq == 0) a.lse[bh * a.sq + i] = total > 0.f ? (m[r] + __log2f(total)) * kLn2 : -INFINITY;
+    if (tq == 0) a.lse[bh * a.sq + i] = total == 0.f ? -INFINITY : (m[r] + __log2f(total)) * kLn2;
   }
 }
 
@@ -402,12 +403,12 @@ __device__ __forceinline__ void fwd_softmax_tile_as(const AttnArgs& a, const Row
         const int64_t i = qrow + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
         S(n, e) = score_log2<kMode>(a, rc, S(n, e), i, j, (vis >> (n * 2 + (e & 1))) & 1u);
       }
-      mx[e >> 1] = fmaxf(mx[e >> 1], S(n, e));
+      mx[e >> 1] = max_nan(mx[e >> 1], S(n, e));
     }
   float alpha[2], nbase[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m_new = fmaxf(m[r], quad_max(mx[r]) * sc);
+    const float m_new = max_nan(m[r], quad_max(mx[r]) * sc);
     alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(m[r] - m_new);
     m[r] = m_new;
     nbase[r] = m_new == -INFINITY ? 0.f : -m_new;  // exp2(-inf + 0) = 0 for masked entries

@@ -345,7 +345,7 @@ struct SumOp {
 };
 struct MaxOp {
   static constexpr float kIdentity = -__builtin_huge_valf();
-  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ float operator()(float a, float b) const { return max_nan(a, b); }
 };
 
 template <typename Op>

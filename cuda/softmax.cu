@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
 #pragma unroll
     for (int v = 0; v < NV; ++v)
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) m = fmaxf(m, s.v[v][e]);
+      for (int e = 0; e < VEC; ++e) m = max_nan(m, s.v[v][e]);
     m = row_group_reduce<MaxOp>(m, scratch);
     const float nm = m == -INFINITY ? 0.f : -m;  // a fully masked row: every exp2(-inf) is 0
     float sum = 0.f;
@@ -124,16 +124,18 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
         sum += s.v[v][e];
       }
     sum = row_group_sum(sum, scratch);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // A NaN sum (a NaN or +inf score the row sees) gives NaN probabilities and lse, so the
+    // backward's are NaN too; a dropped element is 0 whatever the row, as in plain JAX.
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
       float keep[VEC];
       row_keep_scales<VEC>(a, seed, r, v, inv, keep);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) s.v[v][e] *= keep[e];
+      for (int e = 0; e < VEC; ++e) s.v[v][e] = keep[e] == 0.f ? 0.f : s.v[v][e] * keep[e];
     }
     store_tile<T, VEC, NV>(static_cast<T*>(a.out) + r * a.sk, a.sk, valid, s);
-    if (valid && threadIdx.x == 0) a.lse[r] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;
+    if (valid && threadIdx.x == 0) a.lse[r] = sum == 0.f ? -INFINITY : (m + __log2f(sum)) * kLn2;
   }
 }
 

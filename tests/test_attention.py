@@ -634,6 +634,31 @@ class TestCuda:
             np.testing.assert_array_equal(x, y, err_msg=name)
         assert_close(cluster[1], acc[1], BF16, reduction=sk, grad=True, what="dq")
 
+    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize("d", [32, 64])
+    def test_nan_rows_match_cpu(self, d, causal, fwd_kernel):
+        """A NaN query: its output row and its (batch, head)'s gradients NaN, as on the CPU
+        handler and in plain JAX; every other (batch, head) within tolerance. The kernels'
+        row max skipped NaN (fmaxf) and such a row's lse was stored as an empty row's, so
+        its gradients came out finite."""
+        b, s, h = 2, 70, 3
+        q, k, v, dout = qkv(181 + d, b, s, s, h, d, F16 if d == 32 else BF16)
+        q = q.at[0, 5, 1].set(jnp.nan)
+        run = jax.jit(lambda *args: run_vjp(*args, causal=causal, rate=0.1, implementation="fused"))
+        args = (q, k, v, dout, None, jax.random.key(182))
+        want = run(*jax.device_put(args, jax.devices("cpu")[0]))
+        got = run(*jax.device_put(args, jax.devices()[0]))
+        isnan = lambda a: np.isnan(np.asarray(a, np.float32))  # noqa: E731
+        np.testing.assert_array_equal(isnan(got[0]), isnan(want[0]))
+        assert isnan(want[0]).sum() == d
+        bad = np.zeros((b, h), bool)
+        bad[0, 1] = True
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            np.testing.assert_array_equal(isnan(g).any(axis=(1, 3)), bad, err_msg=name)
+            np.testing.assert_array_equal(isnan(w).any(axis=(1, 3)), bad, err_msg=name)
+            assert_close(np.asarray(g)[:, :, 0], np.asarray(w)[:, :, 0], q.dtype, reduction=s, grad=name != "out",
+                         what=name)
+
     @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (32, True)])
     def test_more_heads_than_a_grid_holds(self, d, causal):
         """B * H = 65552 (b, h) pairs, past the 65535 blocks a grid holds along y: the tile

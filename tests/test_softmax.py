@@ -422,6 +422,34 @@ class TestCuda:
         mask = make_mask(151, "padding", shape) if masking == "padding" else None
         self.compare(shape, dtype, mask, masking == "causal", 152)
 
+    @pytest.mark.parametrize("sk", [9, 512, 1000])
+    @pytest.mark.parametrize("rate", [0.0, 0.3])
+    @pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+    def test_nan_and_inf_scores_match_cpu(self, dtype, rate, sk):
+        """The CUDA kernels' NaN rows are the CPU handler's (and plain JAX's): a NaN or +inf
+        score a query sees makes that row's kept probabilities and its gradient NaN, a
+        dropped one stays 0, a NaN that causal hides changes nothing. The kernels' row max
+        skipped NaN (fmaxf) and a NaN row's lse was stored as an empty row's, so its
+        gradient came out as zeros."""
+        shape = (2, 3, 5, sk)
+        s = np.array(normal(171 + sk, shape))
+        s[0, 1, 2, :] = np.nan
+        s[1, 0, 3, 1] = np.nan
+        s[1, 2, 0, 0] = np.inf
+        s[0, 2, 0, sk - 1] = np.nan  # hidden under causal
+        scores, dy = jnp.asarray(s, dtype), normal(172 + sk, shape, dtype)
+        run = jax.jit(lambda s, dy, k: fused_vjp(s, dy, None, k, scale=0.5, causal=True, rate=rate))
+        args = (scores, dy, jax.random.key(173))
+        want = run(*jax.device_put(args, jax.devices("cpu")[0]))
+        got = run(*jax.device_put(args, jax.devices()[0]))
+        rows = nan_rows(want[0])
+        assert rows.sum() == 3
+        np.testing.assert_array_equal(np.isnan(np.asarray(got[0], np.float32)), np.isnan(np.asarray(want[0], np.float32)))
+        np.testing.assert_array_equal(nan_rows(got[1]), rows)
+        for name, g, w in zip(("y", "dscores"), got, want):
+            assert_close(jnp.where(rows[..., None], 0, g), jnp.where(rows[..., None], 0, w), dtype, reduction=sk,
+                         grad=name != "y", what=name)
+
     @pytest.mark.parametrize("sk", [1, 7, 130, 1000, 4100])
     @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["float32", "bfloat16", "float16"])
     def test_odd_sizes_match_cpu(self, dtype, sk):
