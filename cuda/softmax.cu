@@ -108,6 +108,12 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
     if (a.ahead > 0 && r + a.ahead * stride < rows) prefetch_row_l2<T, VEC>(a.scores, r + a.ahead * stride, a.sk);
     Tile<VEC, NV> s;
     masked_scores<T, VEC, NV>(a, r, valid, s);
+    // 16-bit rows of up to 16 elements per thread: the row's Philox calls side by side
+    // (tile_words), issued here so that they overlap the two row reductions' shuffles. At 32
+    // elements they took ptxas from 92 to 128 registers; those and f32 call per vector.
+    constexpr bool kWords = VEC % 8 == 0 && VEC * NV <= 16;
+    U32x4 w[kWords ? NV * VEC / 8 : 1];
+    if constexpr (kWords) tile_words<VEC, NV>(seed, a.threshold, r, a.sk, w);
     float m = -INFINITY;
 #pragma unroll
     for (int v = 0; v < NV; ++v)
@@ -130,7 +136,13 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
       float keep[VEC];
-      row_keep_scales<VEC>(a, seed, r, v, inv, keep);
+      if constexpr (kWords) {
+        const float ks = a.keep_scale * inv;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) keep[e] = lane_kept(w[(v * VEC + e) / 8], e % 8, a.threshold << 16) ? ks : 0.f;
+      } else {
+        row_keep_scales<VEC>(a, seed, r, v, inv, keep);
+      }
 #pragma unroll
       for (int e = 0; e < VEC; ++e) s.v[v][e] = keep[e] == 0.f ? 0.f : s.v[v][e] * keep[e];
     }
