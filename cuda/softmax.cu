@@ -133,18 +133,22 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), min_blocks(VEC, NV))
     // A NaN sum (a NaN or +inf score the row sees) gives NaN probabilities and lse, so the
     // backward's are NaN too; a dropped element is 0 whatever the row, as in plain JAX.
     const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    // The keep decision is the select itself where the words are at hand (a multiply and a
+    // select per element); the per-vector multipliers need a compare, since a NaN
+    // probability times a dropped element's 0 would be NaN.
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
-      float keep[VEC];
       if constexpr (kWords) {
         const float ks = a.keep_scale * inv;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) keep[e] = lane_kept(w[(v * VEC + e) / 8], e % 8, a.threshold << 16) ? ks : 0.f;
+        for (int e = 0; e < VEC; ++e)
+          s.v[v][e] = lane_kept(w[(v * VEC + e) / 8], e % 8, a.threshold << 16) ? s.v[v][e] * ks : 0.f;
       } else {
+        float keep[VEC];
         row_keep_scales<VEC>(a, seed, r, v, inv, keep);
-      }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) s.v[v][e] = keep[e] == 0.f ? 0.f : s.v[v][e] * keep[e];
+        for (int e = 0; e < VEC; ++e) s.v[v][e] = keep[e] == 0.f ? 0.f : s.v[v][e] * keep[e];
+      }
     }
     store_tile<T, VEC, NV>(static_cast<T*>(a.out) + r * a.sk, a.sk, valid, s);
     if (valid && threadIdx.x == 0) a.lse[r] = sum == 0.f ? -INFINITY : (m + __log2f(sum)) * kLn2;

@@ -422,6 +422,18 @@ class TestCuda:
         mask = make_mask(151, "padding", shape) if masking == "padding" else None
         self.compare(shape, dtype, mask, masking == "causal", 152)
 
+    @pytest.mark.parametrize("shape, dtype, masking", [
+        ((4, 16, 600, 64), BF16, None),
+        ((2, 16, 1100, 128), F16, "padding"),
+        ((2, 16, 1030, 128), BF16, "causal"),
+    ], ids=["64-bfloat16", "128-float16-padding", "128-bfloat16-causal"])
+    def test_rows_over_several_iterations_match_cpu(self, shape, dtype, masking):
+        """Row counts above one wave of row groups (the resident blocks walk the rows, each
+        group asking L2 for its next one), the last iteration partly filled, on the
+        16-bit paths whose dropout is the keep decision's select."""
+        mask = make_mask(181, "padding", shape) if masking == "padding" else None
+        self.compare(shape, dtype, mask, masking == "causal", 182)
+
     @pytest.mark.parametrize("sk", [9, 512, 1000])
     @pytest.mark.parametrize("rate", [0.0, 0.3])
     @pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
