@@ -171,7 +171,11 @@ def varying_axes(x) -> frozenset:
     """The manual mesh axes (shard_map's) that x's value varies over; empty outside."""
     if not isinstance(x, (jax.Array, jax.core.Tracer)):
         return frozenset()
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval) -> frozenset:
+    """The manual mesh axes that a value of type `aval` varies over."""
     manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; `vma` before
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
 

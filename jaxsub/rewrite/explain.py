@@ -48,6 +48,9 @@ class Report:
 _UNSEARCHED_WHY = {
     "while": "loop body not searched",
     "cond": "branches not searched",
+    "shard_map": "body not searched: optimize the function shard_map runs (shard_map(jaxsub.optimize(f)))",
+    "xla_pmap": "body not searched: optimize the function pmap runs (jax.pmap(jaxsub.optimize(f)))",
+    "custom_vmap_call": "opaque call with its own batching rule, run as is",
 }
 
 

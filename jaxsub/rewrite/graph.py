@@ -28,11 +28,16 @@ SCAN = "scan"
 REMAT = frozenset({"remat2", "checkpoint", "remat"})
 # Bodies never searched; explain() lists them.
 UNSEARCHED = frozenset({"while", "cond", "custom_jvp_call", "custom_vjp_call",
-                        "custom_vjp_call_jaxpr", "custom_lin"})
+                        "custom_vjp_call_jaxpr", "custom_lin", "custom_vmap_call", "shard_map", "xla_pmap"})
 _FOLDABLE = frozenset({"convert_element_type", "add", "sub", "mul", "div", "neg", "gt", "ge",
                        "lt", "le", "eq", "ne", "max", "min", "sqrt", "rsqrt", "select_n",
                        "reshape", "broadcast_in_dim", "and", "or", "not"})
 UNIT_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape"})
+# shard_map (with check_vma) casts a replicated value to varying before it meets a sharded
+# one: constants and parameters reach the patterns through these. Matchers look through
+# them (`Graph.op`, folded values); the fused op casts its operands again
+# (`_ffi.custom_vjp`) and the interpreter types its results as the replaced outputs.
+VARYING_CASTS = frozenset({"pvary"})
 
 
 class Ref:
@@ -97,8 +102,11 @@ class Graph:
     # -- queries used by matchers -------------------------------------------------------
 
     def op(self, ref, *names):
-        """The node producing `ref` when its primitive is one of `names`, else None."""
+        """The node producing `ref` when its primitive is one of `names`, else None; a
+        cast to varying (shard_map) in between is looked through."""
         node = self.producer.get(ref)
+        while node is not None and node.prim in VARYING_CASTS and node.prim not in names:
+            node = self.producer.get(node.ins[0])
         return node if node is not None and node.prim in names else None
 
     def is_output(self, ref) -> bool:
@@ -107,7 +115,7 @@ class Graph:
     def scalar(self, ref):
         """The Python float of a one-element constant (after broadcasts/converts), else None."""
         while ref.value is None:
-            node = self.op(ref, "broadcast_in_dim", "reshape", "convert_element_type")
+            node = self.op(ref, "broadcast_in_dim", "reshape", "convert_element_type", *VARYING_CASTS)
             if node is None:
                 return None
             ref = node.ins[0]
@@ -136,6 +144,9 @@ class Graph:
 
 
 def _fold(eqn, ins):
+    if eqn.primitive.name in VARYING_CASTS and len(ins) == 1 and not eqn.primitive.multiple_results:
+        value = known(ins[0])  # the value is the same on every device
+        return None if value is None or getattr(value, "size", 1) != 1 else np.asarray(value)
     if eqn.primitive.name not in _FOLDABLE or eqn.primitive.multiple_results:
         return None
     values = [known(r) for r in ins]

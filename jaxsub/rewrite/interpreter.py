@@ -89,6 +89,7 @@ def run(g: G.Graph, plan: P.Plan, args):
     output given as `P.Copies` hands one copy to each node that reads it, in order (the
     last copy to the rest); a match returning `P.Rebound` also rebinds refs it read."""
     env = dict(zip(g.invars, args))
+    typed = _ffi.inside_shard_map()
     handed = {}  # (ref, reading node) -> the copy it got
     given = {}   # ref -> copies handed out so far
 
@@ -123,6 +124,8 @@ def run(g: G.Graph, plan: P.Plan, args):
             if isinstance(outs, P.Rebound):
                 env.update(outs.values)
                 outs = outs.outs
+            if typed:
+                outs = [_typed(v, r) for v, r in zip(outs, node.outs)]
         elif node.prim == G.SCAN:
             outs = _scan(node, plan.sub[node], vals)
         elif node.prim in G.REMAT:
@@ -143,6 +146,17 @@ def _as_array(value, ref):
     if getattr(ref.aval, "weak_type", False) and value.ndim == 0:
         return jnp.asarray(value.item())  # a Python scalar: jnp's weak type, as jit's
     return jnp.asarray(value, ref.dtype)
+
+
+def _typed(value, ref):
+    """A fused op's result typed as the output it replaces inside shard_map: varying over
+    every mesh axis that output varies over. The matchers look through the casts of
+    replicated constants and parameters to varying (graph.VARYING_CASTS), so the op may
+    see fewer varying operands than the nodes it replaces did."""
+    axes = _ffi.aval_varying_axes(ref.aval)
+    if isinstance(value, P.Copies):
+        return P.Copies(_ffi.varying(v, axes) for v in value)
+    return _ffi.varying(value, axes)
 
 
 def _seeded(seeds, read, ref):
