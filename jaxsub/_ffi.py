@@ -195,7 +195,8 @@ class custom_vjp:
     arguments are cast to the union of the mesh axes they vary over before the call, so
     that each gradient's type is its argument's, and a replicated argument (a parameter
     next to a sharded activation) gets its gradient summed over the devices by the cast's
-    transpose, as JAX's own ops do. Outside shard_map it is jax.custom_vjp."""
+    transpose, as JAX's own ops do. Under an Explicit mesh (`jax.set_mesh`) the op runs
+    with the mesh's axes Auto (`_in_auto_axes`). Otherwise it is jax.custom_vjp."""
 
     def __init__(self, fun, nondiff_argnums=()):
         self._fun = jax.custom_vjp(fun, nondiff_argnums=nondiff_argnums)
@@ -207,12 +208,49 @@ class custom_vjp:
 
     def __call__(self, *args):
         if not inside_shard_map():
+            for i, a in enumerate(args):
+                for x in (() if i in self._nondiff else jax.tree.leaves(a)):
+                    if (sharding := explicit_sharding(x)) is not None:
+                        return self._in_auto_axes(args, (x.shape, sharding))
             return self._fun(*args)
         diff = [a for i, a in enumerate(args) if i not in self._nondiff]
         axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(diff)))
         if axes:
             args = tuple(a if i in self._nondiff else varying(a, axes) for i, a in enumerate(args))
         return self._fun(*args)
+
+    def _in_auto_axes(self, args, shaped):
+        """The op run with the mesh's axes made Auto (`jax.sharding.auto_axes`) when an
+        argument's type names its sharding (`jax.set_mesh` with Explicit axes): the ops'
+        reshapes of sharded rows and their custom calls' results, which carry no sharding,
+        are typed as under `jit` with sharded inputs, where the partitioning rules run
+        each device on its rows. The results are typed as `sharding` (the first such
+        argument's) where they have its shape, else replicated."""
+        shape, sharding = shaped
+        leaves, tree = jax.tree.flatten(args)
+        arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer))]
+
+        def call(*xs):  # the array leaves as arguments (auto_axes retypes those), the rest as they are
+            full = list(leaves)
+            for i, x in zip(arrays, xs):
+                full[i] = x
+            return self._fun(*jax.tree.unflatten(tree, full))
+
+        xs = [leaves[i] for i in arrays]
+        replicated = jax.sharding.PartitionSpec()
+        outs = jax.eval_shape(jax.sharding.auto_axes(call, out_sharding=replicated), *xs)
+        out_sharding = jax.tree.map(lambda o: sharding.spec if o.shape == shape else replicated, outs)
+        return jax.sharding.auto_axes(call, out_sharding=out_sharding)(*xs)
+
+
+def explicit_sharding(x):
+    """x's sharding when its type names mesh axes (`jax.set_mesh` with Explicit axes:
+    `float32[8@d, ...]`), else None."""
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):
+        return None
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return sharding if spec is not None and any(p is not None for p in spec) else None
 
 
 def call(target: str, out_types, *args, barrier: bool = True, rule: str | None = None, shard: str = "",

@@ -201,6 +201,15 @@ def sharded_call(call, rule: str, shard: str, args, out_types, keep: str | None 
         first_axes = tuple(dict.fromkeys(a for axes in summed for a in axes))
 
         def lower(*local):
+            # Traced while XLA partitions, under the caller's context mesh: where that is
+            # `jax.set_mesh` with Explicit axes, the slice arithmetic below (the seed's
+            # offset) would be typed for it and lowered with sharding annotations that
+            # nothing partitions any more (jax 0.11: "No registered implementation for
+            # untyped custom call to Sharding"); the rule's own mesh has Auto axes.
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return lower_local(*local)
+
+        def lower_local(*local):
             if got and bound.keep is not None:
                 (axes,) = got.values()
                 n = math.prod(mesh.shape[a] for a in axes)

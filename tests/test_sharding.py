@@ -402,3 +402,48 @@ def test_explain_names_the_bodies_it_does_not_search():
 
     jax.jit(shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
     assert inner["totals"] == {"bias_gelu_dropout": 1}, inner
+
+
+# Under `jax.set_mesh` with Explicit axes an array's type names its sharding
+# (`float32[8@d, 4, 16]`): the ops' gradients raised "Custom VJP bwd rule must produce an
+# output with the same type" (their custom calls' results carry no sharding), and the
+# Flax layer's bias gradient could not reshape its sharded rows (found by probing). Each op
+# now runs with the mesh's axes Auto inside (jax.sharding.auto_axes); values and gradients,
+# dropout included, equal one device's.
+_EXPLICIT_MESH = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxsub
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
+    s, b = jnp.linspace(0.5, 1.5, 16), jnp.linspace(-1.0, 1.0, 16)
+    key = jax.random.key(1)
+    cases = {
+        "layer_norm": lambda x: jaxsub.ops.layer_norm(x, s, b),
+        "bias_gelu_dropout": lambda x: jaxsub.ops.bias_gelu_dropout(x, b, rate=0.1, key=key),
+        "bdrln": lambda x: jaxsub.ops.bias_dropout_residual_layer_norm(x, b, x * 0.5, s, b, rate=0.1, key=key),
+        "attention": lambda x: jaxsub.ops.attention(*(x.reshape(8, 4, 4, 4),) * 3, dropout_rate=0.1,
+                                                    key=key).reshape(8, 4, 16),
+    }
+    layer = jaxsub.flax.EncoderLayer(num_heads=4, mlp_dim=32)
+    params = layer.init(jax.random.key(0), x)
+    cases["EncoderLayer"] = lambda x: layer.apply(params, x, deterministic=False, rngs={"dropout": key})
+    for name, f in cases.items():
+        loss = lambda x: jnp.sum(jnp.sin(f(x)))
+        want = (f(x), jax.grad(loss)(x))
+        with jax.set_mesh(mesh):
+            xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+            assert "8@d" in str(jax.typeof(xs)), jax.typeof(xs)
+            y, g = jax.jit(f)(xs), jax.jit(jax.grad(loss))(xs)
+            assert jax.typeof(g).sharding.spec == jax.typeof(xs).sharding.spec, (name, jax.typeof(g))
+        for got, w in zip((y, g), want):
+            err = float(jnp.abs(got - w).max())
+            assert err <= 1e-5 * (1.0 + float(jnp.abs(w).max())), (name, err)
+    print("ok")
+""")
+
+
+def test_ops_under_an_explicit_mesh(four_cpu_devices):
+    four_cpu_devices(_EXPLICIT_MESH)
