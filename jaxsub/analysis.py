@@ -485,6 +485,8 @@ def analyze(fn, *args, compare_optimized=True, grad=False, argnums=0, time=False
     """
     if not callable(fn):
         raise TypeError(f"jaxsub.analyze: `fn` must be callable, got {type(fn).__name__}")
+    for name, flag in (("compare_optimized", compare_optimized), ("grad", grad), ("time", time)):
+        interpreter.check_flag("analyze", name, flag)
     base = fn.fn if isinstance(fn, interpreter.Optimized) else fn
     opt = fn if isinstance(fn, interpreter.Optimized) else interpreter.optimize(fn)
     if grad:

@@ -369,6 +369,8 @@ def scan(body: Callable, init, xs=None, consts=None, *, length: int | None = Non
     Returns (the last carry, the steps' ys stacked), differentiable with respect to
     consts, init and xs (their floating-point leaves).
     """
+    if not callable(body):
+        raise TypeError(f"{_OP}: `body` must be callable, got {type(body).__name__}")
     length = _length(xs, length)
     if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
         raise ValueError(f"{_OP}: `unroll` must be an int >= 1, got {unroll!r}")

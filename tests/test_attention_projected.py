@@ -390,6 +390,9 @@ def test_packed_backward_bias_result_is_the_gradient_column_sums(axis):
     (dict(bias=None), TypeError, ["dense_attention_packed", "bias"]),
     (dict(kernel=jnp.zeros((12, 2, 3, 4)), bias=jnp.zeros((2, 3, 4))), ValueError, ["dense_attention_packed", "kernel"]),
     (dict(kernel=jnp.zeros((12, 3, 4)), bias=jnp.zeros((3, 4))), ValueError, ["dense_attention_packed", "kernel"]),
+    # A kernel without its q/k/v axis of 3 beside a [3, H, D] bias: the kernel is named (the
+    # bias was, as not fitting the kernel; found by probing).
+    (dict(kernel=jnp.zeros((12, 2, 3, 4))), ValueError, ["`kernel` [*K, 3, H, D]"]),
     (dict(bias=jnp.zeros((3, 3, 5))), ValueError, ["jaxsub.dense_attention_packed: `bias`"]),
     (dict(x=jnp.zeros((2, 5, 12), jnp.bfloat16)), TypeError, ["jaxsub.dense_attention_packed: `kernel`"]),
     (dict(with_input="no"), TypeError, ["jaxsub.dense_attention_packed: `with_input`"]),  # a tuple came back

@@ -958,6 +958,24 @@ def test_decorated_method_binds_self_and_fn_must_be_callable():
         jaxsub.optimize(3)
 
 
+def test_entry_points_name_a_bad_argument():
+    """Found by probing: explain and stack.scan of something not callable raised Python's
+    bare "'int' object is not callable"; a flag given as a string ("no") counted as True."""
+    x = _normal(3, (4, N))
+    with pytest.raises(TypeError, match="jaxsub.explain: `fn` must be callable"):
+        jaxsub.explain(3, x)
+    with pytest.raises(TypeError, match="jaxsub.stack.scan: `body` must be callable"):
+        jaxsub.stack.scan(3, x, None, length=2)
+    with pytest.raises(TypeError, match="jaxsub.optimize: `rewrite_dropout` must be a Python bool, got 'no'"):
+        jaxsub.optimize(lambda x: x, rewrite_dropout="no")
+    with pytest.raises(TypeError, match="jaxsub.explain: `rewrite_dropout` must be a Python bool"):
+        jaxsub.explain(lambda x: x, x, rewrite_dropout=None)
+    for flag in ("grad", "time", "compare_optimized"):
+        with pytest.raises(TypeError, match=f"jaxsub.analyze: `{flag}` must be a Python bool"):
+            jaxsub.analyze(lambda x: x.sum(), x, **{flag: "yes"})
+    assert jaxsub.optimize(lambda x: x, rewrite_dropout=np.bool_(False)).options.rewrite_dropout is False
+
+
 def test_deepcopy_and_pickle_after_a_call():
     """A called optimized function copies and pickles (found by probing: its traces hold
     jaxprs, whose tracebacks cannot be pickled); the copy traces again and computes the same."""

@@ -298,14 +298,16 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
     """
     op = "dense_attention_packed"
     three = isinstance(bias, (tuple, list))
-    x, kernel, checked = _gemm.check_inputs(x, kernel, None if three else bias, axes, op=op)
-    if not three:
-        bias = checked
-    if bias is None:
-        raise TypeError(f"jaxsub.{op}: `bias` must be an array [3, H, D] or three [H, D], got None")
+    x, kernel, _ = _gemm.check_inputs(x, kernel, None, axes, op=op)
+    # The shapes first, so that a kernel without its q/k/v axis of 3 is named as such
+    # rather than as a bias that does not fit it.
     if x.ndim - axes != 2 or kernel.ndim - axes != 3 or kernel.shape[axes] != 3:
         raise ValueError(f"jaxsub.{op}: `x` must be [B, S, *K] and `kernel` [*K, 3, H, D] with K {axes} dims "
                          f"(axes), got shapes {x.shape} and {kernel.shape}")
+    if not three:
+        _, _, bias = _gemm.check_inputs(x, kernel, bias, axes, op=op)
+    if bias is None:
+        raise TypeError(f"jaxsub.{op}: `bias` must be an array [3, H, D] or three [H, D], got None")
     if three:
         bias = _check_three(op, "bias", bias, tuple(kernel.shape[axes + 1:]), "[H, D], the kernel's last two dims,",
                             x.dtype)

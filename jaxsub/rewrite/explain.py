@@ -75,8 +75,10 @@ def explain(fn, *args, rewrite_dropout=True, **kwargs) -> Report:
     fn may itself be an optimized function, whose options are then used."""
     if isinstance(fn, interpreter.Optimized):
         options, fn = fn.options, fn.fn
+    elif not callable(fn):
+        raise TypeError(f"jaxsub.explain: `fn` must be callable, got {type(fn).__name__}")
     else:
-        options = P.Options(rewrite_dropout=bool(rewrite_dropout))
+        options = P.Options(rewrite_dropout=interpreter.check_flag("explain", "rewrite_dropout", rewrite_dropout))
     traced, _ = interpreter.trace(fn, options, args, kwargs)
     report = Report([], [], [])
     _collect(traced.graph, traced.plan, "", report)
