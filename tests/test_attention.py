@@ -515,6 +515,25 @@ def test_default_implementation_is_fused_on_gpu_where_faster(monkeypatch, fallba
     assert not fallback_log  # the default is no request: nothing to log
 
 
+@pytest.mark.parametrize("mask_shape,additive,want", [
+    ((1, 3, 7, 7), True, "unfused"), ((2, 1, 7, 7), True, "unfused"), ((2, 1, 1, 7), True, "fused"),
+    ((1, 3, 7, 7), False, "fused")])
+def test_default_implementation_with_a_mask(monkeypatch, mask_shape, additive, want):
+    """An additive mask that varies over the queries (a learned relative-position bias)
+    takes the unfused structure by default: the fused kernels' general score rule and
+    serialized backward measured slower (H100, T5-like shape: 1 829 against 1 459 µs)."""
+    monkeypatch.setattr(attention_module, "_platform", lambda q: "gpu")
+    monkeypatch.setattr(_ffi, "has_cuda_target", lambda name: True)
+    monkeypatch.setattr(_ffi, "attention_sm90", lambda: True)
+    q, k, v, _ = qkv(106, 2, 7, 7, 3, 64, BF16)
+    rng = np.random.default_rng(7)
+    mask = (jnp.asarray(rng.standard_normal(mask_shape), F32) if additive
+            else jnp.asarray(rng.random(mask_shape) < 0.7).at[..., 0].set(True))
+    hlo = jax.jit(lambda q, k, v, m: op(q, k, v, mask=m)).lower(q, k, v, mask).as_text()
+    assert ("jaxsub_attention_fwd" in hlo) == (want == "fused")
+    assert ("jaxsub_softmax_dropout_fwd" in hlo) == (want == "unfused")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not jaxsub.cuda_available(), reason="needs a CUDA device and the CUDA build")
 class TestCuda:

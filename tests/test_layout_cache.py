@@ -224,6 +224,25 @@ def _targets(f, *args):
     return {t: text.count(f"@{t}(") for t in ("jaxsub_attention_fwd", "jaxsub_softmax_dropout_fwd")}
 
 
+def test_the_heuristic_takes_the_unfused_structure_for_a_query_varying_additive_mask():
+    """The byte model charges the fused kernels the measured ratio under an additive mask
+    that varies over the queries (a relative-position bias), as the default does; a
+    key-padding-shaped additive mask stays fused."""
+    q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((2, 8, 2, 8)), jnp.float32) for i in range(3))
+    runs = jaxsub.ops.attn.fused_unsupported(jax.default_backend(), q.dtype, q.shape[-1]) is None
+    bias = jnp.asarray(np.random.default_rng(5).standard_normal((1, 2, 8, 8)), jnp.float32)
+    pad = jnp.asarray(np.random.default_rng(6).standard_normal((2, 1, 1, 8)), jnp.float32)
+
+    def f(q, k, v, m):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]) + m
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    unfused = {"jaxsub_attention_fwd": 0, "jaxsub_softmax_dropout_fwd": 1}
+    fused = {"jaxsub_attention_fwd": 1, "jaxsub_softmax_dropout_fwd": 0} if runs else unfused
+    assert _targets(jaxsub.optimize(f, layouts="heuristic"), q, k, v, bias) == unfused
+    assert _targets(jaxsub.optimize(f, layouts="heuristic"), q, k, v, pad) == fused
+
+
 def test_optimize_layouts_choose_the_attention_algorithm(tmp_path):
     q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((2, 8, 2, 8)), jnp.float32) for i in range(3))
     unfused = {"jaxsub_attention_fwd": 0, "jaxsub_softmax_dropout_fwd": 1}

@@ -375,21 +375,41 @@ def _fused_unsupported(q) -> str | None:
     return fused_unsupported(_platform(q), q.dtype, q.shape[-1])
 
 
-def _default_implementation(q) -> str:
+_KIND_NAMES = {_masks.NONE: "none", _masks.BOOLEAN: "boolean", _masks.ADDITIVE: "additive"}
+
+
+def _default_implementation(q, mask4d, kind) -> str:
     """`implementation=None` where no configuration block chooses: "fused" on a GPU whose
     CUDA kernel takes this dtype and head dim, for head dims up to 64, and at 128 where the
     wgmma kernels run (sm_90a); else "unfused". Measured on the H200 (bench/NOTES.md,
     "Hopper kernels"): fused fwd+bwd 214.6 µs against unfused 328.2 at B8 S512 H16 D64
     (242.1 against 397.2 with key padding), 1046.1 against 1292.7 at causal S2048 D128;
     the mma.sync kernels were slower than unfused there (1369 vs 1285, attention v4). On
-    the CPU the fused handler is a float64-accumulating oracle, not a fast path."""
+    the CPU the fused handler is a float64-accumulating oracle, not a fast path.
+
+    An additive mask that varies over the queries (a learned relative-position bias
+    [1, H, Sq, Sk]) takes the kernels' general score rule, one f32 load per score, and a
+    backward that runs serialized: "unfused" (H100, T5-like B32 S512 H12 D64, dropout
+    0.1, bias [1, 12, 512, 512] constant: fused fwd+bwd 1 829 µs, unfused with the bias
+    differentiated 1 459, plain XLA 2 589; bench/NOTES.md, fifty-third session)."""
     d = q.shape[-1]
     fast = (_platform(q) == "gpu" and _fused_unsupported(q) is None
             and (d <= 64 or (d == 128 and _ffi.attention_sm90())))
+    if slow_fused_mask(_KIND_NAMES[kind], np.shape(mask4d)):
+        return "unfused"
     return "fused" if fast else "unfused"
 
 
-_KIND_NAMES = {_masks.NONE: "none", _masks.BOOLEAN: "boolean", _masks.ADDITIVE: "additive"}
+# The fused kernels against the unfused structure under such a mask (fwd+bwd, the H100
+# measurement above): what the layout selector's byte model charges the fused candidate.
+SLOW_FUSED_MASK_RATIO = 1829.0 / 1459.0
+
+
+def slow_fused_mask(kind: str, mask_shape) -> bool:
+    """Whether a mask ("none", "boolean" or "additive", and its 4-D shape) makes the fused
+    kernels slower than the unfused structure: an additive mask that varies over the
+    queries (`_default_implementation`)."""
+    return kind == "additive" and len(mask_shape) == 4 and mask_shape[2] > 1
 
 
 def signature(q, k, mask4d, kind, causal, rate) -> tuple:
@@ -557,7 +577,7 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
             raise ValueError(f"jaxsub.{op}: the configuration in effect selects implementation "
                              f"{implementation!r}; expected 'fused' or 'unfused'")
         if implementation is None:
-            implementation = _default_implementation(data)
+            implementation = _default_implementation(data, mask4d, kind)
     if implementation == "fused":
         reason = _fused_unsupported(data)
         if reason is None:
