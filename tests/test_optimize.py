@@ -958,6 +958,48 @@ def test_decorated_method_binds_self_and_fn_must_be_callable():
         jaxsub.optimize(3)
 
 
+def test_a_matched_layer_norm_is_no_near_miss():
+    """Post-LN: the second LN(o + x) is a BDRLN; the reading tried first (the previous LN's
+    bias taken for the residual's bias) was listed as a near-miss of the same layer norm
+    (found by probing)."""
+    e = 32
+    rng = np.random.default_rng(11)
+    p = {name: jnp.asarray(rng.standard_normal(shape) * 0.2, jnp.float32) for name, shape in (
+        ("wo", (e, e)), ("bo", (e,)), ("g1", (e,)), ("b1", (e,)), ("w1", (e, 4 * e)), ("b1f", (4 * e,)),
+        ("w2", (4 * e, e)), ("b2", (e,)), ("g2", (e,)), ("b2ln", (e,)))}
+
+    def ln(x, g, b):
+        u = x.mean(-1, keepdims=True)
+        return g * ((x - u) / jnp.sqrt(((x - u) ** 2).mean(-1, keepdims=True) + 1e-12)) + b
+
+    def f(p, x):
+        x = ln(x @ p["wo"] + p["bo"] + x, p["g1"], p["b1"])
+        o = jax.nn.gelu(x @ p["w1"] + p["b1f"], approximate=False) @ p["w2"] + p["b2"]
+        return ln(o + x, p["g2"], p["b2ln"])
+
+    x = jnp.asarray(rng.standard_normal((2, 8, e)), jnp.float32)
+    report = jaxsub.explain(f, p, x)
+    assert report.totals["bias_dropout_residual_layer_norm"] == 2 and not report.near_misses, str(report)
+    _assert_same(f, (p, x), argnums=(0, 1), reduction=4 * e)
+
+
+def test_a_method_of_an_unhashable_object_names_the_static_argument():
+    """Found by probing: optimize on a method of a dataclass holding arrays raised Python's
+    bare "unhashable type" from the trace cache."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Block:
+        g: jax.Array
+
+        @jaxsub.optimize
+        def __call__(self, x):
+            return x * self.g
+
+    with pytest.raises(TypeError, match="jaxsub.optimize: a non-array argument is static .* got a Block"):
+        Block(jnp.ones(N))(_normal(3, (4, N)))
+
+
 def test_entry_points_name_a_bad_argument():
     """Found by probing: explain and stack.scan of something not callable raised Python's
     bare "'int' object is not callable"; a flag given as a string ("no") counted as True."""

@@ -169,6 +169,22 @@ def test_hand_written_bhsd_with_where_mask():
     assert "fully-masked rows give 0 instead of the mean of v" in str(report)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["float32", "bfloat16", "float16"])
+def test_masked_bias_held_in_the_scores_dtype(dtype):
+    """HF GPT-2's causal `masked_bias`: where(tril, s, -1e4) with the fill in the scores'
+    dtype. In bfloat16 -1e4 is -9984, which the matcher's `fill <= -1e4` turned away
+    without a word (found by probing): every rounding of -1e4 is a boolean mask now."""
+    def f(q, k, v):
+        s = q @ jnp.swapaxes(k, -1, -2) / float(np.sqrt(D))  # a Python float: s stays in q's dtype
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, jnp.asarray(-1e4, s.dtype))
+        return jax.nn.softmax(s, -1) @ v
+
+    args = tuple(a.astype(dtype) for a in _qkv("bhsd"))
+    report = jaxsub.explain(f, *args)
+    assert dict(report.totals) == {"attention": 1} and "causal" in str(report), str(report)
+    _assert_same(f, args, dtype=dtype, argnums=(0, 1, 2), reduction=ATTENTION_REDUCTION)
+
+
 def test_tril_is_causal_and_scale_after_additive_mask():
     bias = _normal(5, (1, H, S, S))
     report = _check(attn_tril_additive, (*_qkv(), bias), {"attention": 1})
@@ -525,6 +541,23 @@ def test_flax_linen_broadcast_dropout_is_a_near_miss():
     report = jaxsub.explain(f, *args)
     assert any("broadcast over the probabilities" in m.detail for m in report.near_misses), str(report)
     assert report.totals == {"softmax_dropout": 1}
+    assert_close(jaxsub.optimize(f)(*args), f(*args), reduction=S * D)
+
+
+def test_dropout_scaled_after_the_product_is_a_near_miss_saying_so():
+    """A full-size keep mask on the probabilities whose 1 / (1 - rate) comes after the
+    product with v: explain said the mask "is broadcast over the probabilities" while
+    printing two equal shapes (found by probing)."""
+    def f(q, k, v, key):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / float(np.sqrt(D)), -1)
+        keep = jax.random.bernoulli(key, 0.9, p.shape)
+        return jnp.einsum("bhqk,bkhd->bqhd", p * keep, v) / 0.9
+
+    args = (*_qkv(), jax.random.key(1))
+    report = jaxsub.explain(f, *args)
+    details = [m.detail for m in report.near_misses]
+    assert any("without its 1 / (1 - rate) scale" in d for d in details), str(report)
+    assert not any("broadcast over" in d for d in details), str(report)
     assert_close(jaxsub.optimize(f)(*args), f(*args), reduction=S * D)
 
 

@@ -180,6 +180,14 @@ def _abstract(leaf):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False), **extra)
 
 
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
 def _is_array(leaf):
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
@@ -237,6 +245,16 @@ class Optimized:
 
     def specialize(self, args, kwargs):
         arrays, key = _split(args, kwargs)
+        try:
+            hash(key)
+        except TypeError:
+            bad = next((x for x in key[1] if x is not None and not _hashable(x)), None)
+            what = f"a {type(bad).__name__}" if bad is not None else "a pytree node whose metadata is not"
+            raise TypeError(
+                f"jaxsub.optimize: a non-array argument is static (part of the trace's key, as jax.jit's static "
+                f"arguments) and must be hashable; got {what}. On a method, `self` is such an "
+                f"argument: optimize a function that takes the object's arrays (for a Flax module, the function "
+                f"that calls `module.apply`)") from None
         traced = self._cache.get(key)
         if traced is None:
             traced, _ = trace(self.fn, self.options, args, kwargs)

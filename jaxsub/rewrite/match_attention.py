@@ -33,7 +33,7 @@ from jaxsub import ops
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout, projections
 from jaxsub.rewrite.match_softmax import parse
-from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, private_violation, shapes
+from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, narrow, private_violation, rounded, shapes
 
 ATTN = "attention"
 
@@ -50,7 +50,9 @@ ATTN = "attention"
 # contraction's layout.
 
 _LAYOUT = ("transpose", "reshape", "convert_element_type")
-# where(mask, s, c) acts as a boolean mask when c is at most this (exp underflows to 0).
+# where(mask, s, c) acts as a boolean mask when c is at most this (exp underflows to 0),
+# or at most its rounding where c is a bf16/f16 constant (-1e4 is -9984 in bf16: HF GPT-2's
+# `masked_bias`), `_big_negative`.
 _BIG_NEGATIVE = -1e4
 _MAX_CONSTANT = 1 << 22
 _CONSTANT_OPS = frozenset({"iota", "broadcast_in_dim", "reshape", "transpose", "convert_element_type",
@@ -120,6 +122,15 @@ def _constant(g: G.Graph, ref, memo):
                 val = np.asarray(G.bind(node.eqn, ins)[0])
     memo[ref] = val
     return val
+
+
+def _big_negative(dtype) -> float:
+    """The largest fill that makes where(mask, s, fill) a boolean mask, for a fill held in
+    `dtype`: _BIG_NEGATIVE, or the largest of its roundings to a narrower float (every
+    such value is far below where exp underflows, so the masked probabilities are 0)."""
+    if not jnp.issubdtype(dtype, jnp.floating) or not narrow(dtype):
+        return _BIG_NEGATIVE
+    return max(_BIG_NEGATIVE, *rounded(_BIG_NEGATIVE, dtype))
 
 
 @dataclasses.dataclass
@@ -200,7 +211,7 @@ class _Scores:
             pred, no, yes = node.ins
             for s, c, negate in ((yes, no, False), (no, yes, True)):
                 fill = g.scalar(c)
-                if fill is not None and fill <= _BIG_NEGATIVE and s.shape == ref.shape:
+                if fill is not None and fill <= _big_negative(c.dtype) and s.shape == ref.shape:
                     self.steps.append((node, "select", (pred, fill, negate)))
                     if self.walk(s, depth + 1):
                         return True
@@ -297,8 +308,14 @@ class _Attn:
         elif drop is None:
             bern = _broadcast_dropout(g, ref)
             if bern is not None:
-                why = (match_dropout.batched_key(bern) or f"dropout mask {shapes(bern.outs[0])} is broadcast over the "
-                       f"probabilities {shapes(ref)}; the fused op drops every element independently")
+                if bern.outs[0].shape == ref.shape:
+                    wrong = (f"dropout mask {shapes(bern.outs[0])} on the probabilities without its 1 / (1 - rate) "
+                             f"scale on them (after the product with v, or none); the fused op scales the kept "
+                             f"probabilities")
+                else:
+                    wrong = (f"dropout mask {shapes(bern.outs[0])} is broadcast over the probabilities {shapes(ref)}; "
+                             f"the fused op drops every element independently")
+                why = match_dropout.batched_key(bern) or wrong
                 self.near_miss = why, ("drop", id(bern))
                 return False
         sm = parse(g, ref)
@@ -349,7 +366,7 @@ class _Attn:
                 else:
                     self.masks.append(_Mask(src, sl, False))
         query = {"L": "R", "R": "L"}.get(labels[self.sm.axis])
-        if query is None or any(m.boolean and not m.fill <= _BIG_NEGATIVE for m in self.masks):
+        if query is None or any(m.boolean and not m.fill <= _big_negative(jnp.bfloat16) for m in self.masks):
             return False
         rename = {query: "q", labels[self.sm.axis]: "k"}
 

@@ -341,7 +341,11 @@ def _extend(g, anchor, ln, options):
         if why is not None and not with_sum:
             misses.append(NearMiss(BDRLN, anchor, why, key=("bdrln", id(c.nodes[0]))))
             continue
-        return _bdrln_match(g, anchor, ln, c, with_sum), misses
+        # Another reading matched this layer norm: the readings turned away before it are
+        # no near-miss of it (a post-LN layer's previous LN bias taken for the residual's
+        # bias, found by probing); a dropout left as written still is.
+        kept = [m for m in misses if m.key is not None and m.key[0] == "drop"]
+        return _bdrln_match(g, anchor, ln, c, with_sum), kept
     return None, misses
 
 
