@@ -106,6 +106,20 @@ def test_hand_written_layer_norm(fn, dtype):
     assert jaxsub.explain(fn, *args).totals == {"layer_norm": 1}
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+def test_jnp_var_layer_norm_in_every_dtype(dtype):
+    """jnp.var of a 16-bit x squares the upcast x's deviations from its own f32 mean and
+    rounds the variance back; the matcher took only jnp.mean's round trip, so this layer
+    norm was fused in f32 alone, with no near-miss (found by probing)."""
+    def ln(x, g, b):
+        mu = jnp.mean(x, -1, keepdims=True)
+        return (x - mu) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * g + b
+
+    args = (_normal(0, (6, N), dtype), _normal(1, (N,), dtype), _normal(2, (N,), dtype))
+    assert jaxsub.explain(ln, *args).totals == {"layer_norm": 1}
+    _assert_same(ln, args, dtype, argnums=(0, 1, 2))
+
+
 def test_layer_norm_without_parameters():
     x = _normal(0, (2, 3, N))
     _assert_same(ln_no_params, (x,))

@@ -61,10 +61,13 @@ def _mean(g, ref):
         return None
     if trip:
         up = g.op(x, "convert_element_type")
-        if up is None or up.ins[0].dtype != ref.dtype:
+        if up is not None and up.ins[0].dtype == ref.dtype:
+            x = up.ins[0]
+            trip.append(up)
+        elif x.dtype != F32:
             return None
-        x = up.ins[0]
-        trip.append(up)
+        # else a statistic of f32 values, rounded back: jnp.var of a 16-bit x squares the
+        # upcast x's deviations from its f32 mean (the caller matches what x is).
     return _Stat(x, axes, [*row, *trip, div, *row2, red])
 
 
