@@ -185,6 +185,21 @@ def test_masked_bias_held_in_the_scores_dtype(dtype):
     _assert_same(f, args, dtype=dtype, argnums=(0, 1, 2), reduction=ATTENTION_REDUCTION)
 
 
+@pytest.mark.parametrize("shape", [(1, H, S, D), (B, 1, S, D), (1, 1, S, D)], ids=["batch1", "head1", "both1"])
+def test_matmul_attention_with_a_unit_batch_or_head(shape):
+    """jnp.matmul squeezes a unit batch axis away and broadcasts it back around its
+    dot_general, which the matcher did not look through: `@` attention at batch 1 (the
+    usual inference shape) or one head fused only its softmax (found by probing)."""
+    def f(q, k, v):
+        s = q @ jnp.swapaxes(k, -1, -2) / float(np.sqrt(D))
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -1e9)
+        return jax.nn.softmax(s, -1) @ v
+
+    args = tuple(_normal(i, shape) for i in range(3))
+    report = _check(f, args, {"attention": 1})
+    assert "causal" in str(report)
+
+
 def test_tril_is_causal_and_scale_after_additive_mask():
     bias = _normal(5, (1, H, S, S))
     report = _check(attn_tril_additive, (*_qkv(), bias), {"attention": 1})

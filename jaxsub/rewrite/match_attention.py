@@ -49,7 +49,10 @@ ATTN = "attention"
 # and one unit reshape (XLA elides both), and the result is moved back to the ·V
 # contraction's layout.
 
-_LAYOUT = ("transpose", "reshape", "convert_element_type")
+# Layout nodes: unit reshapes include a squeeze and a broadcast_in_dim that only adds unit
+# axes (jnp.matmul squeezes a unit batch axis away and broadcasts it back).
+_LAYOUT = ("transpose", "reshape", "squeeze", "broadcast_in_dim", "convert_element_type")
+_UNIT_OPS = ("reshape", "squeeze", "broadcast_in_dim")
 # where(mask, s, c) acts as a boolean mask when c is at most this (exp underflows to 0),
 # or at most its rounding where c is a bf16/f16 constant (-1e4 is -9984 in bf16: HF GPT-2's
 # `masked_bias`), `_big_negative`.
@@ -65,14 +68,17 @@ def _nonunit(shape):
 
 
 def _unit_reshape(node):
-    return node.prim != "reshape" or _nonunit(node.ins[0].shape) == _nonunit(node.outs[0].shape)
+    if node.prim not in _UNIT_OPS:
+        return True
+    src, out = node.ins[0].shape, node.outs[0].shape
+    return _nonunit(src) == _nonunit(out) and math.prod(src) == math.prod(out)
 
 
 def _forward(node, labels):
     """The labels of a layout node's output, given its input's."""
     if node.prim == "transpose":
         return tuple(labels[p] for p in node.params["permutation"])
-    if node.prim == "reshape":
+    if node.prim in _UNIT_OPS:  # a unit reshape (`_unit_reshape`)
         it = iter(l for l, d in zip(labels, node.ins[0].shape) if d != 1)
         return tuple(next(it) if d != 1 else None for d in node.outs[0].shape)
     return labels
@@ -86,7 +92,7 @@ def _backward(node, labels):
         for i, p in enumerate(node.params["permutation"]):
             res[p] = labels[i]
         return tuple(res)
-    if node.prim == "reshape" and _unit_reshape(node):
+    if node.prim in ("reshape", "squeeze") and _unit_reshape(node):
         it = iter(l for l, d in zip(labels, out.shape) if d != 1)
         return tuple(next(it) if d != 1 else None for d in src.shape)
     if node.prim == "broadcast_in_dim":
