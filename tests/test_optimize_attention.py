@@ -200,6 +200,25 @@ def test_matmul_attention_with_a_unit_batch_or_head(shape):
     assert "causal" in str(report)
 
 
+def test_additive_mask_written_as_a_subtraction():
+    """s - 1e9 * (1 - valid), and a learned bias subtracted from the scale-multiplied scores:
+    additive masks of factor -1 (only `s + m` was taken; found by probing). The bias's
+    gradient too."""
+    valid = _padding().astype(jnp.float32)
+
+    def padded(q, k, v, valid):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+        s = s - 1e9 * (1.0 - valid[:, None, None, :])
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    def biased(q, k, v, bias):
+        s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) - bias) * 0.5
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    assert "additive mask" in str(_check(padded, (*_qkv(), valid), {"attention": 1}))
+    _check(biased, (*_qkv(), _normal(9, (1, H, S, S))), {"attention": 1}, argnums=(0, 1, 2, 3))
+
+
 def test_tril_is_causal_and_scale_after_additive_mask():
     bias = _normal(5, (1, H, S, S))
     report = _check(attn_tril_additive, (*_qkv(), bias), {"attention": 1})

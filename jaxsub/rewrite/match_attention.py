@@ -213,6 +213,12 @@ class _Scores:
                     if self.walk(s, depth + 1):
                         return True
                     del self.steps[n:]
+        elif node.prim == "sub":  # s - m: the additive mask -m (`s - 1e9 * (1 - valid)`)
+            s, m = node.ins
+            if s.shape == ref.shape and jnp.issubdtype(m.dtype, jnp.floating):
+                self.steps.append((node, "sub", m))
+                if self.walk(s, depth + 1):
+                    return True
         elif node.prim == "select_n" and len(node.ins) == 3 and node.ins[0].dtype == jnp.bool_:
             pred, no, yes = node.ins
             for s, c, negate in ((yes, no, False), (no, yes, True)):
@@ -370,7 +376,7 @@ class _Attn:
                 if kind == "select":
                     self.masks.append(_Mask(src, sl, True, negate=payload[2], fill=payload[1]))
                 else:
-                    self.masks.append(_Mask(src, sl, False))
+                    self.masks.append(_Mask(src, sl, False, factor=-1.0 if kind == "sub" else 1.0))
         query = {"L": "R", "R": "L"}.get(labels[self.sm.axis])
         if query is None or any(m.boolean and not m.fill <= _big_negative(jnp.bfloat16) for m in self.masks):
             return False
