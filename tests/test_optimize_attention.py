@@ -200,6 +200,32 @@ def test_matmul_attention_with_a_unit_batch_or_head(shape):
     assert "causal" in str(report)
 
 
+def test_grouped_query_attention_is_a_near_miss_saying_so():
+    """k and v with fewer heads than q (jax.nn.dot_product_attention's grouped form, a
+    grouped einsum, multi-query): not fused, and explain said nothing (found by probing)."""
+    kv_heads = H // 2
+    q = _normal(0, (B, S, H, D))
+    k, v = _normal(1, (B, S, kv_heads, D)), _normal(2, (B, S, kv_heads, D))
+
+    def grouped(q, k, v):
+        qg = q.reshape(B, S, kv_heads, H // kv_heads, D)
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k) * D ** -0.5
+        return jnp.einsum("bhgqk,bkhd->bqhgd", jax.nn.softmax(s, -1), v).reshape(B, S, H, D)
+
+    def multi_query(q, k, v):
+        s = jnp.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) * D ** -0.5
+        return jnp.einsum("bhqk,bkd->bqhd", jax.nn.softmax(s, -1), v[:, :, 0])
+
+    def dpa(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    for f in (grouped, multi_query, dpa):
+        report = jaxsub.explain(f, q, k, v)
+        assert "attention" not in report.totals, str(report)
+        assert any("grouped- or multi-query" in m.detail for m in report.near_misses), str(report)
+        assert_close(jaxsub.optimize(f)(q, k, v), f(q, k, v), reduction=S * D)
+
+
 def test_additive_mask_written_as_a_subtraction():
     """s - 1e9 * (1 - valid), and a learned bias subtracted from the scale-multiplied scores:
     additive masks of factor -1 (only `s + m` was taken; found by probing). The bias's

@@ -348,6 +348,12 @@ class _Attn:
         ll, lfree = _operand_labels(lhs.shape, lb, lc, "L")
         rl, rfree = _operand_labels(rhs.shape, rb, rc, "R")
         if ll is None or rl is None:
+            # Two non-unit free axes on one side: a head axis the other operand lacks
+            # (grouped- or multi-query attention, k and v with fewer heads than q).
+            self.near_miss = (f"the scores' product {shapes(lhs)} x {shapes(rhs)} has two free axes on one side, "
+                              f"a head axis only one of q and k has (grouped- or multi-query attention): the "
+                              f"fused op takes k and v with q's heads; repeat them to q's heads to fuse it",
+                              ("gqa", id(qk)))
             return False
         self.sizes = {l: lhs.shape[d] for d, l in zip(lb, "bh")}
         self.sizes.update(d=lhs.shape[lc[0]], L=math.prod(lhs.shape[d] for d in lfree),
