@@ -200,6 +200,30 @@ def test_matmul_attention_with_a_unit_batch_or_head(shape):
     assert "causal" in str(report)
 
 
+def test_softmax_with_where():
+    """jax.nn.softmax(s, where=mask) in attention and alone: nothing was matched (found by
+    probing). It is the softmax of where(mask, s, -inf) whose hidden rows are zeros, as
+    the fused ops give them, so even a row the mask hides everywhere agrees."""
+    valid = np.array(_padding())
+    valid[1] = False  # a batch row whose keys are all hidden
+    valid = jnp.asarray(valid)
+
+    def attn(q, k, v, valid):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+        p = jax.nn.softmax(s, -1, where=valid[:, None, None, :])
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    def alone(s, valid):
+        return jax.nn.softmax(s, -1, where=valid[:, None, None, :])
+
+    _check(attn, (*_qkv(), valid), {"attention": 1})
+    scores = _normal(4, (B, H, S, S))
+    assert jaxsub.explain(alone, scores, valid).totals == {"softmax_dropout": 1}
+    assert_same(alone, (scores, valid))
+    out = jaxsub.optimize(alone)(scores, valid)
+    assert not np.asarray(out[1]).any() and np.isfinite(np.asarray(out)).all()
+
+
 def test_grouped_query_attention_is_a_near_miss_saying_so():
     """k and v with fewer heads than q (jax.nn.dot_product_attention's grouped form, a
     grouped einsum, multi-query): not fused, and explain said nothing (found by probing)."""

@@ -81,7 +81,12 @@ def _shift(g: G.Graph, ref, x, axis):
             return None
         nodes.append(node)
         if node.prim == "reduce_max":
-            return nodes if any(node.ins[0] is s for s in sources) else None
+            src = node.ins[0]
+            if any(src is s for s in sources):
+                return nodes
+            if any(_same_value(g, src, s) for s in sources):
+                return [*nodes, g.producer[src]]  # a second computation of x, for the max
+            return None
         if node.prim not in _SHIFT_OPS:
             return None
         if node.prim == "max":
@@ -92,6 +97,40 @@ def _shift(g: G.Graph, ref, x, axis):
             ref = rest[0]
         else:
             ref = node.ins[0]
+
+
+def _same_value(g: G.Graph, a, b, depth: int = 3) -> bool:
+    """Whether a and b are the same value: one ref, equal scalar constants, or the same
+    primitive with the same parameters on the same values (jax.nn.softmax(where=) masks
+    the scores once for their maximum and once for the exponent, each time broadcasting
+    the mask and the fill anew)."""
+    if a is b:
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    sa, sb = g.scalar(a), g.scalar(b)
+    if sa is not None or sb is not None:
+        return sa is not None and sb is not None and sa == sb
+    na, nb = g.producer.get(a), g.producer.get(b)
+    if (depth == 0 or na is None or nb is None or na.prim != nb.prim or len(na.outs) != 1 or len(nb.outs) != 1
+            or len(na.ins) != len(nb.ins) or na.eqn.effects or nb.eqn.effects):
+        return False
+    try:
+        same_params = na.params == nb.params
+    except Exception:  # params that do not compare (arrays)
+        return False
+    return bool(same_params) and all(_same_value(g, x, y, depth - 1) for x, y in zip(na.ins, nb.ins))
+
+
+def _where_zero(g: G.Graph, ref, pred=None):
+    """(pred, value, node) when ref is where(pred, value, 0) (with `pred` given: the same
+    predicate), else None."""
+    node = g.op(ref, "select_n")
+    if node is None or len(node.ins) != 3 or node.ins[0].dtype != jnp.bool_ or g.scalar(node.ins[1]) != 0.0:
+        return None
+    if pred is not None and not _same_value(g, node.ins[0], pred):
+        return None
+    return node.ins[0], node.ins[2], node
 
 
 def _jax_softmax_rule(node) -> bool:
@@ -142,6 +181,33 @@ def parse(g: G.Graph, ref):
         return None
     if node.prim == "custom_jvp_call":
         return _softmax_call(node)
+    if node.prim == "select_n":
+        return _where_softmax(g, ref)
+    return _parse_div(g, ref, node)
+
+
+def _where_softmax(g: G.Graph, ref):
+    """jax.nn.softmax(x, where=w): where(w, e / sum(where(w, e, 0)), 0) with
+    e = exp(where(w, x, -inf) - shift). That is the softmax of where(w, x, -inf), a row
+    that w hides everywhere giving zeros, as the fused ops give it: the Softmax of the
+    masked scores."""
+    outer = _where_zero(g, ref)
+    if outer is None:
+        return None
+    pred, inner, select = outer
+    div = g.producer.get(inner)
+    sm = _parse_div(g, inner, div, pred) if div is not None else None
+    if sm is None:
+        return None
+    masked = g.op(sm.x, "select_n")
+    if (masked is None or len(masked.ins) != 3 or not _same_value(g, masked.ins[0], pred)
+            or g.scalar(masked.ins[1]) != float("-inf")):
+        return None
+    return Softmax(sm.x, sm.axis, [select, *sm.nodes], ref)
+
+
+def _parse_div(g: G.Graph, ref, node, pred=None):
+    """The Softmax e / keepdims(sum(e)) at `node` (with `pred`: the sum of where(pred, e, 0))."""
     if node.prim != "div" or node.ins[0].shape != ref.shape:
         return None
     e, denom = node.ins
@@ -157,7 +223,12 @@ def parse(g: G.Graph, ref):
     red = g.op(_narrowed(g, bcast.ins[0], e.dtype, casts), "reduce_sum")
     if red is None or len(red.params["axes"]) != 1 or len(casts) > 1:
         return None
-    summed = red.ins[0]
+    summed, masked_sum = red.ins[0], []
+    if pred is not None:
+        where = _where_zero(g, summed, pred)
+        if where is None or where[1] is not e:
+            return None
+        summed, masked_sum = e, [where[2]]
     if summed is not e:
         up = g.op(summed, "convert_element_type")
         if up is None or up.ins[0] is not e or not casts or not _widening(up):
@@ -169,7 +240,7 @@ def parse(g: G.Graph, ref):
     kept = _keepdims(g, denom, e.shape, axis)
     if kept is None or kept[0] is not bcast.ins[0]:
         return None
-    nodes = [node, kept[1], red, exp, *casts]
+    nodes = [node, kept[1], red, exp, *casts, *masked_sum]
     x = exp.ins[0]
     sub = g.op(x, "sub")
     if sub is not None and sub.ins[0].shape == x.shape:
