@@ -224,8 +224,8 @@ class custom_vjp:
         argument's type names its sharding (`jax.set_mesh` with Explicit axes): the ops'
         reshapes of sharded rows and their custom calls' results, which carry no sharding,
         are typed as under `jit` with sharded inputs, where the partitioning rules run
-        each device on its rows. The results are typed as `sharding` (the first such
-        argument's) where they have its shape, else replicated."""
+        each device on its rows. A result is typed as the first such argument (`shaped`:
+        its shape and sharding) where it has that shape, else as replicated."""
         shape, sharding = shaped
         leaves, tree = jax.tree.flatten(args)
         arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer))]
