@@ -225,6 +225,32 @@ def test_residual_dropout_without_layer_norm_uses_the_users_key(bias):
     assert np.mean(np.asarray(opt(x, b, r, jax.random.key(6)) != y)) > 0.05
 
 
+@pytest.mark.parametrize("spelling", ["u < keep", "u >= rate", "rate <= u"])
+def test_dropout_from_a_uniform_draw(spelling):
+    """Dropout written as a comparison of jax.random.uniform with a constant (what
+    bernoulli computes) is the fused op's dropout for the user's key, as bernoulli's is
+    (found by probing: only bernoulli was recognized). A uniform used otherwise stays."""
+    x, b, key = _normal(0, (64, N)), _normal(1, (N,)), jax.random.key(8)
+    keep_of = {"u < keep": lambda u: u < 1 - RATE, "u >= rate": lambda u: u >= RATE,
+               "rate <= u": lambda u: RATE <= u}[spelling]
+
+    def f(x, b, key):
+        keep = keep_of(jax.random.uniform(key, x.shape))
+        return jnp.where(keep, jax.nn.gelu(x + b, approximate=False) / (1 - RATE), 0)
+
+    report = jaxsub.explain(f, x, b, key)
+    assert report.totals == {"bias_gelu_dropout": 1} and f"dropout rate={RATE:g}" in str(report), str(report)
+    y = jaxsub.optimize(f)(x, b, key)
+    keep = ops.dropout_mask(key, x.shape, RATE)
+    want = jnp.where(keep, jax.nn.gelu(x + b, approximate=False) / (1 - RATE), 0)
+    assert_close(y, want, what="value")
+
+    def noisy(x, b, key):
+        return jax.nn.gelu(x + b, approximate=False) + jax.random.uniform(key, x.shape)
+
+    assert_close(jaxsub.optimize(noisy)(x, b, key), noisy(x, b, key), what="uniform noise")
+
+
 def gelu_then_residual_dropout(x, b, r, key):
     """Two dropouts whose keys are the slices of one split (as a jnp layer draws them)."""
     keys = jax.random.split(key, 2)

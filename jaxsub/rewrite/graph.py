@@ -23,7 +23,7 @@ from jaxsub._jaxpr import bind  # noqa: F401 - the pass binds through graph.bind
 
 _INLINE = frozenset({"pjit", "jit", "closed_call", "core_call"})
 # jit-wrapped library functions kept whole because matchers recognize the call itself.
-_OPAQUE_CALLS = frozenset({"_bernoulli"})
+_OPAQUE_CALLS = frozenset({"_bernoulli", "_uniform"})
 SCAN = "scan"
 REMAT = frozenset({"remat2", "checkpoint", "remat"})
 # Bodies never searched; explain() lists them.

@@ -1,6 +1,8 @@
 """Recognizing user-written dropout so a fused kernel can take it over.
 
-Recognized spellings of dropout(h) with keep probability p, mask = bernoulli(key, p, shape):
+Recognized spellings of dropout(h) with keep probability p, mask = bernoulli(key, p, shape)
+or a comparison of uniform(key, shape) (float32 on [0, 1)) with a constant, u < p or
+u >= 1 - p (what bernoulli computes):
   select_n(mask, 0, h / p)        jnp.where(mask, h / p, 0) and flax.linen.Dropout
   h * mask / p, h / p * mask      with the mask converted to h's dtype
   h * (mask / p)                  flax.linen attention's dropout
@@ -25,7 +27,7 @@ import dataclasses
 
 from jaxsub.ops import dropout as _dropout
 from jaxsub.rewrite import graph as G
-from jaxsub.rewrite.patterns import same_constant, shapes
+from jaxsub.rewrite.patterns import F32, same_constant, shapes
 
 NOT_REWRITTEN = "dropout not rewritten (rewrite_dropout=False)"
 
@@ -65,15 +67,36 @@ def batched_key(bern) -> str | None:
             "from one key: put jax.vmap outside jaxsub.optimize to fuse it")
 
 
+# uniform(key) compared with a constant c: the keep probability, c (u < c) or 1 - c
+# (u >= c), by the comparison and the side the uniform is on.
+_KEEP_BELOW = {("lt", 0): True, ("le", 0): True, ("gt", 1): True, ("ge", 1): True,
+               ("gt", 0): False, ("ge", 0): False, ("lt", 1): False, ("le", 1): False}
+
+
 def _bernoulli(g: G.Graph, mask):
+    """(the call that takes the key, keep probability p, the nodes drawing the mask) when
+    `mask` is bernoulli(key, p) or uniform(key) compared with a constant, else None."""
     node = g.producer.get(mask)
-    # One key: under vmap over per-example keys the call is batched (batched_key).
-    if node is None or node.call_name != "_bernoulli" or len(node.ins) != 2 or node.ins[0].shape != ():
+    if node is None:
         return None
-    p = g.scalar(node.ins[1])
+    call, nodes, p = node, [node], None
+    if node.call_name == "_bernoulli" and len(node.ins) == 2:
+        p = g.scalar(node.ins[1])
+    elif node.prim in ("lt", "le", "gt", "ge") and len(node.ins) == 2:
+        for side, (u, c) in enumerate((node.ins, node.ins[::-1])):
+            call = g.producer.get(u)
+            if (call is not None and call.call_name == "_uniform" and len(call.ins) == 3 and u.dtype == F32
+                    and u.shape == mask.shape and g.scalar(call.ins[1]) == 0.0 and g.scalar(call.ins[2]) == 1.0
+                    and g.scalar(c) is not None):
+                p = g.scalar(c) if _KEEP_BELOW[node.prim, side] else 1.0 - g.scalar(c)
+                nodes = [node, call]
+                break
+    # One key: under vmap over per-example keys the call is batched (batched_key).
+    if p is None or call is None or call.ins[0].shape != ():
+        return None
     # A rate the fused ops' 2^-16 steps would bias (ops.dropout.scale_error) stays the user's.
-    ok = p is not None and 0.0 < p < 1.0 and _dropout.scale_error(_rate(p)) <= _dropout.MAX_SCALE_ERROR
-    return (node, p) if ok else None
+    ok = 0.0 < p < 1.0 and _dropout.scale_error(_rate(p)) <= _dropout.MAX_SCALE_ERROR
+    return (call, p, nodes) if ok else None
 
 
 def _scaled(g: G.Graph, ref, p):
@@ -107,7 +130,8 @@ def _masked(g: G.Graph, ref, shape):
 
 
 def _mask_over_p(g: G.Graph, ref, shape):
-    """(bernoulli node, p, nodes, _scaled's answer) when ref = convert(mask) / p (or * 1 / p)."""
+    """(the call taking the key, p, nodes, _scaled's answer) when ref = convert(mask) / p (or
+    * 1 / p)."""
     node = g.op(ref, "div", "mul")
     if node is None:
         return None
@@ -116,7 +140,7 @@ def _mask_over_p(g: G.Graph, ref, shape):
         found = _bernoulli(g, conv.ins[0]) if conv is not None and conv.ins[0].shape == shape else None
         scaled = _scaled(g, ref, found[1]) if found is not None else None
         if scaled is not None and scaled[0] is m:
-            return found[0], found[1], [node, conv], scaled
+            return found[0], found[1], [node, conv, *found[2]], scaled
     return None
 
 
@@ -131,12 +155,12 @@ def parse(g: G.Graph, ref):
         found = _bernoulli(g, mask)
         if found is None or mask.shape != shape or g.scalar(zero) != 0.0:
             return None
-        bern, p = found
+        bern, p, drawn = found
         scaled = _scaled(g, kept, p)
         if scaled is None:
             return None
         h, div = scaled[:2]
-        return Dropout(h, bern.ins[0], _rate(p), [node, div, bern], bern, *scaled[2:])
+        return Dropout(h, bern.ins[0], _rate(p), [node, div, *drawn], bern, *scaled[2:])
     if node.prim == "div" or node.prim == "mul":
         # (h * mask) / p
         for inner_ref in node.ins:
@@ -148,15 +172,15 @@ def parse(g: G.Graph, ref):
             scaled = _scaled(g, ref, found[1]) if found is not None else None
             if scaled is None or scaled[0] is not inner_ref:
                 continue
-            bern, p = found
-            return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern, *scaled[2:])
+            bern, p, drawn = found
+            return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, *drawn], bern, *scaled[2:])
         # h * (mask / p)
         if node.prim == "mul":
             for h, m in (node.ins, node.ins[::-1]):
                 found = _mask_over_p(g, m, shape)
                 if found is not None and h.shape == shape:
-                    bern, p, mnodes, scaled = found
-                    return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, bern], bern, *scaled[2:])
+                    bern, p, mnodes, scaled = found  # mnodes: the mask's, its drawing included
+                    return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes], bern, *scaled[2:])
         # (h / p) * mask
         masked = _masked(g, ref, shape)
         if masked is not None:
@@ -165,7 +189,7 @@ def parse(g: G.Graph, ref):
             if found is not None:
                 scaled = _scaled(g, scaled_ref, found[1])
                 if scaled is not None:
-                    bern, p = found
-                    return Dropout(scaled[0], bern.ins[0], _rate(p), [*mnodes, scaled[1], bern], bern,
+                    bern, p, drawn = found
+                    return Dropout(scaled[0], bern.ins[0], _rate(p), [*mnodes, scaled[1], *drawn], bern,
                                    *scaled[2:])
     return None
