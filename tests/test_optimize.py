@@ -382,11 +382,16 @@ def test_hand_written_gelu_formulas():
         v = x + b
         return 0.5 * v * (1.0 + jnp.tanh(0.8 * (v + 0.044715 * v ** 3)))
 
+    def gelu_beyond_six(x, b):  # GELU on [-6, 6], not beyond (found by probing)
+        v = x + b
+        return 0.5 * v * (1.0 + jax.lax.erf(v / np.sqrt(2.0))) + 0.1 * v * (1.0 + jnp.tanh(10.0 * (v - 8.0)))
+
     args = (_normal(0, (8, N)), _normal(1, (N,)))
     for fn in (erf_gelu, tanh_gelu):
         _assert_same(fn, args, argnums=(0, 1))
         _expect(fn, args, bias_gelu_dropout=1)
     _expect(not_gelu, args)
+    _expect(gelu_beyond_six, args)
 
 
 @pytest.mark.parametrize("approximate", [False, True], ids=["exact", "tanh"])

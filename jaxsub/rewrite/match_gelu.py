@@ -6,7 +6,7 @@ matcher takes the elementwise subgraph between the bias add v = x + bias and the
 activation's output -- it must read nothing but v and scalar constants, use only
 arithmetic, erf/erfc/tanh and float converts, and contain erf/erfc (exact) or tanh
 (approximate) -- and evaluates it in float64 on probe points spanning the activation's
-curved region and both tails. It is accepted when it agrees with that GELU to 1e-6
+curved region and both tails, out to |v| = 1e4. It is accepted when it agrees with that GELU to 1e-6
 everywhere; the two GELUs differ by up to 5e-4 there (relative to 1 + |gelu|), and a
 wrong constant or operator moves some probe by far more.
 
@@ -31,7 +31,10 @@ from jaxsub.rewrite.patterns import (ACTIVATION_DTYPES, F32, Match, NearMiss, na
 
 BGD = "bias_gelu_dropout"
 _MAX_NODES = 24
-_PROBES = np.concatenate([np.linspace(-6.0, 6.0, 97), [-0.3, 0.05, 0.7, 2.2]])
+# The curved region densely, and the tails out to 1e4 (a term that vanishes on [-6, 6] but
+# not beyond, such as 0.1 v (1 + tanh(10 (v - 8))), was taken for GELU; found by probing).
+_TAILS = np.geomspace(6.5, 1e4, 24)
+_PROBES = np.concatenate([np.linspace(-6.0, 6.0, 97), [-0.3, 0.05, 0.7, 2.2], _TAILS, -_TAILS])
 _erf = np.vectorize(math.erf)
 _EVAL = {
     "add": lambda a, b: a + b,
