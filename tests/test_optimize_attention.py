@@ -224,6 +224,23 @@ def test_softmax_with_where():
     assert not np.asarray(out[1]).any() and np.isfinite(np.asarray(out)).all()
 
 
+def test_softmax_with_its_numerator_computed_twice():
+    """exp(s - m) / exp(s - m).sum(-1): two equal exponentials (found by probing: not
+    matched); one softmax, alone and in attention."""
+    def attn(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+        m = s.max(-1, keepdims=True)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - m) / jnp.exp(s - m).sum(-1, keepdims=True), v)
+
+    def alone(s):
+        return jnp.exp(s - s.max(-1, keepdims=True)) / jnp.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True)
+
+    _check(attn, _qkv(), {"attention": 1})
+    scores = _normal(4, (B, H, S, S))
+    assert jaxsub.explain(alone, scores).totals == {"softmax_dropout": 1}
+    assert_same(alone, (scores,))
+
+
 def test_grouped_query_attention_is_a_near_miss_saying_so():
     """k and v with fewer heads than q (jax.nn.dot_product_attention's grouped form, a
     grouped einsum, multi-query): not fused, and explain said nothing (found by probing)."""

@@ -84,8 +84,9 @@ def _shift(g: G.Graph, ref, x, axis):
             src = node.ins[0]
             if any(src is s for s in sources):
                 return nodes
-            if any(_same_value(g, src, s) for s in sources):
-                return [*nodes, g.producer[src]]  # a second computation of x, for the max
+            for s in sources:
+                if _same_value(g, src, s):  # a second computation of x, for the max
+                    return [*nodes, *_copy_nodes(g, src, s)]
             return None
         if node.prim not in _SHIFT_OPS:
             return None
@@ -99,11 +100,11 @@ def _shift(g: G.Graph, ref, x, axis):
             ref = node.ins[0]
 
 
-def _same_value(g: G.Graph, a, b, depth: int = 3) -> bool:
+def _same_value(g: G.Graph, a, b, depth: int = 6) -> bool:
     """Whether a and b are the same value: one ref, equal scalar constants, or the same
     primitive with the same parameters on the same values (jax.nn.softmax(where=) masks
     the scores once for their maximum and once for the exponent, each time broadcasting
-    the mask and the fill anew)."""
+    the mask and the fill anew; `exp(s - m) / exp(s - m).sum()` exponentiates twice)."""
     if a is b:
         return True
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -120,6 +121,14 @@ def _same_value(g: G.Graph, a, b, depth: int = 3) -> bool:
     except Exception:  # params that do not compare (arrays)
         return False
     return bool(same_params) and all(_same_value(g, x, y, depth - 1) for x, y in zip(na.ins, nb.ins))
+
+
+def _copy_nodes(g: G.Graph, a, b) -> list:
+    """The nodes of a's computation that b does not share, when _same_value(g, a, b)."""
+    if a is b or g.scalar(a) is not None:
+        return []
+    na, nb = g.producer[a], g.producer[b]
+    return [na, *(n for x, y in zip(na.ins, nb.ins) for n in _copy_nodes(g, x, y))]
 
 
 def _where_zero(g: G.Graph, ref, pred=None):
@@ -229,6 +238,9 @@ def _parse_div(g: G.Graph, ref, node, pred=None):
         if where is None or where[1] is not e:
             return None
         summed, masked_sum = e, [where[2]]
+    elif summed is not e and g.op(summed, "exp") is not None and _same_value(g, summed, e):
+        # exp(s - m) / exp(s - m).sum(): the numerator computed twice
+        summed, masked_sum = e, _copy_nodes(g, summed, e)
     if summed is not e:
         up = g.op(summed, "convert_element_type")
         if up is None or up.ins[0] is not e or not casts or not _widening(up):
