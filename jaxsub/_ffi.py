@@ -9,6 +9,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsub import _partition
 
@@ -135,6 +136,14 @@ def target_unsupported(x, target: str) -> str | None:
     if platform not in ("cpu", "gpu"):
         return f"no {target} target for platform {platform!r}"
     return None
+
+
+def check_bool(op: str, name: str, value) -> bool:
+    """A Python bool flag as a bool, or a TypeError naming the function and the argument
+    (a string such as "no" would otherwise count as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{op}: `{name}` must be a Python bool, got {value!r}")
+    return bool(value)
 
 
 @functools.cache

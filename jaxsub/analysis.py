@@ -49,7 +49,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxsub import _partition
+from jaxsub import _ffi, _partition
 from jaxsub import _timing
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import interpreter
@@ -486,7 +486,7 @@ def analyze(fn, *args, compare_optimized=True, grad=False, argnums=0, time=False
     if not callable(fn):
         raise TypeError(f"jaxsub.analyze: `fn` must be callable, got {type(fn).__name__}")
     for name, flag in (("compare_optimized", compare_optimized), ("grad", grad), ("time", time)):
-        interpreter.check_flag("analyze", name, flag)
+        _ffi.check_bool("analyze", name, flag)
     base = fn.fn if isinstance(fn, interpreter.Optimized) else fn
     opt = fn if isinstance(fn, interpreter.Optimized) else interpreter.optimize(fn)
     if grad:

@@ -401,7 +401,8 @@ def _default_implementation(q, mask4d, kind) -> str:
 
 
 # The fused kernels against the unfused structure under such a mask (fwd+bwd, the H100
-# measurement above): what the layout selector's byte model charges the fused candidate.
+# measurement above; the unfused time includes the bias's gradient, so the ratio is a lower
+# bound): what the layout selector's byte model charges the fused candidate.
 SLOW_FUSED_MASK_RATIO = 1829.0 / 1459.0
 
 

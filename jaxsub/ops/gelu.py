@@ -16,7 +16,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxsub import _ffi
 from jaxsub.ops import config as _config
@@ -220,12 +219,6 @@ def _dense_gelu_unsupported(x, kernel, bias) -> str | None:
 # Public function.
 
 
-def _check_bool(name, value, op=_OP) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"jaxsub.{op}: `{name}` must be a Python bool, got {value!r}")
-    return bool(value)
-
-
 def _check_inputs(x, bias, op=_OP):
     x = x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else jnp.asarray(x)
     if bias is None:
@@ -248,8 +241,8 @@ def _prepare(x, bias, rate, key, approximate, deterministic, kernel_config, op=_
     name `op` (the public function called)."""
     x, bias = _check_inputs(x, bias, op)
     rate = _dropout.check_rate(op, rate)
-    approximate = _check_bool("approximate", approximate, op)
-    deterministic = _check_bool("deterministic", deterministic, op)
+    approximate = _ffi.check_bool(op, "approximate", approximate)
+    deterministic = _ffi.check_bool(op, "deterministic", deterministic)
     if deterministic:
         rate = 0.0
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
@@ -329,7 +322,7 @@ def bias_gelu_dropout_dense(x, bias, kernel, *, rate, key, approximate=False, de
     if reason is not None:
         return _dense(bias_gelu_dropout(x, bias, rate=rate, key=key, approximate=approximate,
                                         kernel_config=kernel_config), kernel)
-    library = (_check_bool("library_products", library_products, name) and _gemm.in_place_pays(x.dtype)
+    library = (_ffi.check_bool(name, "library_products", library_products) and _gemm.in_place_pays(x.dtype)
                and _gemm.supported(x, kernel))
     return _fused_dense(x, bias, kernel, seed, approximate, rate, config, library)
 
@@ -392,7 +385,7 @@ def dense_bias_gelu_dropout(x, kernel, bias, *, rate, key, approximate=False, de
                              f"got {out_kernel.shape}")
         if out_kernel.dtype != x.dtype:
             raise TypeError(f"jaxsub.{name}: `out_kernel` must have x's dtype ({x.dtype}), got {out_kernel.dtype}")
-    library = _check_bool("library_products", library_products, name) and _gemm.in_place_pays(x.dtype)
+    library = _ffi.check_bool(name, "library_products", library_products) and _gemm.in_place_pays(x.dtype)
     why = _dense_gelu_unsupported(x, kernel, bias)
     if why is not None or reason is not None:
         if why != "":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from jaxsub import _ffi
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import interpreter
 from jaxsub.rewrite import patterns as P
@@ -78,7 +79,7 @@ def explain(fn, *args, rewrite_dropout=True, **kwargs) -> Report:
     elif not callable(fn):
         raise TypeError(f"jaxsub.explain: `fn` must be callable, got {type(fn).__name__}")
     else:
-        options = P.Options(rewrite_dropout=interpreter.check_flag("explain", "rewrite_dropout", rewrite_dropout))
+        options = P.Options(rewrite_dropout=_ffi.check_bool("explain", "rewrite_dropout", rewrite_dropout))
     traced, _ = interpreter.trace(fn, options, args, kwargs)
     report = Report([], [], [])
     _collect(traced.graph, traced.plan, "", report)

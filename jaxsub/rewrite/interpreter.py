@@ -333,13 +333,5 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
         return functools.partial(optimize, rewrite_dropout=rewrite_dropout, layouts=layouts)
     if not callable(fn):
         raise TypeError(f"jaxsub.optimize: `fn` must be callable, got {type(fn).__name__}")
-    options = P.Options(rewrite_dropout=check_flag("optimize", "rewrite_dropout", rewrite_dropout))
+    options = P.Options(rewrite_dropout=_ffi.check_bool("optimize", "rewrite_dropout", rewrite_dropout))
     return Optimized(fn, options, layouts)
-
-
-def check_flag(op: str, name: str, value) -> bool:
-    """A Python bool flag as a bool, or a TypeError naming the function and the argument
-    (a string such as "no" would otherwise count as True)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"jaxsub.{op}: `{name}` must be a Python bool, got {value!r}")
-    return bool(value)

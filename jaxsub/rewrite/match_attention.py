@@ -622,6 +622,8 @@ def _describe(att, causal, rate):
         parts.append(("boolean" if m.boolean else "additive") + f" mask {shapes(m.ref)}")
     parts.append(f"dropout rate={rate:g}{att.drop.note}" if rate else "no dropout")
     fills = [m.fill for m in att.masks if m.boolean] + ([att.causal_fill] if causal else [])
+    if att.sm.zero_rows and len(fills) == 1:
+        fills = []  # softmax(where=mask) gives hidden rows 0 as the fused op does
     if any(np.isfinite(f) for f in fills):
         parts.append("fully-masked rows give 0 instead of the mean of v")
     elif fills:

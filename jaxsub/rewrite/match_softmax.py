@@ -42,6 +42,7 @@ class Softmax:
     axis: int       # normalized axis of x
     nodes: list     # the softmax's nodes, its output node first
     out: G.Ref
+    zero_rows: bool = False  # jax.nn.softmax(where=): a row the mask hides everywhere is 0
 
 
 def _keepdims(g: G.Graph, ref, shape, axis):
@@ -212,7 +213,7 @@ def _where_softmax(g: G.Graph, ref):
     if (masked is None or len(masked.ins) != 3 or not _same_value(g, masked.ins[0], pred)
             or g.scalar(masked.ins[1]) != float("-inf")):
         return None
-    return Softmax(sm.x, sm.axis, [select, *sm.nodes], ref)
+    return Softmax(sm.x, sm.axis, [select, *sm.nodes], ref, zero_rows=True)
 
 
 def _parse_div(g: G.Graph, ref, node, pred=None):
