@@ -92,13 +92,27 @@ def ln_var_recip(x, s, b):
     return s * ((x - x.mean(-1, keepdims=True)) * inv)
 
 
+def ln_pow(x, s, b):
+    """rsqrt as a power, (v + eps) ** -0.5 (found by probing: not matched)."""
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) * (v + 1e-5) ** -0.5 * s + b
+
+
+def ln_pow_div(x, s, b):
+    """sqrt as a power, divided by."""
+    m = x.mean(-1, keepdims=True)
+    return (x - m) / jnp.power(jnp.var(x, -1, keepdims=True) + 1e-5, 0.5) * s + b
+
+
 def ln_no_params(x):
     return (x - x.mean(-1, keepdims=True)) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
 
 
 @pytest.mark.parametrize("fn,dtype", [(ln_two_pass, jnp.float32), (ln_fast_upcast, jnp.bfloat16),
-                                      (ln_fast_upcast, jnp.float32), (ln_var_recip, jnp.float32)],
-                         ids=["two_pass", "fast_upcast_bf16", "fast_f32", "var_recip"])
+                                      (ln_fast_upcast, jnp.float32), (ln_var_recip, jnp.float32),
+                                      (ln_pow, jnp.float32), (ln_pow_div, jnp.float32)],
+                         ids=["two_pass", "fast_upcast_bf16", "fast_f32", "var_recip", "pow", "pow_div"])
 def test_hand_written_layer_norm(fn, dtype):
     args = (_normal(0, (6, N), dtype), _normal(1, (N,)), _normal(2, (N,)))
     _assert_same(fn, args, dtype, argnums=(0, 1, 2))

@@ -185,6 +185,52 @@ def test_masked_bias_held_in_the_scores_dtype(dtype):
     _assert_same(f, args, dtype=dtype, argnums=(0, 1, 2), reduction=ATTENTION_REDUCTION)
 
 
+def test_a_mask_added_after_a_where_must_not_lift_its_fill():
+    """where(causal, s, -1e4) + where(causal, 0, 2e4) ends the hidden scores at +1e4: it was
+    fused as causal attention, 2.9 off (found by probing). The added mask's bounds decide:
+    lifted, or of unknown range after a -1e4 fill, it is a near-miss (the softmax alone
+    fused); a padding mask built from booleans, or any mask after a -1e9 fill, is fused."""
+    causal = jnp.tril(jnp.ones((S, S), bool))
+    valid, extra = _padding(), _normal(5, (B, 1, 1, S))
+
+    def attn(fill, added):
+        def f(q, k, v, valid, extra):
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(causal, s, fill) + added(valid, extra)), v)
+        return f
+
+    lifted = attn(-1e4, lambda valid, extra: jnp.where(causal, 0.0, 2e4))
+    unknown = attn(-1e4, lambda valid, extra: extra)
+    for f in (lifted, unknown):
+        report = jaxsub.explain(f, *_qkv(), valid, extra)
+        assert dict(report.totals) == {"softmax_dropout": 1}, str(report)
+        assert "may lift the hidden scores" in str(report), str(report)
+        assert_same(f, (*_qkv(), valid, extra), argnums=(0, 1, 2))
+    padding = attn(-1e4, lambda valid, extra: (1.0 - valid[:, None, None, :]) * -1e9)
+    far = attn(-1e9, lambda valid, extra: extra)
+    for f in (padding, far):
+        report = jaxsub.explain(f, *_qkv(), valid, extra)
+        assert dict(report.totals) == {"attention": 1} and "causal" in str(report), str(report)
+        assert_same(f, (*_qkv(), valid, extra), argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("twice", [
+    lambda s, m: s + s,
+    lambda s, m: jnp.where(m, s, -1e9) + s,
+], ids=["sum", "where_plus_scores"])
+def test_scores_added_to_themselves_are_no_mask(twice):
+    """The scores reaching the softmax twice through an add were taken as an additive mask
+    that the fused call never computed: optimize raised AttributeError (found by probing)."""
+    causal = jnp.tril(jnp.ones((S, S), bool))
+
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(twice(s, causal)), v)
+
+    assert dict(jaxsub.explain(f, *_qkv()).totals) == {"softmax_dropout": 1}
+    assert_same(f, _qkv(), argnums=(0, 1, 2))
+
+
 @pytest.mark.parametrize("shape", [(1, H, S, D), (B, 1, S, D), (1, 1, S, D)], ids=["batch1", "head1", "both1"])
 def test_matmul_attention_with_a_unit_batch_or_head(shape):
     """jnp.matmul squeezes a unit batch axis away and broadcasts it back around its
@@ -240,6 +286,108 @@ def test_softmax_with_its_numerator_computed_twice():
     scores = _normal(4, (B, H, S, S))
     assert jaxsub.explain(alone, scores).totals == {"softmax_dropout": 1}
     assert_same(alone, (scores,))
+
+
+LOG_SPACE = {
+    "logsumexp": lambda s: jnp.exp(s - jax.nn.logsumexp(s, -1, keepdims=True)),
+    "logsumexp_row": lambda s: jnp.exp(s - jax.nn.logsumexp(s, axis=3)[..., None]),
+    "log_softmax": lambda s: jnp.exp(jax.nn.log_softmax(s)),
+    "unshifted": lambda s: jnp.exp(s - jnp.log(jnp.exp(s).sum(-1, keepdims=True))),
+    "max_twice": lambda s: jnp.exp(s - (jnp.log(jnp.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                                        + s.max(-1, keepdims=True))),
+}
+
+
+@pytest.mark.parametrize("form", sorted(LOG_SPACE))
+def test_softmax_in_log_space(form):
+    """exp(s - logsumexp(s)), exp(log_softmax(s)) and their written-out forms are the
+    softmax (found by probing: not matched); alone, in attention, and with a row whose
+    keys are all hidden (NaN in the original, zeros fused, as for jax.nn.softmax)."""
+    sm = LOG_SPACE[form]
+
+    def attn(q, k, v):
+        return jnp.einsum("bhqk,bkhd->bqhd", sm(jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5), v)
+
+    _check(attn, _qkv(), {"attention": 1})
+    scores = _normal(4, (B, H, S, S))
+    assert jaxsub.explain(sm, scores).totals == {"softmax_dropout": 1}
+    assert_same(sm, (scores,))
+    hidden = scores.at[1, 2, 3].set(-jnp.inf)
+    out = np.asarray(jaxsub.optimize(sm)(hidden))
+    assert not out[1, 2, 3].any() and np.isfinite(out).all()
+
+
+def _times_reciprocal(s):
+    e = jnp.exp(s - s.max(-1, keepdims=True))
+    return e * (1.0 / e.sum(-1, keepdims=True))
+
+
+def _reciprocal(s):
+    e = jnp.exp(s)
+    return e * jnp.reciprocal(e.sum(-1, keepdims=True))
+
+
+def _shifted_by_hand(s):
+    return jax.nn.softmax(s - jax.lax.stop_gradient(s.max(-1, keepdims=True)), -1)
+
+
+def _shifted_transposed(s):  # the shift on [B, H, Sk, Sq] scores, the softmax after a transpose
+    st = jnp.swapaxes(s, -1, -2)
+    return jax.nn.softmax(jnp.swapaxes(st - st.max(-2, keepdims=True), -1, -2), -1)
+
+
+@pytest.mark.parametrize("sm", [_times_reciprocal, _reciprocal, _shifted_by_hand, _shifted_transposed],
+                         ids=["times_reciprocal", "reciprocal", "shifted_by_hand", "shifted_transposed"])
+def test_softmax_spelled_with_a_reciprocal_or_shifted_by_hand(sm):
+    """e * (1 / sum(e)) was not a softmax, and jax.nn.softmax(s - max(s)) was an attention
+    near-miss saying the scores were "also used elsewhere" (found by probing): the shift
+    by the row maximum is one the softmax does not see."""
+    def attn(q, k, v):
+        return jnp.einsum("bhqk,bkhd->bqhd", sm(jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5), v)
+
+    report = _check(attn, _qkv(), {"attention": 1})
+    assert "1 match(es), 0 near-miss(es)" in str(report), str(report)
+    scores = _normal(4, (B, H, S, S))
+    assert_same(sm, (scores,))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s: jnp.exp(s - (jnp.log(jnp.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                           + 0.5 * s.max(-1, keepdims=True))),  # another shift added back
+    lambda s: jnp.exp(s - jnp.log(jnp.exp(s).sum(-1, keepdims=True) + 1.0)),  # not the sum's log
+    lambda s: jnp.exp(s - jnp.log(jnp.exp(s + 1.0).sum(-1, keepdims=True))),  # another exponent
+    lambda s: jnp.exp(s - jax.nn.logsumexp(s, axis=(2, 3), keepdims=True)),  # two axes
+], ids=["shift", "plus_one", "exponent", "two_axes"])
+def test_log_space_look_alikes_are_left_alone(fn):
+    scores = _normal(4, (B, H, S, S))
+    assert jaxsub.explain(fn, scores).totals == {}
+    assert_same(fn, (scores,))
+
+
+def test_checkpoint_names_are_seen_through_and_kept():
+    """checkpoint_name on the scores and probabilities hid the softmax and the attention
+    (found by probing); the labels stay on the values that are still computed, so a remat
+    policy naming the output saves it as before."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def attn(q, k, v):
+        s = checkpoint_name(jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5, "scores")
+        p = checkpoint_name(jax.nn.softmax(s, -1), "probs")
+        return checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", p, v), "out")
+
+    policy = jax.checkpoint_policies.save_only_these_names("out", "scores")
+    remat = jax.checkpoint(attn, policy=policy)
+    for f in (attn, remat):
+        _check(f, _qkv(), {"attention": 1})
+    jaxpr = str(jax.make_jaxpr(jaxsub.optimize(remat))(*_qkv()))
+    assert "name=out" in jaxpr and "name=scores" not in jaxpr and "SaveOnlyTheseNames" in jaxpr
+
+    def named_softmax(s):
+        return jax.nn.softmax(checkpoint_name(s * 2.0, "s2"), -1), checkpoint_name(s, "raw")
+
+    scores = _normal(4, (B, H, S, S))
+    assert jaxsub.explain(named_softmax, scores).totals == {"softmax_dropout": 1}
+    assert "name=raw" in str(jax.make_jaxpr(jaxsub.optimize(named_softmax))(scores))
 
 
 def test_grouped_query_attention_is_a_near_miss_saying_so():

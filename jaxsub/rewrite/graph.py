@@ -38,6 +38,10 @@ UNIT_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape"})
 # them (`Graph.op`, folded values); the fused op casts its operands again
 # (`_ffi.custom_vjp`) and the interpreter types its results as the replaced outputs.
 VARYING_CASTS = frozenset({"pvary"})
+# checkpoint_name: a label for remat policies, the identity on values. The graph leaves it
+# out (its output is its input's Ref) so that patterns see through it; `Graph.names` keeps
+# the labels, and the interpreter labels each value again where it is computed.
+NAME = "name"
 
 
 class Ref:
@@ -98,6 +102,7 @@ class Graph:
         self.nodes: list[Node] = []
         self.producer: dict[Ref, Node] = {}
         self.uses: Counter = Counter()
+        self.names: dict[Ref, list] = {}  # a Ref -> the checkpoint_name equations applied to it
 
     # -- queries used by matchers -------------------------------------------------------
 
@@ -197,6 +202,9 @@ class _Builder:
             if name in _INLINE and eqn.params.get("name") not in _OPAQUE_CALLS:
                 inner, inner_consts = _body(eqn.params)
                 outs = self.emit(inner, inner_consts, ins, (eqn, *sites))
+            elif name == NAME and len(ins) == 1 and len(eqn.outvars) == 1:
+                outs = ins
+                self.g.names.setdefault(ins[0], []).append(eqn)
             else:
                 body = None
                 if name == SCAN or name in REMAT:

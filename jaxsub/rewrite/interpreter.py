@@ -88,8 +88,16 @@ def run(g: G.Graph, plan: P.Plan, args):
     """The outputs of `g` on `args`, with `plan`'s matches replaced by fused ops. A match
     output given as `P.Copies` hands one copy to each node that reads it, in order (the
     last copy to the rest); a match returning `P.Rebound` also rebinds refs it read."""
-    env = dict(zip(g.invars, args))
+    env = {}
     typed = _ffi.inside_shard_map()
+
+    def store(refs, values):
+        for ref, value in zip(refs, values):
+            for eqn in g.names.get(ref, ()) if not isinstance(value, P.Copies) else ():
+                value = G.bind(eqn, [value])[0]  # checkpoint_name, as where the value was named
+            env[ref] = value
+
+    store(g.invars, args)
     handed = {}  # (ref, reading node) -> the copy it got
     given = {}   # ref -> copies handed out so far
 
@@ -109,7 +117,7 @@ def run(g: G.Graph, plan: P.Plan, args):
     # seeds as quarters of one row (ops.dropout.shared_seeds: one kernel on a GPU).
     keys, early = _seed_keys(g, plan)
     for node in early:
-        env.update(zip(node.outs, G.bind(node.eqn, [reader(node)(r) for r in node.ins])))
+        store(node.outs, G.bind(node.eqn, [reader(node)(r) for r in node.ins]))
     seeds = dict(zip(keys, _dropout.shared_seeds("optimize", [env[k] for k in keys])))
     early = set(early)
 
@@ -132,7 +140,7 @@ def run(g: G.Graph, plan: P.Plan, args):
             outs = _remat(node, plan.sub[node], vals)
         else:
             outs = G.bind(node.eqn, vals)
-        env.update(zip(node.outs, outs))
+        store(node.outs, outs)
     read = reader(None)
     return [_as_array(read(r), r) for r in g.outvars]
 

@@ -9,7 +9,8 @@ finfo.min, -inf) is taken as a boolean mask: equal to the original on every row 
 least one visible key, because exp(c - max) underflows to exactly 0 there. On a fully
 masked row the original averages v uniformly (finite c) or gives NaN (-inf), the fused
 op gives 0; such rows carry no information, so the rewrite is made and explain() says so
-("fully-masked rows give 0 instead of the mean of v"). A boolean mask that is a constant
+("fully-masked rows give 0 instead of the mean of v"). An additive mask added after such
+a where must leave c + mask a big negative (`_lifted`). A boolean mask that is a constant
 (built from iota/ones, as jnp.tril and flax's make_causal_mask do) and equals jaxsub's
 bottom-right lower triangle becomes `causal=True`; any other mask is passed as is.
 Dropout on the probabilities (see match_dropout) becomes `dropout_rate` with the key that
@@ -32,7 +33,7 @@ import numpy as np
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout, projections
-from jaxsub.rewrite.match_softmax import parse
+from jaxsub.rewrite.match_softmax import parse, shift_of
 from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, narrow, private_violation, rounded, shapes
 
 ATTN = "attention"
@@ -130,6 +131,82 @@ def _constant(g: G.Graph, ref, memo):
     return val
 
 
+# Below this fill, an added mask of unknown range is taken not to lift hidden scores (`_lifted`).
+_UNBOUNDED_FILL = -1e9
+_BOUND_OPS = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "stop_gradient", *G.VARYING_CASTS)
+
+
+def _bounds(g: G.Graph, ref, depth: int = 0):
+    """(lo, hi) bounding every element of `ref` when the graph says so (constants, converts
+    of booleans, selects, sums, products and scales of bounded values), else None."""
+    val = _constant(g, ref, {})
+    if val is not None:
+        val = np.asarray(val, np.float64)
+        return (float(val.min()), float(val.max())) if val.size else None
+    node = g.producer.get(ref)
+    if node is None or depth > 12 or len(node.outs) != 1:
+        return None
+    if node.prim == "convert_element_type" and node.ins[0].dtype == jnp.bool_:
+        return 0.0, 1.0
+    if node.prim in _BOUND_OPS or node.prim == "convert_element_type":
+        return _bounds(g, node.ins[0], depth + 1)
+    if node.prim == "neg":
+        b = _bounds(g, node.ins[0], depth + 1)
+        return None if b is None else (-b[1], -b[0])
+    args = node.ins[1:] if node.prim == "select_n" else node.ins
+    if node.prim not in ("select_n", "add", "sub", "mul", "max", "min") or len(args) < 1:
+        return None
+    bs = [_bounds(g, r, depth + 1) for r in args]
+    if any(b is None for b in bs):
+        return None
+    if node.prim == "select_n":
+        return min(b[0] for b in bs), max(b[1] for b in bs)
+    (a0, a1), (b0, b1) = bs
+    if node.prim == "add":
+        out = a0 + b0, a1 + b1
+    elif node.prim == "sub":
+        out = a0 - b1, a1 - b0
+    elif node.prim == "max":
+        out = max(a0, b0), max(a1, b1)
+    elif node.prim == "min":
+        out = min(a0, b0), min(a1, b1)
+    else:
+        with np.errstate(invalid="ignore"):
+            ends = [x * y for x in (a0, a1) for y in (b0, b1)]
+        out = min(ends), max(ends)
+    return None if any(math.isnan(v) for v in out) else out
+
+
+def _lifted(masks):
+    """None when every boolean mask's fill stays a boolean mask after the additive masks
+    that come after it: where(m, s, c) + a hides m's elements only if c + a does. Where the
+    graph bounds a (a constant, a mask built from booleans), c + max(a) must be a big
+    negative as c alone must be; c at most -1e30 (-inf, finfo(float32).min) is past any
+    logit. An added value the graph does not bound (an input, a learned bias) is taken
+    not to lift a fill of -1e9 or below by more than 1e9 - 1e4, as the visible scores are
+    taken to be above the fill (exp(c - max) underflows); a smaller fill such as -1e4 is
+    then a near-miss. Else the reason."""
+    for i, m in enumerate(masks):
+        if not m.boolean:
+            continue
+        later = [a for a in masks[i + 1:] if not a.boolean]
+        if not later or m.fill <= -1e30:
+            continue
+        lift = 0.0
+        for a in later:
+            if a.bounds is None:
+                lift = math.inf
+                break
+            lift += max(a.factor * a.bounds[0], a.factor * a.bounds[1])
+        if math.isinf(lift) and m.fill <= _UNBOUNDED_FILL:
+            continue
+        if m.fill + lift > _big_negative(jnp.bfloat16):
+            added = "of unknown range" if math.isinf(lift) else f"up to {lift:g}"
+            return (f"where(mask, scores, {m.fill:g}) is followed by an additive mask {added}, which may lift the "
+                    f"hidden scores back (fill with -inf or finfo.min, or bound the added mask, to fuse it)")
+    return None
+
+
 def _big_negative(dtype) -> float:
     """The largest fill that makes where(mask, s, fill) a boolean mask, for a fill held in
     `dtype`: _BIG_NEGATIVE, or the largest of its roundings to a narrower float (every
@@ -147,6 +224,7 @@ class _Mask:
     negate: bool = False     # select_n(m, s, -big): attend where m is False
     fill: float = 0.0        # the big negative of a boolean mask, after later scales
     factor: float = 1.0      # later scales an additive mask is multiplied by
+    bounds: tuple | None = None  # an additive mask's (lo, hi), where the graph bounds it
 
 
 def _all_true(g, ref):
@@ -176,10 +254,24 @@ def _mask_source(g, ref, labels):
 class _Scores:
     """Parse of the path from the Q·K dot_general to the softmax input, walked backwards."""
 
-    def __init__(self, g):
+    def __init__(self, g, axis):
         self.g = g
+        self.axis = axis     # the softmax axis of the walk's first value
         self.steps = []      # (node, kind, payload), from the softmax input back
         self.qk = None
+
+    def _axis_here(self):
+        """The softmax axis at the value the walk has reached (the layout steps undone)."""
+        labels = None
+        for node, kind, _ in self.steps:
+            if kind != "layout":
+                continue
+            if labels is None:
+                labels = tuple("a" if i == self.axis else None for i in range(len(node.outs[0].shape)))
+            labels = _backward(node, labels)
+            if labels is None:
+                return None
+        return self.axis if labels is None else (labels.index("a") if "a" in labels else None)
 
     def walk(self, ref, depth=0):
         g = self.g
@@ -215,7 +307,14 @@ class _Scores:
                     del self.steps[n:]
         elif node.prim == "sub":  # s - m: the additive mask -m (`s - 1e9 * (1 - valid)`)
             s, m = node.ins
-            if s.shape == ref.shape and jnp.issubdtype(m.dtype, jnp.floating):
+            axis = self._axis_here()
+            shift = shift_of(g, m, s, axis) if axis is not None and s.shape == ref.shape else None
+            if shift is not None:  # s - max(s): a shift the softmax does not see
+                self.steps.append((node, "shift", shift))
+                if self.walk(s, depth + 1):
+                    return True
+                del self.steps[n:]
+            elif s.shape == ref.shape and jnp.issubdtype(m.dtype, jnp.floating):
                 self.steps.append((node, "sub", m))
                 if self.walk(s, depth + 1):
                     return True
@@ -334,7 +433,7 @@ class _Attn:
         if sm is None:
             return False
         self.sm, self.post = sm, post[::-1]
-        scores = _Scores(g)
+        scores = _Scores(g, sm.axis)
         if not scores.walk(sm.x):
             return False
         self.steps = scores.steps[::-1]
@@ -364,9 +463,12 @@ class _Attn:
 
     def chain(self):
         g, labels, factor = self.g, self.labels, 1.0
+        inside = {r for n, _, _ in self.steps for r in n.outs} | set(self.qk.outs)
         for node, kind, payload in self.steps:
             if kind == "layout":
                 labels = _forward(node, labels)
+            elif kind == "shift":
+                continue
             elif kind == "scale":
                 factor *= payload
                 for m in self.masks:
@@ -374,6 +476,8 @@ class _Attn:
                     m.fill *= payload
             else:
                 m = payload[0] if kind == "select" else payload
+                if m in inside:  # the scores added to themselves (`s + s`): no mask
+                    return False
                 chain_shape = node.outs[0].shape
                 if len(m.shape) != len(chain_shape) or any(a not in (1, c) for a, c in zip(m.shape, chain_shape)):
                     return False
@@ -382,7 +486,12 @@ class _Attn:
                 if kind == "select":
                     self.masks.append(_Mask(src, sl, True, negate=payload[2], fill=payload[1]))
                 else:
-                    self.masks.append(_Mask(src, sl, False, factor=-1.0 if kind == "sub" else 1.0))
+                    self.masks.append(_Mask(src, sl, False, factor=-1.0 if kind == "sub" else 1.0,
+                                            bounds=_bounds(g, m)))
+        why = _lifted(self.masks)
+        if why is not None:
+            self.near_miss = why, ("lifted", id(self.qk))
+            return False
         query = {"L": "R", "R": "L"}.get(labels[self.sm.axis])
         if query is None or any(m.boolean and not m.fill <= _big_negative(jnp.bfloat16) for m in self.masks):
             return False
@@ -546,6 +655,7 @@ def match_attention(g, anchor, options):
     causal = att.causal()
     att.take([*att.post, *(drop.nodes if drop else []), *att.sm.nodes], "attention probabilities")
     att.take([n for n, _, _ in att.steps] + [att.qk], "attention scores")
+    att.take([n for _, kind, shift in att.steps if kind == "shift" for n in shift], "the scores' row maximum")
     why = private_violation(g, att.nodes, anchor, att.roles)
     if why is not None:
         return NearMiss(ATTN, anchor, why, key=("attention", id(att.qk)))

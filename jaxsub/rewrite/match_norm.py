@@ -5,6 +5,7 @@ Layer norm is recognized from its parts rather than from one spelling:
   y = centered * rstd [* scale] [+ bias], optionally inside an f32 upcast/downcast, where
   centered = x - mean(x), mean = reduce_sum(x, last axis) / N,
   rstd     = rsqrt(var + eps) | 1 / sqrt(var + eps) | a division by sqrt(var + eps),
+             with sqrt(v) also as v ** 0.5 and rsqrt(v) as v ** -0.5,
   var      = mean((x - mean)^2) | mean(x^2) - mean^2 (optionally max(0, .)) | jnp.var,
 the product in any association and with unit-axis reshapes/broadcasts anywhere; scale
 and bias may be bf16/f16 parameters upcast to f32 (flax.linen.LayerNorm). This
@@ -173,9 +174,11 @@ def _inv_std(g, ref, sign):
         return node.ins[0], [*row, node]
     if sign < 0 and node.prim == "sqrt":
         return node.ins[0], [*row, node]
+    if node.prim == "pow" and g.scalar(node.ins[1]) == -0.5 * sign:  # (var + eps) ** -0.5 or ** 0.5
+        return node.ins[0], [*row, node]
     if sign > 0 and node.prim == "div" and g.scalar(node.ins[0]) == 1.0:
-        root = g.op(node.ins[1], "sqrt")
-        if root is not None:
+        root = g.op(node.ins[1], "sqrt", "pow")
+        if root is not None and (root.prim == "sqrt" or g.scalar(root.ins[1]) == 0.5):
             return root.ins[0], [*row, node, root]
     return None
 

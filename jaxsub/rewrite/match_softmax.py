@@ -1,14 +1,15 @@
 """Softmax recognition, and the softmax(+dropout) matcher.
 
 A softmax over axis a of x is recognized from its parts, whatever library wrote it:
-  p = e / keepdims(reduce_sum(e, a)),  e = exp(x - shift) or exp(x),
+  p = e / keepdims(reduce_sum(e, a)) (or e times its reciprocal),  e = exp(x - shift) or exp(x),
 where `shift` is any value constant along a built from a reduce_max of x (or of a
 transpose/reshape/convert of x) through max/broadcast/transpose/reshape/stop_gradient.
 Softmax is shift-invariant, so the shift only has to be constant along a; which row
 statistic it is changes rounding, never the value. This covers jax.nn.softmax without
 the `jax_softmax_custom_jvp` flag, written-out max/exp/sum/div, and the transposed chain
 of jax.nn.dot_product_attention. In bf16/f16 the sum may be taken in f32,
-e / downcast(reduce_sum(upcast(e))), as flax.linen attention does. With the flag, jax.nn.softmax is a `custom_jvp_call`;
+e / downcast(reduce_sum(upcast(e))), as flax.linen attention does. In log space,
+exp(x - logsumexp(x)) and exp(log_softmax(x)) are the same softmax (`_parse_logspace`). With the flag, jax.nn.softmax is a `custom_jvp_call`;
 the whole call is matched when its body is such a softmax of its first operand (its
 derivative rule is then replaced by the fused op's, which computes the same derivative).
 
@@ -71,7 +72,7 @@ def _views_of(g: G.Graph, x):
     return out
 
 
-def _shift(g: G.Graph, ref, x, axis):
+def shift_of(g: G.Graph, ref, x, axis):
     """The nodes computing `ref`, a row maximum of x constant along `axis`; None otherwise."""
     if len(ref.shape) != len(x.shape) or ref.shape[axis] != 1:
         return None
@@ -89,6 +90,14 @@ def _shift(g: G.Graph, ref, x, axis):
                 if _same_value(g, src, s):  # a second computation of x, for the max
                     return [*nodes, *_copy_nodes(g, src, s)]
             return None
+        if node.prim == "select_n":
+            # jax.nn.logsumexp's where(isfinite(m), m, 0): a function of the row maximum
+            finite = g.op(node.ins[0], "is_finite") if len(node.ins) == 3 else None
+            if finite is None or finite.ins[0] is not node.ins[2] or g.scalar(node.ins[1]) != 0.0:
+                return None
+            nodes.append(finite)
+            ref = node.ins[2]
+            continue
         if node.prim not in _SHIFT_OPS:
             return None
         if node.prim == "max":
@@ -193,7 +202,116 @@ def parse(g: G.Graph, ref):
         return _softmax_call(node)
     if node.prim == "select_n":
         return _where_softmax(g, ref)
+    if node.prim == "exp":
+        return _parse_logspace(g, ref, node)
     return _parse_div(g, ref, node)
+
+
+def _unit_view(g: G.Graph, ref):
+    """(source, node) when `ref` is a broadcast_in_dim/reshape of `source` that only adds or
+    drops axes of length 1 (keepdims), else None."""
+    node = g.op(ref, "broadcast_in_dim", "reshape")
+    if node is None or len(node.ins) != 1:
+        return None
+    src = node.ins[0]
+    if tuple(d for d in src.shape if d != 1) != tuple(d for d in ref.shape if d != 1):
+        return None
+    if node.prim == "broadcast_in_dim" and list(node.params["broadcast_dimensions"]) != sorted(
+            node.params["broadcast_dimensions"]):
+        return None
+    return src, node
+
+
+def _unit_views(g: G.Graph, ref) -> dict:
+    """ref and the values it is a keepdims view of, each with the view nodes above it."""
+    out, nodes = {ref: []}, []
+    view = _unit_view(g, ref)
+    while view is not None and len(out) < 6:
+        nodes = [*nodes, view[1]]
+        out[view[0]] = nodes
+        view = _unit_view(g, view[0])
+    return out
+
+
+def _log_sum(g: G.Graph, ref):
+    """(reduce_sum node, added ref or None, nodes) when `ref` is log(sum(e)) over one axis, the
+    sum's abs taken or not, plus a value `added` (logsumexp's shift) or not, through keepdims
+    views anywhere along the chain."""
+    nodes, added, seen_log = [], None, False
+    while len(nodes) < 10:
+        view = _unit_view(g, ref)
+        if view is not None:
+            nodes.append(view[1])
+            ref = view[0]
+            continue
+        node = g.producer.get(ref)
+        if node is None:
+            return None
+        if node.prim == "add" and not seen_log and added is None and len(node.ins) == 2:
+            for i in (0, 1):
+                inner = _log_sum(g, node.ins[i])
+                if inner is not None and inner[1] is None:
+                    return inner[0], node.ins[1 - i], [*nodes, node, *inner[2]]
+            return None
+        if node.prim == "log" and not seen_log:
+            seen_log = True
+        elif node.prim == "abs" and seen_log:
+            pass
+        elif node.prim == "reduce_sum" and seen_log and len(node.params["axes"]) == 1:
+            return node, None, [*nodes, node]
+        else:
+            return None
+        nodes.append(node)
+        ref = node.ins[0]
+    return None
+
+
+def _parse_logspace(g: G.Graph, ref, node):
+    """The softmax in log space, exp(x - lse) with lse = log(sum(exp(x - m))) + m for a shift
+    m of x's row maximum (jnp.exp(s - jax.nn.logsumexp(s, a, keepdims=True))), or
+    exp(y - log(sum(exp(y)))) with y = x - m or y = x (jnp.exp(jax.nn.log_softmax(s, a))).
+    Both are exp(x - m) / sum(exp(x - m)) when the two m are one value; a row of -inf,
+    whose original is NaN, gives zeros, as for the other forms."""
+    diff = g.op(node.ins[0], "sub")
+    if diff is None or diff.ins[0].shape != ref.shape or len(ref.shape) == 0:
+        return None
+    a, lse = diff.ins
+    found = _log_sum(g, lse)
+    if found is None:
+        return None
+    red, added, nodes = found
+    axis = int(red.params["axes"][0])
+    want = ref.shape[:axis] + (1,) + ref.shape[axis + 1:]
+    if lse.shape != want or red.ins[0].shape != ref.shape:
+        return None
+    exp = g.op(red.ins[0], "exp")
+    if exp is None:
+        return None
+    nodes = [node, diff, *nodes, exp]
+    if added is not None:  # logsumexp: exp(a - m) summed, m added back
+        inner = g.op(exp.ins[0], "sub")
+        if inner is None or inner.ins[0] is not a:
+            return None
+        m = inner.ins[1]
+        shift = shift_of(g, m, a, axis)
+        if shift is None:
+            return None
+        views_m, views_added = _unit_views(g, m), _unit_views(g, added)
+        common = next((r for r in views_m if r in views_added), None)
+        if common is not None:
+            return Softmax(a, axis, [*nodes, inner, *shift, *views_added[common]], ref)
+        if _same_value(g, added, m):  # the maximum computed twice
+            return Softmax(a, axis, [*nodes, inner, *shift, *_copy_nodes(g, added, m)], ref)
+        return None
+    if exp.ins[0] is not a:  # log_softmax: y - log(sum(exp(y)))
+        return None
+    x, sub = a, g.op(a, "sub")
+    if sub is not None and sub.ins[0].shape == a.shape:
+        shift = shift_of(g, sub.ins[1], sub.ins[0], axis)
+        if shift is not None:
+            nodes += [sub, *shift]
+            x = sub.ins[0]
+    return Softmax(x, axis, nodes, ref)
 
 
 def _where_softmax(g: G.Graph, ref):
@@ -217,10 +335,26 @@ def _where_softmax(g: G.Graph, ref):
 
 
 def _parse_div(g: G.Graph, ref, node, pred=None):
-    """The Softmax e / keepdims(sum(e)) at `node` (with `pred`: the sum of where(pred, e, 0))."""
-    if node.prim != "div" or node.ins[0].shape != ref.shape:
+    """The Softmax e / keepdims(sum(e)) at `node` (with `pred`: the sum of where(pred, e, 0)),
+    also written e * (1 / keepdims(sum(e))) or with jnp.reciprocal."""
+    recip = []
+    if node.prim == "mul" and len(node.ins) == 2:
+        for e, inverse in (node.ins, node.ins[::-1]):
+            inv = g.op(inverse, "div", "integer_pow")
+            if inv is None or e.shape != ref.shape:
+                continue
+            if inv.prim == "div" and g.scalar(inv.ins[0]) == 1.0:
+                denom, recip = inv.ins[1], [inv]
+                break
+            if inv.prim == "integer_pow" and inv.params["y"] == -1:
+                denom, recip = inv.ins[0], [inv]
+                break
+        else:
+            return None
+    elif node.prim != "div" or node.ins[0].shape != ref.shape:
         return None
-    e, denom = node.ins
+    else:
+        e, denom = node.ins
     exp = g.op(e, "exp")
     # A softmax in bf16/f16 may sum in f32: e / downcast(sum(upcast(e))), the downcast
     # before or after the keepdims broadcast. The fused op does exactly that (f32 sum,
@@ -253,11 +387,11 @@ def _parse_div(g: G.Graph, ref, node, pred=None):
     kept = _keepdims(g, denom, e.shape, axis)
     if kept is None or kept[0] is not bcast.ins[0]:
         return None
-    nodes = [node, kept[1], red, exp, *casts, *masked_sum]
+    nodes = [node, *recip, kept[1], red, exp, *casts, *masked_sum]
     x = exp.ins[0]
     sub = g.op(x, "sub")
     if sub is not None and sub.ins[0].shape == x.shape:
-        shift = _shift(g, sub.ins[1], sub.ins[0], axis)
+        shift = shift_of(g, sub.ins[1], sub.ins[0], axis)
         if shift is not None:
             nodes += [sub, *shift]
             x = sub.ins[0]
