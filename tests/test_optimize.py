@@ -392,19 +392,29 @@ def test_hand_written_gelu_formulas():
         v = b + x
         return v * 0.5 * (1.0 + jnp.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v * v * v)))
 
+    def sigmoid_gelu(x, b):  # the tanh form through sigmoid (found by probing: not matched)
+        v = x + b
+        return v * jax.nn.sigmoid(2.0 * np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3))
+
     def not_gelu(x, b):  # a wrong constant must not pass for GELU
         v = x + b
         return 0.5 * v * (1.0 + jnp.tanh(0.8 * (v + 0.044715 * v ** 3)))
+
+    def quick_gelu(x, b):  # x sigmoid(1.702 x): another function
+        v = x + b
+        return v * jax.nn.sigmoid(1.702 * v)
 
     def gelu_beyond_six(x, b):  # GELU on [-6, 6], not beyond (found by probing)
         v = x + b
         return 0.5 * v * (1.0 + jax.lax.erf(v / np.sqrt(2.0))) + 0.1 * v * (1.0 + jnp.tanh(10.0 * (v - 8.0)))
 
     args = (_normal(0, (8, N)), _normal(1, (N,)))
-    for fn in (erf_gelu, tanh_gelu):
+    for fn in (erf_gelu, tanh_gelu, sigmoid_gelu):
         _assert_same(fn, args, argnums=(0, 1))
         _expect(fn, args, bias_gelu_dropout=1)
+    assert "tanh GELU" in str(jaxsub.explain(sigmoid_gelu, *args))
     _expect(not_gelu, args)
+    _expect(quick_gelu, args)
     _expect(gelu_beyond_six, args)
 
 

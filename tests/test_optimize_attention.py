@@ -390,6 +390,43 @@ def test_checkpoint_names_are_seen_through_and_kept():
     assert "name=raw" in str(jax.make_jaxpr(jaxsub.optimize(named_softmax))(scores))
 
 
+def test_near_misses_say_why_scale_rounding_or_head_dims():
+    """Four attentions left alone without a word (found by probing): the scores scaled by
+    a run-time temperature (the fused op's scale is a constant), an f32 attention whose
+    scores are rounded to bf16 (the fused op would not round them: dropping it changed the
+    output by ~1e-2), v with another head dim than q and k, and a softmax checkpointed
+    apart from the scores' product."""
+    q, k, v = _qkv()
+    t = jnp.float32(0.3)
+
+    def temperature(q, k, v, t):
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * t), v)
+
+    def rounded(q, k, v, t):
+        s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5).astype(jnp.bfloat16)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(jnp.float32), v)
+
+    def narrow_v(q, k, v, t):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+        return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s, -1), v[..., : D // 2])
+
+    def checkpointed_softmax(q, k, v, t):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.checkpoint(lambda s: jax.nn.softmax(s, -1))(s), v)
+
+    for f, why in ((temperature, "scaled by a value computed at run time"),
+                   (rounded, "scores are rounded to bfloat16 in a float32 attention"),
+                   (narrow_v, f"v's head dim {D // 2} differs from q and k's {D}"),
+                   (checkpointed_softmax, "softmax is inside a jax.checkpoint without the scores' product")):
+        report = jaxsub.explain(f, q, k, v, t)
+        assert dict(report.totals) == {"softmax_dropout": 1} and why in str(report), str(report)
+    for f in (temperature, narrow_v, checkpointed_softmax):  # (the rounded one's lone softmax computes in f32, rounds once)
+        assert_same(f, (q, k, v, t), argnums=(0, 1, 2))
+    # The same temperature on q fuses.
+    on_q = lambda q, k, v, t: temperature(q * t, k, v, 1.0)  # noqa: E731
+    assert dict(jaxsub.explain(on_q, q, k, v, t).totals) == {"attention": 1}
+
+
 def test_grouped_query_attention_is_a_near_miss_saying_so():
     """k and v with fewer heads than q (jax.nn.dot_product_attention's grouped form, a
     grouped einsum, multi-query): not fused, and explain said nothing (found by probing)."""

@@ -259,6 +259,7 @@ class _Scores:
         self.axis = axis     # the softmax axis of the walk's first value
         self.steps = []      # (node, kind, payload), from the softmax input back
         self.qk = None
+        self.traced = None   # a scale by a run-time scalar met on the way
 
     def _axis_here(self):
         """The softmax axis at the value the walk has reached (the layout steps undone)."""
@@ -291,6 +292,13 @@ class _Scores:
         elif node.prim in ("mul", "div"):
             for s, c in (node.ins, node.ins[::-1]):
                 k = g.scalar(c)
+                if k is None and s.shape == ref.shape and math.prod(c.shape) == 1 and self.traced is None:
+                    # A scale computed at run time (a temperature): noted where the walk would
+                    # reach the product through it.
+                    trial = _Scores(g, self.axis)
+                    trial.steps = list(self.steps)
+                    if trial.walk(s, depth + 1):
+                        self.traced = node
                 if (k is None or k == 0.0 or s.shape != ref.shape
                         or (node.prim == "div" and c is not node.ins[1])):
                     continue
@@ -431,10 +439,19 @@ class _Attn:
                 return False
         sm = parse(g, ref)
         if sm is None:
+            remat = g.producer.get(ref)
+            if remat is not None and remat.prim in G.REMAT and remat.body is not None:
+                out = remat.body.outvars[remat.outs.index(ref)]
+                if parse(remat.body, out) is not None:
+                    self.near_miss = ("the softmax is inside a jax.checkpoint without the scores' product: "
+                                      "checkpoint the whole attention to fuse it", ("remat", id(remat)))
             return False
         self.sm, self.post = sm, post[::-1]
         scores = _Scores(g, sm.axis)
         if not scores.walk(sm.x):
+            if scores.traced is not None:
+                self.near_miss = ("the scores are scaled by a value computed at run time (the fused op's scale "
+                                  "is a constant): scale q by it instead to fuse", ("traced", id(scores.traced)))
             return False
         self.steps = scores.steps[::-1]
         return self.qk_labels(scores.qk) and self.chain() and self.pv()
@@ -463,6 +480,15 @@ class _Attn:
 
     def chain(self):
         g, labels, factor = self.g, self.labels, 1.0
+        dtype = self.operands[0][0].dtype
+        converts = [n for n, kind, _ in self.steps if kind == "layout"] + list(self.post)
+        for n in converts:
+            if n.prim == "convert_element_type" and jnp.finfo(n.outs[0].dtype).eps > jnp.finfo(dtype).eps:
+                what = "scores" if n not in self.post else "probabilities"
+                self.near_miss = (f"the {what} are rounded to {jnp.dtype(n.outs[0].dtype).name} in a "
+                                  f"{jnp.dtype(dtype).name} attention; the fused op would not round them",
+                                  ("narrowed", id(self.qk)))
+                return False
         inside = {r for n, _, _ in self.steps for r in n.outs} | set(self.qk.outs)
         for node, kind, payload in self.steps:
             if kind == "layout":
@@ -535,7 +561,11 @@ class _Attn:
         vl[vc[0]] = "k"
         vfree = [d for d in range(len(v.shape)) if d not in vb and d != vc[0]]
         big = [d for d in vfree if v.shape[d] != 1]
-        if len(big) > 1 or math.prod(v.shape[d] for d in vfree) != sizes["d"]:
+        if len(big) > 1:
+            return False
+        if math.prod(v.shape[d] for d in vfree) != sizes["d"]:
+            self.near_miss = (f"v's head dim {math.prod(v.shape[d] for d in vfree)} differs from q and k's "
+                              f"{sizes['d']}: the fused op takes one head dim", ("vdim", id(anchor)))
             return False
         for d in big:
             vl[d] = "e"

@@ -4,8 +4,8 @@ GELU has many spellings (jax.nn.gelu's erfc form, 0.5*v*(1+erf(v/sqrt2)), the ta
 approximation with integer_pow or v*v*v, ...). Instead of one template per spelling, the
 matcher takes the elementwise subgraph between the bias add v = x + bias and the
 activation's output -- it must read nothing but v and scalar constants, use only
-arithmetic, erf/erfc/tanh and float converts, and contain erf/erfc (exact) or tanh
-(approximate) -- and evaluates it in float64 on probe points spanning the activation's
+arithmetic, erf/erfc/tanh/sigmoid and float converts, and contain erf/erfc (exact) or
+tanh/sigmoid (approximate: v sigmoid(2u) = v (1 + tanh u) / 2) -- and evaluates it in float64 on probe points spanning the activation's
 curved region and both tails, out to |v| = 1e4. It is accepted when it agrees with that
 GELU to 1e-6 everywhere (a test on those points, not a proof); the two GELUs differ by up
 to 5e-4 there (relative to 1 + |gelu|), and a wrong constant or operator moves some probe
@@ -47,6 +47,7 @@ _EVAL = {
     "square": lambda a: a * a,
     "sqrt": np.sqrt,
     "tanh": np.tanh,
+    "logistic": lambda a: 0.5 * (1.0 + np.tanh(0.5 * a)),  # sigmoid, without exp's overflow
     "erf": _erf,
     "erfc": lambda a: 1.0 - _erf(a),
     "copy": lambda a: a,
@@ -147,7 +148,7 @@ def _gelu(g, out):
     prims = {n.prim for n in order}
     if prims & {"erf", "erfc"}:
         approximate, want = False, _exact(_PROBES)
-    elif "tanh" in prims:
+    elif prims & {"tanh", "logistic"}:  # v * sigmoid(2 c (v + 0.044715 v^3)) is the tanh form
         approximate, want = True, _tanh(_PROBES)
     else:
         return None
