@@ -305,12 +305,16 @@ def _parse_logspace(g: G.Graph, ref, node):
         return None
     if exp.ins[0] is not a:  # log_softmax: y - log(sum(exp(y)))
         return None
-    x, sub = a, g.op(a, "sub")
-    if sub is not None and sub.ins[0].shape == a.shape:
+    return _unshifted(g, a, axis, nodes, ref)
+
+
+def _unshifted(g: G.Graph, x, axis, nodes, ref):
+    """The Softmax of x, or of y where x = y - shift (the shift's nodes then belong to it)."""
+    sub = g.op(x, "sub")
+    if sub is not None and sub.ins[0].shape == x.shape:
         shift = shift_of(g, sub.ins[1], sub.ins[0], axis)
         if shift is not None:
-            nodes += [sub, *shift]
-            x = sub.ins[0]
+            return Softmax(sub.ins[0], axis, [*nodes, sub, *shift], ref)
     return Softmax(x, axis, nodes, ref)
 
 
@@ -387,15 +391,7 @@ def _parse_div(g: G.Graph, ref, node, pred=None):
     kept = _keepdims(g, denom, e.shape, axis)
     if kept is None or kept[0] is not bcast.ins[0]:
         return None
-    nodes = [node, *recip, kept[1], red, exp, *casts, *masked_sum]
-    x = exp.ins[0]
-    sub = g.op(x, "sub")
-    if sub is not None and sub.ins[0].shape == x.shape:
-        shift = shift_of(g, sub.ins[1], sub.ins[0], axis)
-        if shift is not None:
-            nodes += [sub, *shift]
-            x = sub.ins[0]
-    return Softmax(x, axis, nodes, ref)
+    return _unshifted(g, exp.ins[0], axis, [node, *recip, kept[1], red, exp, *casts, *masked_sum], ref)
 
 
 def match_softmax_dropout(g, anchor, options):
