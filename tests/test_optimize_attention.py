@@ -420,7 +420,8 @@ def test_near_misses_say_why_scale_rounding_or_head_dims():
                    (checkpointed_softmax, "softmax is inside a jax.checkpoint without the scores' product")):
         report = jaxsub.explain(f, q, k, v, t)
         assert dict(report.totals) == {"softmax_dropout": 1} and why in str(report), str(report)
-    for f in (temperature, narrow_v, checkpointed_softmax):  # (the rounded one's lone softmax computes in f32, rounds once)
+    # (The rounded one's lone softmax computes in f32 and rounds once, unlike the original.)
+    for f in (temperature, narrow_v, checkpointed_softmax):
         assert_same(f, (q, k, v, t), argnums=(0, 1, 2))
     # The same temperature on q fuses.
     on_q = lambda q, k, v, t: temperature(q * t, k, v, 1.0)  # noqa: E731

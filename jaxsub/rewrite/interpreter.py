@@ -92,9 +92,11 @@ def run(g: G.Graph, plan: P.Plan, args):
     typed = _ffi.inside_shard_map()
 
     def store(refs, values):
+        """env[ref] = value, labelled by the checkpoint_names the graph left out (G.NAME)."""
         for ref, value in zip(refs, values):
-            for eqn in g.names.get(ref, ()) if not isinstance(value, P.Copies) else ():
-                value = G.bind(eqn, [value])[0]  # checkpoint_name, as where the value was named
+            if not isinstance(value, P.Copies):
+                for eqn in g.names.get(ref, ()):
+                    value = G.bind(eqn, [value])[0]
             env[ref] = value
 
     store(g.invars, args)

@@ -173,6 +173,8 @@ def _bounds(g: G.Graph, ref, depth: int = 0):
     else:
         with np.errstate(invalid="ignore"):
             ends = [x * y for x in (a0, a1) for y in (b0, b1)]
+        if any(math.isnan(e) for e in ends):  # 0 * inf
+            return None
         out = min(ends), max(ends)
     return None if any(math.isnan(v) for v in out) else out
 

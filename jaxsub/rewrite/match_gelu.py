@@ -5,8 +5,9 @@ approximation with integer_pow or v*v*v, ...). Instead of one template per spell
 matcher takes the elementwise subgraph between the bias add v = x + bias and the
 activation's output -- it must read nothing but v and scalar constants, use only
 arithmetic, erf/erfc/tanh/sigmoid and float converts, and contain erf/erfc (exact) or
-tanh/sigmoid (approximate: v sigmoid(2u) = v (1 + tanh u) / 2) -- and evaluates it in float64 on probe points spanning the activation's
-curved region and both tails, out to |v| = 1e4. It is accepted when it agrees with that
+tanh/sigmoid (approximate: v sigmoid(2u) = v (1 + tanh u) / 2) -- and evaluates it in
+float64 on probe points spanning the activation's curved region and both tails, out to
+|v| = 1e4. It is accepted when it agrees with that
 GELU to 1e-6 everywhere (a test on those points, not a proof); the two GELUs differ by up
 to 5e-4 there (relative to 1 + |gelu|), and a wrong constant or operator moves some probe
 by far more.

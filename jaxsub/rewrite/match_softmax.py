@@ -3,15 +3,17 @@
 A softmax over axis a of x is recognized from its parts, whatever library wrote it:
   p = e / keepdims(reduce_sum(e, a)) (or e times its reciprocal),  e = exp(x - shift) or exp(x),
 where `shift` is any value constant along a built from a reduce_max of x (or of a
-transpose/reshape/convert of x) through max/broadcast/transpose/reshape/stop_gradient.
+transpose/reshape/convert of x) through max/broadcast/transpose/reshape/stop_gradient
+and logsumexp's where(isfinite(m), m, 0).
 Softmax is shift-invariant, so the shift only has to be constant along a; which row
 statistic it is changes rounding, never the value. This covers jax.nn.softmax without
 the `jax_softmax_custom_jvp` flag, written-out max/exp/sum/div, and the transposed chain
 of jax.nn.dot_product_attention. In bf16/f16 the sum may be taken in f32,
 e / downcast(reduce_sum(upcast(e))), as flax.linen attention does. In log space,
-exp(x - logsumexp(x)) and exp(log_softmax(x)) are the same softmax (`_parse_logspace`). With the flag, jax.nn.softmax is a `custom_jvp_call`;
-the whole call is matched when its body is such a softmax of its first operand (its
-derivative rule is then replaced by the fused op's, which computes the same derivative).
+exp(x - logsumexp(x)) and exp(log_softmax(x)) are the same softmax (`_parse_logspace`).
+With the flag, jax.nn.softmax is a `custom_jvp_call`; the whole call is matched when its
+body is such a softmax of its first operand (its derivative rule is then replaced by the
+fused op's, which computes the same derivative).
 
 `match_softmax_dropout` rewrites softmax (+ dropout on its output, see match_dropout)
 over the last axis to `jaxsub.ops.softmax_dropout`. Masks and scales before the softmax
