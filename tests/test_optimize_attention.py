@@ -390,42 +390,89 @@ def test_checkpoint_names_are_seen_through_and_kept():
     assert "name=raw" in str(jax.make_jaxpr(jaxsub.optimize(named_softmax))(scores))
 
 
-def test_near_misses_say_why_scale_rounding_or_head_dims():
-    """Four attentions left alone without a word (found by probing): the scores scaled by
-    a run-time temperature (the fused op's scale is a constant), an f32 attention whose
+def test_near_misses_say_why_rounding_head_dims_or_checkpoint():
+    """Three attentions left alone without a word (found by probing): an f32 attention whose
     scores are rounded to bf16 (the fused op would not round them: dropping it changed the
     output by ~1e-2), v with another head dim than q and k, and a softmax checkpointed
     apart from the scores' product."""
     q, k, v = _qkv()
-    t = jnp.float32(0.3)
 
-    def temperature(q, k, v, t):
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * t), v)
-
-    def rounded(q, k, v, t):
+    def rounded(q, k, v):
         s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5).astype(jnp.bfloat16)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(jnp.float32), v)
 
-    def narrow_v(q, k, v, t):
+    def narrow_v(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
         return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s, -1), v[..., : D // 2])
 
-    def checkpointed_softmax(q, k, v, t):
+    def checkpointed_softmax(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
         return jnp.einsum("bhqk,bkhd->bqhd", jax.checkpoint(lambda s: jax.nn.softmax(s, -1))(s), v)
 
-    for f, why in ((temperature, "scaled by a value computed at run time"),
-                   (rounded, "scores are rounded to bfloat16 in a float32 attention"),
+    for f, why in ((rounded, "scores are rounded to bfloat16 in a float32 attention"),
                    (narrow_v, f"v's head dim {D // 2} differs from q and k's {D}"),
                    (checkpointed_softmax, "softmax is inside a jax.checkpoint without the scores' product")):
-        report = jaxsub.explain(f, q, k, v, t)
+        report = jaxsub.explain(f, q, k, v)
         assert dict(report.totals) == {"softmax_dropout": 1} and why in str(report), str(report)
     # (The rounded one's lone softmax computes in f32 and rounds once, unlike the original.)
-    for f in (temperature, narrow_v, checkpointed_softmax):
-        assert_same(f, (q, k, v, t), argnums=(0, 1, 2))
-    # The same temperature on q fuses.
-    on_q = lambda q, k, v, t: temperature(q * t, k, v, 1.0)  # noqa: E731
-    assert dict(jaxsub.explain(on_q, q, k, v, t).totals) == {"attention": 1}
+    for f in (narrow_v, checkpointed_softmax):
+        assert_same(f, (q, k, v), argnums=(0, 1, 2))
+
+
+def _scores_times(scale, div=False):
+    def f(q, k, v, t):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = s / scale(t) if div else s * scale(t)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    return f
+
+
+def _cosine(q, k, v, t):
+    """Swin-v2's scaled cosine attention: a learned per-head logit scale on normalized q, k."""
+    norm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    s = jnp.einsum("bqhd,bkhd->bhqk", norm(q), norm(k)) * jnp.exp(t[:H])[None, :, None, None]
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+
+RUNTIME_SCALES = {
+    "temperature": (_scores_times(lambda t: t[0]), "q multiplied by float32[]"),
+    "divided": (_scores_times(lambda t: t[0], div=True), "q divided by float32[]"),
+    "dot_product_attention": (lambda q, k, v, t: jax.nn.dot_product_attention(q, k, v, scale=t[0]),
+                              "q multiplied by float32[]"),
+    "per_head": (_cosine, f"q multiplied by float32[{H}]"),
+    "per_query": (_scores_times(lambda t: t[:S][None, None, :, None]), f"q multiplied by float32[{S}]"),
+    "per_key": (_scores_times(lambda t: t[:S][None, None, None, :]), f"k multiplied by float32[{S}]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUNTIME_SCALES))
+def test_scores_scaled_at_run_time_fold_into_q_or_k(case):
+    """A temperature computed at run time (jax.nn.dot_product_attention(scale=tracer), a
+    learned per-head scale) fused only the softmax, with no note (found by probing): the
+    fused op's scale is a constant. A scale that varies over queries (or keys) alone is
+    q's (or k's): it is applied to q (k) before the op; values and gradients, the scale's
+    included, equal the original's."""
+    f, what = RUNTIME_SCALES[case]
+    args = (*_qkv(), jnp.linspace(0.2, 0.9, S + H))
+    # The scale's gradient sums over every score: B·H·S·S products of D terms.
+    _assert_same(f, args, argnums=(0, 1, 2, 3), reduction=B * H * S * S * D)
+    assert _count(jaxsub.optimize(f), *args) == 1
+    report = jaxsub.explain(f, *args)
+    assert dict(report.totals) == {"attention": 1} and what in str(report), str(report)
+
+
+def test_scores_scaled_at_run_time_over_both_sides_or_after_a_mask_are_near_misses():
+    t = jnp.linspace(0.2, 0.9, S * S).reshape(S, S)
+    both = _scores_times(lambda t: t)
+
+    def after_mask(q, k, v, t):
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9) * t[0, 0]
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    for f, why in ((both, "varying over queries and keys"), (after_mask, "masked scores are scaled")):
+        report = jaxsub.explain(f, *_qkv(), t)
+        assert dict(report.totals) == {"softmax_dropout": 1} and why in str(report), str(report)
+        assert_same(f, (*_qkv(), t), argnums=(0, 1, 2, 3))
 
 
 def test_grouped_query_attention_is_a_near_miss_saying_so():

@@ -261,7 +261,6 @@ class _Scores:
         self.axis = axis     # the softmax axis of the walk's first value
         self.steps = []      # (node, kind, payload), from the softmax input back
         self.qk = None
-        self.traced = None   # a scale by a run-time scalar met on the way
 
     def _axis_here(self):
         """The softmax axis at the value the walk has reached (the layout steps undone)."""
@@ -294,15 +293,17 @@ class _Scores:
         elif node.prim in ("mul", "div"):
             for s, c in (node.ins, node.ins[::-1]):
                 k = g.scalar(c)
-                if k is None and s.shape == ref.shape and math.prod(c.shape) == 1 and self.traced is None:
-                    # A scale computed at run time (a temperature): noted where the walk would
-                    # reach the product through it.
-                    trial = _Scores(g, self.axis)
-                    trial.steps = list(self.steps)
-                    if trial.walk(s, depth + 1):
-                        self.traced = node
-                if (k is None or k == 0.0 or s.shape != ref.shape
-                        or (node.prim == "div" and c is not node.ins[1])):
+                if node.prim == "div" and c is not node.ins[1] or s.shape != ref.shape:
+                    continue
+                if k is None and _broadcasts(c, ref) and jnp.issubdtype(c.dtype, jnp.floating):
+                    # A scale computed at run time (a temperature, a learned per-head scale):
+                    # folded into q or k where it varies over one side only (`_Attn.chain`).
+                    self.steps.append((node, "runtime scale", (c, node.prim == "div")))
+                    if self.walk(s, depth + 1):
+                        return True
+                    del self.steps[n:]
+                    continue
+                if k is None or k == 0.0:
                     continue
                 self.steps.append((node, "scale", 1.0 / k if node.prim == "div" else k))
                 if self.walk(s, depth + 1):
@@ -339,6 +340,11 @@ class _Scores:
                     del self.steps[n:]
         del self.steps[n:]
         return False
+
+
+def _broadcasts(c, ref) -> bool:
+    """Whether c (a scalar, or of ref's rank with each axis 1 or ref's) broadcasts to ref."""
+    return not c.shape or (len(c.shape) == len(ref.shape) and all(a in (1, n) for a, n in zip(c.shape, ref.shape)))
 
 
 def _operand_labels(shape, batch, contract, free_label):
@@ -409,6 +415,7 @@ class _Attn:
     def __init__(self, g, anchor, pi):
         self.g, self.anchor, self.pi = g, anchor, pi
         self.nodes, self.roles, self.masks = [anchor], {}, []
+        self.runtime_scales = []  # (source, labels, divides): scales of the scores computed at run time
         self.drop = self.sm = None
         self.near_miss = None
 
@@ -451,9 +458,6 @@ class _Attn:
         self.sm, self.post = sm, post[::-1]
         scores = _Scores(g, sm.axis)
         if not scores.walk(sm.x):
-            if scores.traced is not None:
-                self.near_miss = ("the scores are scaled by a value computed at run time (the fused op's scale "
-                                  "is a constant): scale q by it instead to fuse", ("traced", id(scores.traced)))
             return False
         self.steps = scores.steps[::-1]
         return self.qk_labels(scores.qk) and self.chain() and self.pv()
@@ -497,6 +501,15 @@ class _Attn:
                 labels = _forward(node, labels)
             elif kind == "shift":
                 continue
+            elif kind == "runtime scale":
+                c, div = payload
+                if c in inside or self.masks:
+                    if self.masks:
+                        self.near_miss = ("the masked scores are scaled by a value computed at run time: scale "
+                                          "before masking (or scale q) to fuse", ("runtime", id(node)))
+                    return False
+                cl = tuple(l if a == n else None for l, a, n in zip(labels, c.shape, node.outs[0].shape))
+                self.runtime_scales.append((*_mask_source(g, c, cl), div))
             elif kind == "scale":
                 factor *= payload
                 for m in self.masks:
@@ -531,6 +544,15 @@ class _Attn:
         self.sizes["q"], self.sizes["k"] = self.sizes.pop(query), self.sizes.pop(labels[self.sm.axis])
         for m in self.masks:
             m.labels = ren(m.labels)
+        self.q_scales, self.k_scales = [], []
+        for src, sl, div in self.runtime_scales:
+            sl = ren(sl)
+            side = {l for l in sl if l is not None} - {"b", "h"}
+            if len(side) > 1:
+                self.near_miss = (f"the scores are multiplied by {shapes(src)} computed at run time, varying over "
+                                  f"queries and keys: not a scale of q or of k", ("runtime", id(src)))
+                return False
+            (self.k_scales if side == {"k"} else self.q_scales).append((src, sl, div))
         for op in self.operands:
             op[1] = ren(op[1])
         if query == "R":
@@ -598,6 +620,14 @@ class _Attn:
                 self.causal_fill = m.fill
                 return True
         return False
+
+
+def _scaled(read, x, scales, target, sizes):
+    """x (q or k in the `target` layout) times (or divided by) the run-time scales of its side."""
+    for src, labels, div in scales:
+        t = _relayout(read(src), labels, target, sizes)
+        x = (x / t if div else x * t).astype(x.dtype)
+    return x
 
 
 def _mask_builder(masks, sizes):
@@ -696,8 +726,9 @@ def match_attention(g, anchor, options):
     mask = _mask_builder(masks, sizes)
     out_dtype = anchor.outs[0].dtype
 
-    packed = _packed_source(g, att)
-    projected, unpacked = (None, None) if packed is not None else _packed_projections(g, att)
+    runtime = att.q_scales or att.k_scales  # q and k are then scaled apart from any packing
+    packed = _packed_source(g, att) if not runtime else None
+    projected, unpacked = (None, None) if packed is not None or runtime else _packed_projections(g, att)
     if projected is not None:
         att.take(projected.nodes, "q/k/v projection")
     # The packed array x·W + bias, read only by the three slices: the same add through
@@ -727,8 +758,8 @@ def match_attention(g, anchor, options):
         elif projected is not None:
             out = ops.attention_packed(projected.build(read), axis=2, **kw)
         else:
-            q = _relayout(read(att.q), att.q_labels, "bqhd", sizes)
-            k = _relayout(read(att.k), att.k_labels, "bkhd", sizes)
+            q = _scaled(read, _relayout(read(att.q), att.q_labels, "bqhd", sizes), att.q_scales, "bqhd", sizes)
+            k = _scaled(read, _relayout(read(att.k), att.k_labels, "bkhd", sizes), att.k_scales, "bkhd", sizes)
             v = _relayout(read(att.v), att.v_labels, "bkhe", sizes)
             out = ops.attention(q, k, v, **kw)
         outs = [_relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
@@ -758,6 +789,9 @@ def match_attention(g, anchor, options):
 
 def _describe(att, causal, rate):
     parts = [f"q {shapes(att.q)}, k {shapes(att.k)}, v {shapes(att.v)}", f"scale={att.scale:.6g}"]
+    for side, scales in (("q", att.q_scales), ("k", att.k_scales)):
+        parts += [f"{side} {'divided' if div else 'multiplied'} by {shapes(src)} computed at run time"
+                  for src, _, div in scales]
     if causal:
         parts.append("causal")
     for m in att.masks:
