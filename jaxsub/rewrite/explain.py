@@ -43,7 +43,16 @@ class Report:
                 lines.append(f"  {e.pattern}: {e.detail}{scope}  at {e.source}")
         if self.matches:
             lines.append("Totals: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.totals.items())))
+        if sum("also used elsewhere" in e.detail for e in self.near_misses) >= 2:
+            lines.append(_SHARED_HINT)
         return "\n".join(lines)
+
+
+# A function that differentiates inside (jax.grad, value_and_grad) hands the backward pass
+# the forward's intermediates: every pattern then has an intermediate "also used elsewhere".
+_SHARED_HINT = ("Hint: if fn computes gradients itself (jax.grad, jax.value_and_grad), the backward pass reads "
+                "the forward's intermediates; optimize the function being differentiated instead, e.g. "
+                "jax.value_and_grad(jaxsub.optimize(loss)).")
 
 
 _UNSEARCHED_WHY = {

@@ -175,10 +175,13 @@ def _seeded(seeds, read, ref):
 
 @dataclasses.dataclass
 class Traced:
-    """One specialization of the user's function: its graph, plan and output structure."""
+    """One specialization of the user's function: its graph, plan and output structure;
+    `eager` (a jitted `run`) for calls outside any trace, made on the first such call."""
     graph: G.Graph
     plan: P.Plan
     out_tree: object
+    closes_over_tracers: bool = False
+    eager: object = None
 
 
 def _abstract(leaf):
@@ -238,7 +241,8 @@ def trace(fn, options: P.Options, args, kwargs):
 
     closed = jax.make_jaxpr(flat)(*[_abstract(x) for x in arrays])
     graph = G.build(closed.jaxpr, closed.consts)
-    return Traced(graph, P.plan(graph, options), out_tree[0]), arrays
+    tracers = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
+    return Traced(graph, P.plan(graph, options), out_tree[0], tracers), arrays
 
 
 class Optimized:
@@ -285,13 +289,23 @@ class Optimized:
         the trace)."""
         return self if obj is None else functools.partial(self, obj)
 
+    def _run(self, traced, leaves):
+        if self._resolver is None:
+            return run(traced.graph, traced.plan, leaves)
+        with _config.use(self._resolver):
+            return run(traced.graph, traced.plan, leaves)
+
     def __call__(self, *args, **kwargs):
         traced, leaves = self.specialize(args, kwargs)
-        if self._resolver is None:
-            outs = run(traced.graph, traced.plan, leaves)
+        if traced.closes_over_tracers or any(isinstance(x, jax.core.Tracer) for x in leaves):
+            outs = self._run(traced, leaves)  # inside the caller's trace (jit, grad, vmap)
         else:
-            with _config.use(self._resolver):
-                outs = run(traced.graph, traced.plan, leaves)
+            # Called outside any trace: the rewritten program runs compiled, once per
+            # specialization, as fn would under jax.jit (fn's own jit is inlined by the
+            # trace; op by op, a loop's body compiled again on every call).
+            if traced.eager is None:
+                traced.eager = jax.jit(lambda *xs: self._run(traced, list(xs)))
+            outs = traced.eager(*leaves)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 
@@ -304,7 +318,10 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
     object is not traced again). fn is traced once per input structure/shape/dtype; matched
     patterns (layer norm, bias+dropout+residual+layer norm, bias+dropout+residual with no
     layer norm after it, bias+GELU+dropout, attention, softmax+dropout) call the fused
-    ops, everything else runs exactly as before. See `jaxsub.explain`.
+    ops, everything else runs exactly as before. See `jaxsub.explain`. Called outside any
+    trace, the rewritten program runs compiled (jax.jit, once per specialization); inside
+    one (jit, grad, vmap) it becomes part of the caller's program. A jax.jit around fn is
+    inlined by the trace: its donate_argnums do not apply.
 
     When attention's q, k and v are three projections x·W_i (+ b_i) of one x used only by
     the attention (Flax's MultiHeadDotProductAttention, nnx.MultiHeadAttention), the three
