@@ -120,6 +120,18 @@ def test_hand_written_layer_norm(fn, dtype):
     assert jaxsub.explain(fn, *args).totals == {"layer_norm": 1}
 
 
+def test_explain_says_when_the_variance_formula_changes():
+    """jax.nn.standardize's variance E[x^2] - mean^2 is computed two-pass by the kernels: the
+    same function, exact where the original cancels (mean 100, spread 3e-3: the f32 original
+    is off by ~1e4, the fused op by ~1e-3; found by probing). explain says so."""
+    args = (_normal(0, (6, N)), _normal(1, (N,)), _normal(2, (N,)))
+    assert "taken as E[(x - mean)^2]" in str(jaxsub.explain(ln_fast_upcast, *args))
+    assert "taken as" not in str(jaxsub.explain(ln_two_pass, *args))
+    standardize = lambda x: jax.nn.standardize(x, axis=-1, epsilon=1e-5)  # noqa: E731
+    assert "taken as E[(x - mean)^2]" in str(jaxsub.explain(standardize, args[0]))
+    _assert_same(standardize, args[:1])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
 def test_jnp_var_layer_norm_in_every_dtype(dtype):
     """jnp.var of a 16-bit x squares the upcast x's deviations from its own f32 mean and
@@ -155,6 +167,80 @@ def test_flax_nnx_layer_norm():
     x = _normal(0, (6, N))
     _assert_same(lambda x: layer(x), (x,))
     _expect(lambda x: layer(x), (x,), layer_norm=1)
+
+
+class _NnxBlock(nnx.Module):
+    """Post-LN residual block with dropout, as nnx users write one."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(N, N, rngs=rngs)
+        self.norm = nnx.LayerNorm(N, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(x + self.drop(self.dense(x)))
+
+
+def test_nnx_module_argument_advances_its_rngs():
+    """A train-mode nnx module passed to an optimized function (alone or inside nnx.jit /
+    nnx.value_and_grad) kept its RNG count: every step drew the same dropout mask, without
+    a word (found by probing; flattening the module as a pytree drops its updates, as
+    jax.jit does). Modules among the arguments are now split into graph and state as
+    nnx.jit does, and what fn changed in the state is written back."""
+    x = _normal(0, (4, N))
+    step = lambda m, x: m(x)  # noqa: E731
+    for wrap in (lambda f: f, nnx.jit):
+        outs = {}
+        for name, f in (("plain", step), ("optimize", jaxsub.optimize(step))):
+            block = _NnxBlock(nnx.Rngs(0, dropout=1))
+            run = wrap(f)
+            outs[name] = [np.asarray(run(block, x)) for _ in range(3)]
+            assert int(block.drop.rngs.count[...]) == 3, name
+            assert not np.allclose(outs[name][0], outs[name][1]), name
+        for a, b in zip(outs["plain"], outs["optimize"]):  # statistics: same keep rate
+            assert abs((a == 0).mean() - (b == 0).mean()) < 0.2
+    block = _NnxBlock(nnx.Rngs(0, dropout=1))
+    assert jaxsub.explain(step, block, x).totals == {"bias_dropout_residual_layer_norm": 1}
+    # In eval mode the values and gradients are the plain module's; under jax.grad the module
+    # (not differentiated) is left as it is: nothing in it changed.
+    block.eval()
+    loss = lambda f: lambda x: jnp.sum(jnp.sin(f(block, x)))  # noqa: E731
+    assert_close(jaxsub.optimize(step)(block, x), step(block, x), jnp.float32, reduction=N)
+    assert_close(jax.grad(loss(jaxsub.optimize(step)))(x), jax.grad(loss(step))(x), jnp.float32, reduction=N,
+                 grad=True)
+    block.train()
+    value, grads = nnx.value_and_grad(lambda m, x: jnp.sum(jaxsub.optimize(step)(m, x) ** 2))(block, x)
+    assert np.isfinite(float(value)) and int(block.drop.rngs.count[...]) == 1
+
+
+def test_a_broadcast_dropout_before_the_residual_is_a_near_miss_saying_so():
+    """A dropout whose mask is broadcast over the sequence (flax's nn.Dropout(broadcast_dims=
+    (1,))) left the residual + layer norm unfused with no reason, or with "also used
+    elsewhere" (found by probing): it is left as written, and explain says why."""
+    x, w = _normal(0, (2, 8, N)), _normal(1, (N, N)) * 0.1
+    s, b, key = _normal(2, (N,)), _normal(3, (N,)), jax.random.key(4)
+
+    def drop(h):
+        keep = jax.random.bernoulli(key, 0.9, (h.shape[0], 1, h.shape[2]))
+        return jnp.where(jnp.broadcast_to(keep, h.shape), h / 0.9, 0.0)
+
+    def post_ln(x, w):
+        return ln_two_pass(x + drop(x @ w + b), s, b)
+
+    def pre_ln(x, w):
+        r = x + drop(x @ w + b)
+        return r + ln_two_pass(r, s, b) @ w
+
+    def residual(x, w):
+        return x + drop(x @ w + b)
+
+    why = f"dropout mask bool[2, 1, {N}] is broadcast over float32[2, 8, {N}]"
+    for f, pattern in ((post_ln, "bias_dropout_residual_layer_norm"), (pre_ln, "bias_dropout_residual_layer_norm"),
+                       (residual, "bias_dropout_residual")):
+        report = jaxsub.explain(f, x, w)
+        assert [e.pattern for e in report.near_misses] == [pattern], str(report)
+        assert why in report.near_misses[0].detail and "Hint" not in str(report), str(report)
+        assert float(jnp.abs(jaxsub.optimize(f)(x, w) - f(x, w)).max()) <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------

@@ -419,6 +419,22 @@ def test_near_misses_say_why_rounding_head_dims_or_checkpoint():
         assert_same(f, (q, k, v), argnums=(0, 1, 2))
 
 
+def test_vmapped_attention_is_a_near_miss_saying_so():
+    """A per-example attention under jax.vmap inside the optimized function has three batch
+    axes in its products: only the softmax fused, with no reason (found by probing).
+    Optimizing the function vmap maps fuses it."""
+    def one(q, k, v):
+        s = jnp.einsum("qhd,khd->hqk", q, k) * D ** -0.5
+        return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v)
+
+    qkv = tuple(a[None].repeat(2, 0) for a in _qkv())  # [2, B, S, H, D]
+    mapped = jax.vmap(jax.vmap(one))
+    report = jaxsub.explain(mapped, *qkv)
+    assert dict(report.totals) == {"softmax_dropout": 1} and "3 batch axes" in str(report), str(report)
+    assert_same(mapped, qkv, argnums=(0, 1, 2))
+    assert _count(jax.vmap(jax.vmap(jaxsub.optimize(one))), *qkv) == 1
+
+
 def _scores_times(scale, div=False):
     def f(q, k, v, t):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k)

@@ -43,7 +43,7 @@ class Report:
                 lines.append(f"  {e.pattern}: {e.detail}{scope}  at {e.source}")
         if self.matches:
             lines.append("Totals: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.totals.items())))
-        if sum("also used elsewhere" in e.detail for e in self.near_misses) >= 2:
+        if not self.matches and sum("also used elsewhere" in e.detail for e in self.near_misses) >= 2:
             lines.append(_SHARED_HINT)
         return "\n".join(lines)
 

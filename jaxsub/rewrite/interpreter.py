@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +221,28 @@ def _split(args, kwargs):
     return arrays, (in_tree, static, tuple(_abstract(x) for x in arrays), kinds, _ffi.context_mesh())
 
 
+def _value(variable):
+    """A flat nnx state entry's array (a Variable or its state, by flax version)."""
+    get = getattr(variable, "get_value", None)
+    return get() if get is not None else getattr(variable, "value", variable)
+
+
+def _flat(nnx, state):
+    return nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
+
+
+def _unflat(nnx, entries):
+    return nnx.from_flat_state(entries) if hasattr(nnx, "from_flat_state") else nnx.State.from_flat_path(entries)
+
+
+def _graph_nodes(tree) -> bool:
+    """Whether a Flax nnx object (a Module, Rngs, a Variable) is among the arguments."""
+    graph = sys.modules.get("flax.nnx.graph")  # only where the caller imported flax.nnx
+    if graph is None:
+        return False
+    return any(graph.is_graph_node(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=graph.is_graph_node))
+
+
 def trace(fn, options: P.Options, args, kwargs):
     """Trace fn for the abstract values of (args, kwargs), build its graph and plan.
     Returns the Traced specialization and the array leaves it takes."""
@@ -255,6 +278,7 @@ class Optimized:
         self.layouts = layouts
         self._resolver = _select.op_resolver(layouts)
         self._cache = {}
+        self._graph_cache = {}  # nnx graph definition -> the optimized pure function of its state
         functools.update_wrapper(self, fn)
 
     def specialize(self, args, kwargs):
@@ -289,6 +313,34 @@ class Optimized:
         the trace)."""
         return self if obj is None else functools.partial(self, obj)
 
+    def _call_graph(self, args, kwargs):
+        """Flax nnx objects among the arguments, as nnx.jit takes them: split into a graph
+        definition and state, the pure function of the state optimized, the new state
+        written back (so RNG counts advance and dropout draws a new mask on every call,
+        where flattening the module as a pytree would drop its updates, as jax.jit does)."""
+        from flax import nnx
+
+        tree = (args, kwargs)
+        graphdef, state = nnx.split(tree)
+        inner = self._graph_cache.get(graphdef)
+        if inner is None:
+            fn = self.fn
+
+            def pure(state):
+                before = {path: _value(v) for path, v in _flat(nnx, state)}  # (merge may share them)
+                a, k = nnx.merge(graphdef, state)
+                out = fn(*a, **k)
+                # Only what fn changed goes back (an outer transform's trace may not write
+                # the caller's parameters; nnx raises TraceContextError).
+                changed = [(path, v) for path, v in _flat(nnx, nnx.state((a, k), nnx.Variable))
+                           if path not in before or _value(v) is not before[path]]
+                return out, _unflat(nnx, changed)
+
+            inner = self._graph_cache[graphdef] = Optimized(pure, self.options, self.layouts)
+        out, new_state = inner._call_flat((state,), {})
+        nnx.update(tree, new_state)
+        return out
+
     def _run(self, traced, leaves):
         if self._resolver is None:
             return run(traced.graph, traced.plan, leaves)
@@ -296,6 +348,11 @@ class Optimized:
             return run(traced.graph, traced.plan, leaves)
 
     def __call__(self, *args, **kwargs):
+        if _graph_nodes((args, kwargs)):
+            return self._call_graph(args, kwargs)
+        return self._call_flat(args, kwargs)
+
+    def _call_flat(self, args, kwargs):
         traced, leaves = self.specialize(args, kwargs)
         if traced.closes_over_tracers or any(isinstance(x, jax.core.Tracer) for x in leaves):
             outs = self._run(traced, leaves)  # inside the caller's trace (jit, grad, vmap)

@@ -392,17 +392,7 @@ def _broadcast_dropout(g, ref):
         return None
     if not any(parse(g, _strip_layout(g, r, [])) for r in node.ins if r.shape == ref.shape):
         return None
-    todo = list(node.ins)
-    for _ in range(6):
-        if not todo:
-            break
-        r = todo.pop()
-        n = g.producer.get(r)
-        if n is not None and n.call_name == "_bernoulli":
-            return n
-        if n is not None and n.prim in ("convert_element_type", "div", "mul"):
-            todo.extend(n.ins)
-    return None
+    return match_dropout.drawn_mask(g, ref)
 
 
 def _is(label, want, sizes):
@@ -465,6 +455,13 @@ class _Attn:
     def qk_labels(self, qk):
         (lc, rc), (lb, rb) = qk.params["dimension_numbers"]
         lhs, rhs = qk.ins
+        if len(lc) == 1 and len(lb) > 2 and lhs.dtype == rhs.dtype and lhs.dtype in ACTIVATION_DTYPES:
+            # A vmapped attention (jax.vmap of a per-example function): more batch axes than
+            # [batch, heads].
+            self.near_miss = (f"the scores' product {shapes(lhs)} x {shapes(rhs)} has {len(lb)} batch axes; the "
+                              f"fused op takes batch and heads: under jax.vmap, optimize the function vmap "
+                              f"maps (jax.vmap(jaxsub.optimize(f)))", ("batch axes", id(qk)))
+            return False
         if len(lc) != 1 or len(lb) > 2 or lhs.dtype != rhs.dtype or lhs.dtype not in ACTIVATION_DTYPES:
             return False
         ll, lfree = _operand_labels(lhs.shape, lb, lc, "L")

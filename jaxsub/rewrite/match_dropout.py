@@ -144,6 +144,26 @@ def _mask_over_p(g: G.Graph, ref, shape):
     return None
 
 
+def drawn_mask(g: G.Graph, ref):
+    """The `jax.random.bernoulli` call whose mask scales or selects `ref` (a mul or select_n
+    of it, through converts, scales and broadcasts), whatever its shape: a dropout that
+    `parse` does not take, such as one whose mask is broadcast (flax's
+    `broadcast_dropout=True`, `nn.Dropout(broadcast_dims=...)`). None otherwise."""
+    node = g.op(ref, "mul", "select_n")
+    if node is None:
+        return None
+    todo = list(node.ins)
+    for _ in range(8):
+        if not todo:
+            break
+        n = g.producer.get(todo.pop())
+        if n is not None and n.call_name == "_bernoulli":
+            return n
+        if n is not None and n.prim in ("convert_element_type", "div", "mul", "broadcast_in_dim", "reshape"):
+            todo.extend(n.ins)
+    return None
+
+
 def parse(g: G.Graph, ref):
     """The Dropout whose output is `ref`, or None."""
     node = g.producer.get(ref)

@@ -91,6 +91,7 @@ class _Parse:
     def __init__(self, g):
         self.g = g
         self.nodes, self.roles, self.xs, self.stats = [], {}, [], []
+        self.one_pass = False
 
     def take(self, nodes, role):
         for n in nodes:
@@ -151,6 +152,7 @@ class _Parse:
         self.take([sub, *st.nodes, sq_x[1], *row, sq_m[1]], "variance")
         self.stats.append(st)
         self.xs.append(sq_x[0])
+        self.one_pass = True
         return True
 
 
@@ -201,6 +203,7 @@ class _LN:
     roles: dict
     upcast: bool
     core: G.Node   # the first reduction: identifies this layer norm across anchors
+    one_pass: bool = False  # the program's variance is E[x^2] - mean^2
 
 
 def _parse_ln(g, anchor):
@@ -282,7 +285,7 @@ def _parse_ln(g, anchor):
         return None
     if any(v is not None and v.dtype not in ACTIVATION_DTYPES for v in (scale, bias)):
         return None
-    return _LN(x, scale, bias, eps, p.nodes, p.roles, bool(upcasts), p.stats[0].nodes[-1])
+    return _LN(x, scale, bias, eps, p.nodes, p.roles, bool(upcasts), p.stats[0].nodes[-1], p.one_pass)
 
 
 def _param(read, ref, x):
@@ -328,9 +331,24 @@ def _residual_candidates(g, x_ln):
         yield _Residual(x, res, bias, drop, nodes)
 
 
+def _broadcast_masks(g, anchor, out, pattern):
+    """Near-misses for a dropout on an operand of the residual add `out` whose mask is
+    broadcast (flax's nn.Dropout(broadcast_dims=...)): left as written."""
+    add = g.op(out, "add")
+    misses = []
+    for t in add.ins if add is not None else ():
+        bern = match_dropout.drawn_mask(g, t)
+        if bern is not None and bern.outs[0].shape != t.shape and match_dropout.parse(g, t) is None:
+            misses.append(NearMiss(pattern, anchor, f"dropout mask {shapes(bern.outs[0])} is broadcast over "
+                                   f"{shapes(t)}; the fused op drops every element independently",
+                                   key=("drop", id(bern))))
+    return misses
+
+
 def _extend(g, anchor, ln, options):
     """The BDRLN Match that grows `ln` backwards, and the near-misses met on the way."""
-    misses = []
+    broadcast = _broadcast_masks(g, anchor, ln.x, BDRLN)
+    misses = list(broadcast)
     for c in _residual_candidates(g, ln.x):
         if (c.x.shape != ln.x.shape or c.residual.shape != ln.x.shape
                 or c.x.dtype != ln.x.dtype or c.residual.dtype != ln.x.dtype
@@ -350,7 +368,8 @@ def _extend(g, anchor, ln, options):
         with_sum = (why is not None and after is not None and bool(after or g.is_output(h))
                     and private_violation(g, nodes, anchor, roles, exempt=(h,)) is None)
         if why is not None and not with_sum:
-            misses.append(NearMiss(BDRLN, anchor, why, key=("bdrln", id(c.nodes[0]))))
+            if not broadcast:  # (else the broadcast mask is the reason, not this reading's)
+                misses.append(NearMiss(BDRLN, anchor, why, key=("bdrln", id(c.nodes[0]))))
             continue
         # Another reading matched this layer norm: the readings turned away before it are
         # no near-miss of it (a post-LN layer's previous LN bias taken for the residual's
@@ -366,6 +385,8 @@ def _describe(ln, x, extra=""):
              "bias" if ln.bias is not None else "no bias"]
     if ln.upcast:
         parts.append("f32 upcast")
+    if ln.one_pass:  # the kernels' two-pass variance, exact where E[x^2] - mean^2 cancels
+        parts.append("variance E[x^2] - mean^2 taken as E[(x - mean)^2]")
     return ", ".join(parts) + extra
 
 
@@ -450,7 +471,8 @@ def match_bias_dropout_residual(g, anchor, options):
         if why is not None:
             return NearMiss(BDR, anchor, why, key=("bdr", id(anchor)))
         return _bdr_match(anchor, c)
-    return None
+    broadcast = _broadcast_masks(g, anchor, out, BDR)
+    return broadcast[0] if broadcast else None
 
 
 def _bdr_match(anchor, c):
