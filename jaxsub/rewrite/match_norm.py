@@ -278,9 +278,11 @@ def _parse_ln(g, anchor):
         x = p.xs[0]
         # A 16-bit layer norm whose statistics jnp.mean/jnp.var take in f32 upcasts x inside
         # them: those upcasts are its own (a BDRLN's residual sum is read by nothing else).
-        members = set(p.nodes)
-        p.take([c for c in upcasts if x is src and g.uses[c.outs[0]] == sum(
-            r is c.outs[0] for n in members for r in n.ins)], "upcast input")
+        if x is src:
+            members = set(p.nodes)
+            private = [c for c in upcasts
+                       if g.uses[c.outs[0]] == sum(r is c.outs[0] for n in members for r in n.ins)]
+            p.take(private, "upcast input")
     if x.dtype not in ACTIVATION_DTYPES or x.dtype != out.dtype:
         return None
     if any(v is not None and v.dtype not in ACTIVATION_DTYPES for v in (scale, bias)):
