@@ -7,10 +7,9 @@ activation's output -- it must read nothing but v and scalar constants, use only
 arithmetic, erf/erfc/tanh/sigmoid and float converts, and contain erf/erfc (exact) or
 tanh/sigmoid (approximate: v sigmoid(2u) = v (1 + tanh u) / 2) -- and evaluates it in
 float64 on probe points spanning the activation's curved region and both tails, out to
-|v| = 1e4. It is accepted when it agrees with that
-GELU to 1e-6 everywhere (a test on those points, not a proof); the two GELUs differ by up
-to 5e-4 there (relative to 1 + |gelu|), and a wrong constant or operator moves some probe
-by far more.
+|v| = 1e4. It is accepted when it agrees with that GELU to 1e-6 everywhere (a test on
+those points, not a proof); the two GELUs differ by up to 5e-4 there (relative to
+1 + |gelu|), and a wrong constant or operator moves some probe by far more.
 
 In bf16/f16 code the constants are roundings (sqrt(1/2) is 0.70703125 in bf16), which
 moves the function by far more than 1e-6. Such a constant is evaluated as the GELU

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import match_dropout
-from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation, shapes
+from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation, shapes, unit_view
 
 SOFTMAX = "softmax_dropout"
 _SHIFT_OPS = ("broadcast_in_dim", "reshape", "transpose", "stop_gradient", "max", "convert_element_type")
@@ -209,29 +209,14 @@ def parse(g: G.Graph, ref):
     return _parse_div(g, ref, node)
 
 
-def _unit_view(g: G.Graph, ref):
-    """(source, node) when `ref` is a broadcast_in_dim/reshape of `source` that only adds or
-    drops axes of length 1 (keepdims), else None."""
-    node = g.op(ref, "broadcast_in_dim", "reshape")
-    if node is None or len(node.ins) != 1:
-        return None
-    src = node.ins[0]
-    if tuple(d for d in src.shape if d != 1) != tuple(d for d in ref.shape if d != 1):
-        return None
-    if node.prim == "broadcast_in_dim" and list(node.params["broadcast_dimensions"]) != sorted(
-            node.params["broadcast_dimensions"]):
-        return None
-    return src, node
-
-
 def _unit_views(g: G.Graph, ref) -> dict:
     """ref and the values it is a keepdims view of, each with the view nodes above it."""
     out, nodes = {ref: []}, []
-    view = _unit_view(g, ref)
+    view = unit_view(g, ref)
     while view is not None and len(out) < 6:
         nodes = [*nodes, view[1]]
         out[view[0]] = nodes
-        view = _unit_view(g, view[0])
+        view = unit_view(g, view[0])
     return out
 
 
@@ -241,7 +226,7 @@ def _log_sum(g: G.Graph, ref):
     views anywhere along the chain."""
     nodes, added, seen_log = [], None, False
     while len(nodes) < 10:
-        view = _unit_view(g, ref)
+        view = unit_view(g, ref)
         if view is not None:
             nodes.append(view[1])
             ref = view[0]

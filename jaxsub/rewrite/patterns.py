@@ -195,21 +195,36 @@ def _nonunit(shape):
     return tuple(d for d in shape if d != 1)
 
 
+def unit_view(g: G.Graph, ref):
+    """(source, node) when `ref` is a reshape or broadcast_in_dim of `source` that only adds
+    or drops axes of length 1, in order (keepdims and its inverse), else None."""
+    node = g.op(ref, *G.UNIT_SHAPE_OPS)
+    if node is None or len(node.ins) != 1:
+        return None
+    src = node.ins[0]
+    if _nonunit(src.shape) != _nonunit(ref.shape):
+        return None
+    dims = node.params.get("broadcast_dimensions") if node.prim == "broadcast_in_dim" else None
+    if dims is not None and list(dims) != sorted(dims):
+        return None
+    return src, node
+
+
 def strip_row(g: G.Graph, ref):
     """Follow reshapes/broadcasts that only add or drop unit axes, or broadcast a row
     statistic [..., 1] along the last axis, back to the statistic itself."""
     nodes = []
     while True:
-        node = g.op(ref, *G.UNIT_SHAPE_OPS)
+        view = unit_view(g, ref)
+        node = view[1] if view is not None else g.op(ref, "broadcast_in_dim")
         if node is None:
             return ref, nodes
         src, out = node.ins[0], node.outs[0]
-        unit = _nonunit(src.shape) == _nonunit(out.shape)
         along_last = (node.prim == "broadcast_in_dim" and len(out.shape) >= 1
                       and _nonunit(src.shape) == _nonunit(out.shape[:-1])
                       and tuple(node.params["broadcast_dimensions"]) == tuple(range(len(src.shape)))
                       and src.shape[-1:] == (1,))
-        if not (unit or along_last):
+        if view is None and not along_last:
             return ref, nodes
         nodes.append(node)
         ref = src
