@@ -10,7 +10,7 @@ least one visible key, because exp(c - max) underflows to exactly 0 there. On a 
 masked row the original averages v uniformly (finite c) or gives NaN (-inf), the fused
 op gives 0; such rows carry no information, so the rewrite is made and explain() says so
 ("fully-masked rows give 0 instead of the mean of v"). An additive mask added after such
-a where must leave c + mask a big negative (`_lifted`). A boolean mask that is a constant
+a where must leave c + mask a big negative (`M.lifted`). A boolean mask that is a constant
 (built from iota/ones, as jnp.tril and flax's make_causal_mask do) and equals jaxsub's
 bottom-right lower triangle becomes `causal=True`; any other mask is passed as is.
 Dropout on the probabilities (see match_dropout) becomes `dropout_rate` with the key that
@@ -26,15 +26,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
+from jaxsub.rewrite import attention_masks as M
+from jaxsub.rewrite import labels as L
 from jaxsub.rewrite import match_dropout, projections
 from jaxsub.rewrite.match_softmax import parse, shift_of
-from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, narrow, private_violation, rounded, shapes
+from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, Match, NearMiss, private_violation, shapes
 
 ATTN = "attention"
 
@@ -48,209 +49,7 @@ ATTN = "attention"
 # permute labels, reshapes may only add or drop unit axes, elementwise steps keep them.
 # q, k, v and the masks are then moved to [B, S, H, D] / [B, H, Sq, Sk] by one transpose
 # and one unit reshape (XLA elides both), and the result is moved back to the ·V
-# contraction's layout.
-
-# Layout nodes: unit reshapes include a squeeze and a broadcast_in_dim that only adds unit
-# axes (jnp.matmul squeezes a unit batch axis away and broadcasts it back).
-_LAYOUT = ("transpose", "reshape", "squeeze", "broadcast_in_dim", "convert_element_type")
-_UNIT_OPS = ("reshape", "squeeze", "broadcast_in_dim")
-# where(mask, s, c) acts as a boolean mask when c is at most this (exp underflows to 0),
-# or at most its rounding where c is a bf16/f16 constant (-1e4 is -9984 in bf16: HF GPT-2's
-# `masked_bias`), `_big_negative`.
-_BIG_NEGATIVE = -1e4
-_MAX_CONSTANT = 1 << 22
-_CONSTANT_OPS = frozenset({"iota", "broadcast_in_dim", "reshape", "transpose", "convert_element_type",
-                           "ge", "gt", "le", "lt", "eq", "ne", "and", "or", "not", "select_n",
-                           "add", "sub", "mul", "squeeze", "expand_dims"})
-
-
-def _nonunit(shape):
-    return tuple(d for d in shape if d != 1)
-
-
-def _unit_reshape(node):
-    if node.prim not in _UNIT_OPS:
-        return True
-    src, out = node.ins[0].shape, node.outs[0].shape
-    return _nonunit(src) == _nonunit(out) and math.prod(src) == math.prod(out)
-
-
-def _forward(node, labels):
-    """The labels of a layout node's output, given its input's."""
-    if node.prim == "transpose":
-        return tuple(labels[p] for p in node.params["permutation"])
-    if node.prim in _UNIT_OPS:  # a unit reshape (`_unit_reshape`)
-        it = iter(l for l, d in zip(labels, node.ins[0].shape) if d != 1)
-        return tuple(next(it) if d != 1 else None for d in node.outs[0].shape)
-    return labels
-
-
-def _backward(node, labels):
-    """The labels of a layout node's input, given its output's; None if not a layout."""
-    src, out = node.ins[0], node.outs[0]
-    if node.prim == "transpose":
-        res = [None] * len(labels)
-        for i, p in enumerate(node.params["permutation"]):
-            res[p] = labels[i]
-        return tuple(res)
-    if node.prim in ("reshape", "squeeze") and _unit_reshape(node):
-        it = iter(l for l, d in zip(labels, out.shape) if d != 1)
-        return tuple(next(it) if d != 1 else None for d in src.shape)
-    if node.prim == "broadcast_in_dim":
-        dims = node.params["broadcast_dimensions"]
-        return tuple(labels[o] if src.shape[i] == out.shape[o] else None for i, o in enumerate(dims))
-    return None
-
-
-def _relayout(x, labels, target, sizes):
-    """x (axes labelled `labels`, unlabelled ones of size 1) as the axes `target`; a target
-    label x lacks becomes a unit axis."""
-    order = [labels.index(t) for t in target if t in labels]
-    order += [i for i in range(len(labels)) if i not in order]
-    xp = np if isinstance(x, np.ndarray) else jnp  # constants stay numpy while tracing
-    x = xp.transpose(x, order) if order != list(range(len(order))) else x
-    return x.reshape(tuple(sizes[t] if t in labels else 1 for t in target))
-
-
-def _constant(g: G.Graph, ref, memo):
-    """The value of `ref` when it is computed from constants alone (iota, literals)."""
-    if ref.value is not None:
-        val = G.known(ref)
-        return None if val is None else np.asarray(val)
-    if ref in memo:
-        return memo[ref]
-    node = g.producer.get(ref)
-    val = None
-    if (node is not None and node.prim in _CONSTANT_OPS and len(node.outs) == 1
-            and np.prod(ref.shape, dtype=np.int64) <= _MAX_CONSTANT):
-        ins = [_constant(g, r, memo) for r in node.ins]
-        if all(v is not None for v in ins):
-            with jax.ensure_compile_time_eval():
-                val = np.asarray(G.bind(node.eqn, ins)[0])
-    memo[ref] = val
-    return val
-
-
-# Below this fill, an added mask of unknown range is taken not to lift hidden scores (`_lifted`).
-_UNBOUNDED_FILL = -1e9
-_BOUND_OPS = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "stop_gradient", *G.VARYING_CASTS)
-
-
-def _bounds(g: G.Graph, ref, depth: int = 0):
-    """(lo, hi) bounding every element of `ref` when the graph says so (constants, converts
-    of booleans, selects, sums, products and scales of bounded values), else None."""
-    val = _constant(g, ref, {})
-    if val is not None:
-        val = np.asarray(val, np.float64)
-        return (float(val.min()), float(val.max())) if val.size else None
-    node = g.producer.get(ref)
-    if node is None or depth > 12 or len(node.outs) != 1:
-        return None
-    if node.prim == "convert_element_type" and node.ins[0].dtype == jnp.bool_:
-        return 0.0, 1.0
-    if node.prim in _BOUND_OPS or node.prim == "convert_element_type":
-        return _bounds(g, node.ins[0], depth + 1)
-    if node.prim == "neg":
-        b = _bounds(g, node.ins[0], depth + 1)
-        return None if b is None else (-b[1], -b[0])
-    args = node.ins[1:] if node.prim == "select_n" else node.ins
-    if node.prim not in ("select_n", "add", "sub", "mul", "max", "min") or len(args) < 1:
-        return None
-    bs = [_bounds(g, r, depth + 1) for r in args]
-    if any(b is None for b in bs):
-        return None
-    if node.prim == "select_n":
-        return min(b[0] for b in bs), max(b[1] for b in bs)
-    (a0, a1), (b0, b1) = bs
-    if node.prim == "add":
-        out = a0 + b0, a1 + b1
-    elif node.prim == "sub":
-        out = a0 - b1, a1 - b0
-    elif node.prim == "max":
-        out = max(a0, b0), max(a1, b1)
-    elif node.prim == "min":
-        out = min(a0, b0), min(a1, b1)
-    else:
-        with np.errstate(invalid="ignore"):
-            ends = [x * y for x in (a0, a1) for y in (b0, b1)]
-        if any(math.isnan(e) for e in ends):  # 0 * inf
-            return None
-        out = min(ends), max(ends)
-    return None if any(math.isnan(v) for v in out) else out
-
-
-def _lifted(masks):
-    """None when every boolean mask's fill stays a boolean mask after the additive masks
-    that come after it: where(m, s, c) + a hides m's elements only if c + a does. Where the
-    graph bounds a (a constant, a mask built from booleans), c + max(a) must be a big
-    negative as c alone must be; c at most -1e30 (-inf, finfo(float32).min) is past any
-    logit. An added value the graph does not bound (an input, a learned bias) is taken
-    not to lift a fill of -1e9 or below by more than 1e9 - 1e4, as the visible scores are
-    taken to be above the fill (exp(c - max) underflows); a smaller fill such as -1e4 is
-    then a near-miss. Else the reason."""
-    for i, m in enumerate(masks):
-        if not m.boolean:
-            continue
-        later = [a for a in masks[i + 1:] if not a.boolean]
-        if not later or m.fill <= -1e30:
-            continue
-        lift = 0.0
-        for a in later:
-            if a.bounds is None:
-                lift = math.inf
-                break
-            lift += max(a.factor * a.bounds[0], a.factor * a.bounds[1])
-        if math.isinf(lift) and m.fill <= _UNBOUNDED_FILL:
-            continue
-        if m.fill + lift > _big_negative(jnp.bfloat16):
-            added = "of unknown range" if math.isinf(lift) else f"up to {lift:g}"
-            return (f"where(mask, scores, {m.fill:g}) is followed by an additive mask {added}, which may lift the "
-                    f"hidden scores back (fill with -inf or finfo.min, or bound the added mask, to fuse it)")
-    return None
-
-
-def _big_negative(dtype) -> float:
-    """The largest fill that makes where(mask, s, fill) a boolean mask, for a fill held in
-    `dtype`: _BIG_NEGATIVE, or the largest of its roundings to a narrower float (every
-    such value is far below where exp underflows, so the masked probabilities are 0)."""
-    if not jnp.issubdtype(dtype, jnp.floating) or not narrow(dtype):
-        return _BIG_NEGATIVE
-    return max(_BIG_NEGATIVE, *rounded(_BIG_NEGATIVE, dtype))
-
-
-@dataclasses.dataclass
-class _Mask:
-    ref: G.Ref           # mask source, read at run time
-    labels: tuple
-    boolean: bool
-    negate: bool = False     # select_n(m, s, -big): attend where m is False
-    fill: float = 0.0        # the big negative of a boolean mask, after later scales
-    factor: float = 1.0      # later scales an additive mask is multiplied by
-    bounds: tuple | None = None  # an additive mask's (lo, hi), where the graph bounds it
-
-
-def _all_true(g, ref):
-    val = _constant(g, ref, {})
-    return val is not None and val.dtype == np.bool_ and bool(val.all())
-
-
-def _mask_source(g, ref, labels):
-    """Walk a mask operand back through layout/broadcast nodes, and `and`s with a constant
-    all-True (dot_product_attention's), to its smallest source."""
-    for _ in range(8):
-        node = g.op(ref, "transpose", "reshape", "broadcast_in_dim", "and")
-        if node is not None and node.prim == "and":
-            rest = [r for r in node.ins if not _all_true(g, r)]
-            if len(rest) != 1 or len(rest[0].shape) != len(ref.shape):
-                break
-            ref, labels = rest[0], tuple(l if a == b else None
-                                         for l, a, b in zip(labels, rest[0].shape, ref.shape))
-            continue
-        back = _backward(node, labels) if node is not None else None
-        if back is None:
-            break
-        ref, labels = node.ins[0], back
-    return ref, labels
+# contraction's layout (labels.py).
 
 
 class _Scores:
@@ -270,7 +69,7 @@ class _Scores:
                 continue
             if labels is None:
                 labels = tuple("a" if i == self.axis else None for i in range(len(node.outs[0].shape)))
-            labels = _backward(node, labels)
+            labels = L.backward(node, labels)
             if labels is None:
                 return None
         return self.axis if labels is None else (labels.index("a") if "a" in labels else None)
@@ -284,7 +83,7 @@ class _Scores:
             self.qk = node
             return True
         n = len(self.steps)
-        if node.prim in _LAYOUT and _unit_reshape(node):
+        if node.prim in L.LAYOUT and L.unit_reshape(node):
             if node.prim == "convert_element_type" and node.outs[0].dtype not in ACTIVATION_DTYPES:
                 return False
             self.steps.append((node, "layout", None))
@@ -295,7 +94,7 @@ class _Scores:
                 k = g.scalar(c)
                 if node.prim == "div" and c is not node.ins[1] or s.shape != ref.shape:
                     continue
-                if k is None and _broadcasts(c, ref) and jnp.issubdtype(c.dtype, jnp.floating):
+                if k is None and L.broadcasts(c, ref) and jnp.issubdtype(c.dtype, jnp.floating):
                     # A scale computed at run time (a temperature, a learned per-head scale):
                     # folded into q or k where it varies over one side only (`_Attn.chain`).
                     self.steps.append((node, "runtime scale", (c, node.prim == "div")))
@@ -333,34 +132,13 @@ class _Scores:
             pred, no, yes = node.ins
             for s, c, negate in ((yes, no, False), (no, yes, True)):
                 fill = g.scalar(c)
-                if fill is not None and fill <= _big_negative(c.dtype) and s.shape == ref.shape:
+                if fill is not None and fill <= M.big_negative(c.dtype) and s.shape == ref.shape:
                     self.steps.append((node, "select", (pred, fill, negate)))
                     if self.walk(s, depth + 1):
                         return True
                     del self.steps[n:]
         del self.steps[n:]
         return False
-
-
-def _broadcasts(c, ref) -> bool:
-    """Whether c (a scalar, or of ref's rank with each axis 1 or ref's) broadcasts to ref."""
-    return not c.shape or (len(c.shape) == len(ref.shape) and all(a in (1, n) for a, n in zip(c.shape, ref.shape)))
-
-
-def _operand_labels(shape, batch, contract, free_label):
-    """Labels of a dot_general operand, or None when its free dims hold more than one
-    non-unit dim."""
-    labels = [None] * len(shape)
-    for d, l in zip(batch, "bh"):
-        labels[d] = l
-    labels[contract[0]] = "d"
-    free = [d for d in range(len(shape)) if d not in batch and d != contract[0]]
-    big = [d for d in free if shape[d] != 1]
-    if len(big) > 1:
-        return None, free
-    for d in big:
-        labels[d] = free_label
-    return tuple(labels), free
 
 
 def _unscaled(g, ref):
@@ -376,8 +154,8 @@ def _unscaled(g, ref):
 
 def _strip_layout(g, ref, into):
     for _ in range(8):
-        node = g.op(ref, *_LAYOUT)
-        if node is None or not _unit_reshape(node) or node.outs[0].dtype not in ACTIVATION_DTYPES:
+        node = g.op(ref, *L.LAYOUT)
+        if node is None or not L.unit_reshape(node) or node.outs[0].dtype not in ACTIVATION_DTYPES:
             break
         into.append(node)
         ref = node.ins[0]
@@ -393,10 +171,6 @@ def _broadcast_dropout(g, ref):
     if not any(parse(g, _strip_layout(g, r, [])) for r in node.ins if r.shape == ref.shape):
         return None
     return match_dropout.drawn_mask(g, ref)
-
-
-def _is(label, want, sizes):
-    return label == want or (label is None and sizes.get(want, 1) == 1)
 
 
 class _Attn:
@@ -464,8 +238,8 @@ class _Attn:
             return False
         if len(lc) != 1 or len(lb) > 2 or lhs.dtype != rhs.dtype or lhs.dtype not in ACTIVATION_DTYPES:
             return False
-        ll, lfree = _operand_labels(lhs.shape, lb, lc, "L")
-        rl, rfree = _operand_labels(rhs.shape, rb, rc, "R")
+        ll, lfree = L.operand_labels(lhs.shape, lb, lc, "L")
+        rl, rfree = L.operand_labels(rhs.shape, rb, rc, "R")
         if ll is None or rl is None:
             # Two non-unit free axes on one side: a head axis the other operand lacks
             # (grouped- or multi-query attention, k and v with fewer heads than q).
@@ -495,7 +269,7 @@ class _Attn:
         inside = {r for n, _, _ in self.steps for r in n.outs} | set(self.qk.outs)
         for node, kind, payload in self.steps:
             if kind == "layout":
-                labels = _forward(node, labels)
+                labels = L.forward(node, labels)
             elif kind == "shift":
                 continue
             elif kind == "runtime scale":
@@ -506,7 +280,7 @@ class _Attn:
                                           "before masking (or scale q) to fuse", ("runtime", id(node)))
                     return False
                 cl = tuple(l if a == n else None for l, a, n in zip(labels, c.shape, node.outs[0].shape))
-                self.runtime_scales.append((*_mask_source(g, c, cl), div))
+                self.runtime_scales.append((*M.mask_source(g, c, cl), div))
             elif kind == "scale":
                 factor *= payload
                 for m in self.masks:
@@ -520,18 +294,18 @@ class _Attn:
                 if len(m.shape) != len(chain_shape) or any(a not in (1, c) for a, c in zip(m.shape, chain_shape)):
                     return False
                 ml = tuple(l if a == c else None for l, a, c in zip(labels, m.shape, chain_shape))
-                src, sl = _mask_source(g, m, ml)
+                src, sl = M.mask_source(g, m, ml)
                 if kind == "select":
-                    self.masks.append(_Mask(src, sl, True, negate=payload[2], fill=payload[1]))
+                    self.masks.append(M.Mask(src, sl, True, negate=payload[2], fill=payload[1]))
                 else:
-                    self.masks.append(_Mask(src, sl, False, factor=-1.0 if kind == "sub" else 1.0,
-                                            bounds=_bounds(g, m)))
-        why = _lifted(self.masks)
+                    self.masks.append(M.Mask(src, sl, False, factor=-1.0 if kind == "sub" else 1.0,
+                                            bounds=M.bounds(g, m)))
+        why = M.lifted(self.masks)
         if why is not None:
             self.near_miss = why, ("lifted", id(self.qk))
             return False
         query = {"L": "R", "R": "L"}.get(labels[self.sm.axis])
-        if query is None or any(m.boolean and not m.fill <= _big_negative(jnp.bfloat16) for m in self.masks):
+        if query is None or any(m.boolean and not m.fill <= M.big_negative(jnp.bfloat16) for m in self.masks):
             return False
         rename = {query: "q", labels[self.sm.axis]: "k"}
 
@@ -556,7 +330,7 @@ class _Attn:
             self.operands.reverse()
         self.prob_labels = ren(labels)
         for node in self.post:
-            self.prob_labels = _forward(node, self.prob_labels)
+            self.prob_labels = L.forward(node, self.prob_labels)
         q, k = self.operands
         self.q, qf, qn = _unscaled(g, q[0])
         self.k, kf, kn = _unscaled(g, k[0])
@@ -571,7 +345,7 @@ class _Attn:
         pc, vc, pb, vb = (c0, c1, b0, b1) if self.pi == 0 else (c1, c0, b1, b0)
         p, v = anchor.ins[self.pi], anchor.ins[1 - self.pi]
         pl = self.prob_labels
-        if len(pc) != 1 or not _is(pl[pc[0]], "k", sizes) or v.dtype != self.q.dtype:
+        if len(pc) != 1 or not L.is_label(pl[pc[0]], "k", sizes) or v.dtype != self.q.dtype:
             return False
         pfree = [d for d in range(len(p.shape)) if d not in pb and d not in pc]
         if not all(pl[d] in ("b", "h", None) for d in pb) or not all(pl[d] in ("q", None) for d in pfree):
@@ -607,10 +381,10 @@ class _Attn:
         for m in self.masks:
             if not m.boolean:
                 continue
-            val = _constant(self.g, m.ref, memo)
+            val = M.constant(self.g, m.ref, memo)
             if val is None:
                 continue
-            vis = _relayout(val, m.labels, "bhqk", self.sizes)
+            vis = L.relayout(val, m.labels, "bhqk", self.sizes)
             vis = ~vis if m.negate else vis
             if vis.shape[-2:] == (sq, sk) and np.array_equal(np.broadcast_to(tril, vis.shape), vis):
                 self.masks.remove(m)
@@ -622,30 +396,9 @@ class _Attn:
 def _scaled(read, x, scales, target, sizes):
     """x (q or k in the `target` layout) times (or divided by) the run-time scales of its side."""
     for src, labels, div in scales:
-        t = _relayout(read(src), labels, target, sizes)
+        t = L.relayout(read(src), labels, target, sizes)
         x = (x / t if div else x * t).astype(x.dtype)
     return x
-
-
-def _mask_builder(masks, sizes):
-    """read -> the one mask `attention` takes: booleans and-ed; additive masks summed, with
-    any boolean mask folded in as -inf."""
-    if not masks:
-        return lambda read: None
-
-    def value(read):
-        vis, add = None, None
-        for m in masks:
-            val = _relayout(read(m.ref), m.labels, "bhqk", sizes)
-            if m.boolean:
-                val = jnp.logical_not(val) if m.negate else val
-                vis = val if vis is None else vis & val
-            else:
-                val = val.astype(jnp.float32) * m.factor
-                add = val if add is None else add + val
-        return vis if add is None else add if vis is None else jnp.where(vis, add, -jnp.inf)
-
-    return value
 
 
 def _packed_source(g, att):
@@ -678,8 +431,8 @@ def _packed_projections(g, att):
     for ref, labels, want in ((att.q, att.q_labels, "bqhd"), (att.k, att.k_labels, "bkhd"),
                               (att.v, att.v_labels, "bkhe")):
         node = g.op(ref, "reshape")  # nnx's grouped-query view [B, S, H, 1, D]
-        if node is not None and _unit_reshape(node):
-            ref, labels = node.ins[0], _backward(node, labels)
+        if node is not None and L.unit_reshape(node):
+            ref, labels = node.ins[0], L.backward(node, labels)
             unit.append(node)
         if labels != tuple(want):
             return None, None
@@ -720,7 +473,7 @@ def match_attention(g, anchor, options):
         return NearMiss(ATTN, anchor, why, key=("attention", id(att.qk)))
     sizes, masks, scale = att.sizes, list(att.masks), att.scale
     rate = drop.rate if drop is not None else 0.0
-    mask = _mask_builder(masks, sizes)
+    mask = M.builder(masks, sizes)
     out_dtype = anchor.outs[0].dtype
 
     runtime = att.q_scales or att.k_scales  # q and k are then scaled apart from any packing
@@ -755,11 +508,11 @@ def match_attention(g, anchor, options):
         elif projected is not None:
             out = ops.attention_packed(projected.build(read), axis=2, **kw)
         else:
-            q = _scaled(read, _relayout(read(att.q), att.q_labels, "bqhd", sizes), att.q_scales, "bqhd", sizes)
-            k = _scaled(read, _relayout(read(att.k), att.k_labels, "bkhd", sizes), att.k_scales, "bkhd", sizes)
-            v = _relayout(read(att.v), att.v_labels, "bkhe", sizes)
+            q = _scaled(read, L.relayout(read(att.q), att.q_labels, "bqhd", sizes), att.q_scales, "bqhd", sizes)
+            k = _scaled(read, L.relayout(read(att.k), att.k_labels, "bkhd", sizes), att.k_scales, "bkhd", sizes)
+            v = L.relayout(read(att.v), att.v_labels, "bkhe", sizes)
             out = ops.attention(q, k, v, **kw)
-        outs = [_relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
+        outs = [L.relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
         return (outs, again) if shared else outs
 
     detail = _describe(att, causal, rate)

@@ -1,0 +1,92 @@
+"""Axis labels for the attention matcher (match_attention.py).
+
+Every tensor on the path from the Q·K contraction to the ·V contraction gets a *label* per
+axis: "b" and "h" for the contraction's batch dims, "L"/"R" for the free dim of its left/
+right operand (then "q"/"k"), "d"/"e" for the head dims, None for unit axes. These helpers
+carry labels through layout nodes (transposes, unit reshapes) and move a value from one
+labelled layout to another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+# Layout nodes: unit reshapes include a squeeze and a broadcast_in_dim that only adds unit
+# axes (jnp.matmul squeezes a unit batch axis away and broadcasts it back).
+LAYOUT = ("transpose", "reshape", "squeeze", "broadcast_in_dim", "convert_element_type")
+UNIT_OPS = ("reshape", "squeeze", "broadcast_in_dim")
+
+def nonunit(shape):
+    return tuple(d for d in shape if d != 1)
+
+
+def unit_reshape(node):
+    if node.prim not in UNIT_OPS:
+        return True
+    src, out = node.ins[0].shape, node.outs[0].shape
+    return nonunit(src) == nonunit(out) and math.prod(src) == math.prod(out)
+
+
+def forward(node, labels):
+    """The labels of a layout node's output, given its input's."""
+    if node.prim == "transpose":
+        return tuple(labels[p] for p in node.params["permutation"])
+    if node.prim in UNIT_OPS:  # a unit reshape (`unit_reshape`)
+        it = iter(l for l, d in zip(labels, node.ins[0].shape) if d != 1)
+        return tuple(next(it) if d != 1 else None for d in node.outs[0].shape)
+    return labels
+
+
+def backward(node, labels):
+    """The labels of a layout node's input, given its output's; None if not a layout."""
+    src, out = node.ins[0], node.outs[0]
+    if node.prim == "transpose":
+        res = [None] * len(labels)
+        for i, p in enumerate(node.params["permutation"]):
+            res[p] = labels[i]
+        return tuple(res)
+    if node.prim in ("reshape", "squeeze") and unit_reshape(node):
+        it = iter(l for l, d in zip(labels, out.shape) if d != 1)
+        return tuple(next(it) if d != 1 else None for d in src.shape)
+    if node.prim == "broadcast_in_dim":
+        dims = node.params["broadcast_dimensions"]
+        return tuple(labels[o] if src.shape[i] == out.shape[o] else None for i, o in enumerate(dims))
+    return None
+
+
+def relayout(x, labels, target, sizes):
+    """x (axes labelled `labels`, unlabelled ones of size 1) as the axes `target`; a target
+    label x lacks becomes a unit axis."""
+    order = [labels.index(t) for t in target if t in labels]
+    order += [i for i in range(len(labels)) if i not in order]
+    xp = np if isinstance(x, np.ndarray) else jnp  # constants stay numpy while tracing
+    x = xp.transpose(x, order) if order != list(range(len(order))) else x
+    return x.reshape(tuple(sizes[t] if t in labels else 1 for t in target))
+
+
+def broadcasts(c, ref) -> bool:
+    """Whether c (a scalar, or of ref's rank with each axis 1 or ref's) broadcasts to ref."""
+    return not c.shape or (len(c.shape) == len(ref.shape) and all(a in (1, n) for a, n in zip(c.shape, ref.shape)))
+
+
+def operand_labels(shape, batch, contract, free_label):
+    """Labels of a dot_general operand, or None when its free dims hold more than one
+    non-unit dim."""
+    labels = [None] * len(shape)
+    for d, l in zip(batch, "bh"):
+        labels[d] = l
+    labels[contract[0]] = "d"
+    free = [d for d in range(len(shape)) if d not in batch and d != contract[0]]
+    big = [d for d in free if shape[d] != 1]
+    if len(big) > 1:
+        return None, free
+    for d in big:
+        labels[d] = free_label
+    return tuple(labels), free
+
+
+def is_label(label, want, sizes):
+    return label == want or (label is None and sizes.get(want, 1) == 1)
