@@ -419,20 +419,52 @@ def test_near_misses_say_why_rounding_head_dims_or_checkpoint():
         assert_same(f, (q, k, v), argnums=(0, 1, 2))
 
 
-def test_vmapped_attention_is_a_near_miss_saying_so():
-    """A per-example attention under jax.vmap inside the optimized function has three batch
-    axes in its products: only the softmax fused, with no reason (found by probing).
-    Optimizing the function vmap maps fuses it."""
-    def one(q, k, v):
+def test_vmapped_attention_fuses_with_its_batch_axes_folded():
+    """A per-example attention under jax.vmap inside the optimized function has three or
+    four batch axes in its products: they fold into the op's batch (it had fused only the
+    softmax, then been a near-miss), with a key padding mask that varies over one of them."""
+    def one(q, k, v, m):
         s = jnp.einsum("qhd,khd->hqk", q, k) * D ** -0.5
-        return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v)
+        return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(jnp.where(m[None, None], s, -1e9), -1), v)
 
-    qkv = tuple(a[None].repeat(2, 0) for a in _qkv())  # [2, B, S, H, D]
-    mapped = jax.vmap(jax.vmap(one))
-    report = jaxsub.explain(mapped, *qkv)
-    assert dict(report.totals) == {"softmax_dropout": 1} and "3 batch axes" in str(report), str(report)
-    assert_same(mapped, qkv, argnums=(0, 1, 2))
-    assert _count(jax.vmap(jax.vmap(jaxsub.optimize(one))), *qkv) == 1
+    qkv = tuple(a[None].repeat(3, 0) * (1 + 0.5 * np.arange(3)[:, None, None, None, None]) for a in _qkv())
+    mask = _padding()  # [B, S]
+    twice = jax.vmap(jax.vmap(one), in_axes=(0, 0, 0, None))  # [3, B, S, H, D], the mask over B only
+    report = _check(twice, (*qkv, mask), {"attention": 1}, argnums=(0, 1, 2))
+    assert "k float32[3, 2, 8, 4, 16]" in str(report) and "boolean mask bool[2, 8]" in str(report), str(report)
+    thrice = jax.vmap(twice, in_axes=(0, 0, 0, None))
+    args4 = (*(a[None].repeat(2, 0) for a in qkv), mask)
+    _check(thrice, args4, {"attention": 1}, argnums=(0, 1, 2))
+
+
+def test_windowed_attention_with_three_batch_axes():
+    """Windowed attention written on [B, W, H, N, D] (a Swin-style shifted-window mask, one
+    additive [W, N, N] per window, broadcast over batch and heads), with a causal mask and
+    dropout; the windows fold into the op's batch."""
+    W, N = 3, 5
+    q, k, v = (_normal(i, (B, W, H, N, D)) for i in range(3))
+    shift = jnp.asarray(np.where(np.random.default_rng(3).random((W, N, N)) > 0.3, 0.0, -100.0), jnp.float32)
+    causal = jnp.tril(jnp.ones((N, N), bool))
+
+    def windows(q, k, v, shift):
+        s = jnp.einsum("bwhqd,bwhkd->bwhqk", q, k) / np.sqrt(D) + shift[None, :, None]
+        s = jnp.where(causal, s, -jnp.inf)
+        return jnp.einsum("bwhqk,bwhkd->bwhqd", jax.nn.softmax(s, -1), v)
+
+    report = _check(windows, (q, k, v, shift), {"attention": 1}, argnums=(0, 1, 2, 3))
+    assert "causal" in str(report) and "additive mask float32[3, 5, 5]" in str(report), str(report)
+
+    def dropped(q, k, v, key):
+        s = jnp.einsum("bwhqd,bwhkd->bwhqk", q, k) / np.sqrt(D)
+        p = jax.nn.softmax(s, -1)
+        keep = jax.random.bernoulli(key, 1 - RATE, p.shape)
+        return jnp.einsum("bwhqk,bwhkd->bwhqd", jnp.where(keep, p / (1 - RATE), 0), v)
+
+    key = jax.random.PRNGKey(4)
+    got = jaxsub.optimize(dropped)(q, k, v, key)
+    fold = lambda x: x.reshape(B * W, H, N, D).transpose(0, 2, 1, 3)  # noqa: E731
+    want = ops.attention(fold(q), fold(k), fold(v), scale=D ** -0.5, dropout_rate=RATE, key=key)
+    assert_close(got, want.transpose(0, 2, 1, 3).reshape(B, W, H, N, D), jnp.float32, reduction=N)
 
 
 def _scores_times(scale, div=False):

@@ -59,12 +59,53 @@ def backward(node, labels):
 
 def relayout(x, labels, target, sizes):
     """x (axes labelled `labels`, unlabelled ones of size 1) as the axes `target`; a target
-    label x lacks becomes a unit axis."""
+    label x lacks becomes a unit axis. Where the product has batch axes folded into "b"
+    (`folded`), a target "b" is their product (broadcast where x lacks some of them), and
+    an x labelled "b" (the op's result) is split into them."""
+    folded = outer(sizes)
+    if folded and "b" in labels:
+        i = labels.index("b")
+        x = x.reshape((*x.shape[:i], *(sizes[l] for l in folded), *x.shape[i + 1:]))
+        labels = (*labels[:i], *folded, *labels[i + 1:])
+    if folded and "b" in target:
+        j = target.index("b")
+        fine = (*target[:j], *folded, *target[j + 1:])
+        x = _relayout(x, labels, fine, sizes)
+        n, full = len(folded), tuple(sizes[l] for l in folded)
+        if any(l in labels for l in folded):
+            xp = np if isinstance(x, np.ndarray) else jnp
+            x = xp.broadcast_to(x, (*x.shape[:j], *full, *x.shape[j + n:]))
+        return x.reshape((*x.shape[:j], math.prod(x.shape[j:j + n]), *x.shape[j + n:]))
+    return _relayout(x, labels, target, sizes)
+
+
+def _relayout(x, labels, target, sizes):
     order = [labels.index(t) for t in target if t in labels]
     order += [i for i in range(len(labels)) if i not in order]
     xp = np if isinstance(x, np.ndarray) else jnp  # constants stay numpy while tracing
     x = xp.transpose(x, order) if order != list(range(len(order))) else x
     return x.reshape(tuple(sizes[t] if t in labels else 1 for t in target))
+
+
+def batch_names(n):
+    """Labels of a product's n batch axes: "b" and "h", or, past two, the folded "a0", "a1",
+    ... and "h" (the op takes their product as its batch, `relayout`)."""
+    return list("bh"[:n]) if n <= 2 else [f"a{i}" for i in range(n - 1)] + ["h"]
+
+
+def outer(sizes):
+    """The batch labels folded into "b", in order (none for a product with two batch axes)."""
+    return sorted((l for l in sizes if l[0] == "a"), key=lambda l: int(l[1:]))
+
+
+def is_batch(label):
+    return label in ("b", "h") or (label is not None and label[0] == "a")
+
+
+def extent(sizes, label):
+    """The op's size of `label`: "b" is the product of the folded axes where there are some."""
+    folded = outer(sizes)
+    return math.prod(sizes[l] for l in folded) if folded and label == "b" else sizes.get(label, 1)
 
 
 def broadcasts(c, ref) -> bool:
@@ -76,7 +117,7 @@ def operand_labels(shape, batch, contract, free_label):
     """Labels of a dot_general operand, or None when its free dims hold more than one
     non-unit dim."""
     labels = [None] * len(shape)
-    for d, l in zip(batch, "bh"):
+    for d, l in zip(batch, batch_names(len(batch))):
         labels[d] = l
     labels[contract[0]] = "d"
     free = [d for d in range(len(shape)) if d not in batch and d != contract[0]]

@@ -3,7 +3,9 @@
 Attention: softmax(Q·Kᵀ·scale [+ additive mask | where(mask, s, -big)] [causal]) [dropout] · V
 becomes `jaxsub.ops.attention` whenever q, k and v can be viewed as [B, S, H, D] (einsum
 'bqhd,bkhd->bhqk', 'bhqd,bhkd->bhqk', jax.nn.dot_product_attention's grouped form, flax
-linen/nnx attention): the scale may sit on q, k or the logits, and is folded into
+linen/nnx attention; a product with more batch axes, such as windowed attention on
+[B, W, H, N, D] or an attention under jax.vmap, has all but its last folded into B):
+the scale may sit on q, k or the logits, and is folded into
 `scale`; masks may come before or after it. `where(mask, s, c)` with c <= -1e4 (-1e9,
 finfo.min, -inf) is taken as a boolean mask: equal to the original on every row with at
 least one visible key, because exp(c - max) underflows to exactly 0 there. On a fully
@@ -44,8 +46,9 @@ ATTN = "attention"
 #
 # Every tensor on the path from the Q·K contraction to the ·V contraction gets a *label*
 # per axis: "b" and "h" for the contraction's batch dims (first and second; absent ones
-# have size 1), "L"/"R" for the free dim of its left/right operand (which one is the
-# query side follows from the softmax axis, the key side), None for unit axes. Transposes
+# have size 1; past two, "a0", "a1", ... and "h", the a's folded into the op's B), "L"/"R"
+# for the free dim of its left/right operand (which one is the query side follows from the
+# softmax axis, the key side), None for unit axes. Transposes
 # permute labels, reshapes may only add or drop unit axes, elementwise steps keep them.
 # q, k, v and the masks are then moved to [B, S, H, D] / [B, H, Sq, Sk] by one transpose
 # and one unit reshape (XLA elides both), and the result is moved back to the ·V
@@ -229,14 +232,7 @@ class _Attn:
     def qk_labels(self, qk):
         (lc, rc), (lb, rb) = qk.params["dimension_numbers"]
         lhs, rhs = qk.ins
-        if len(lc) == 1 and len(lb) > 2 and lhs.dtype == rhs.dtype and lhs.dtype in ACTIVATION_DTYPES:
-            # A vmapped attention (jax.vmap of a per-example function): more batch axes than
-            # [batch, heads].
-            self.near_miss = (f"the scores' product {shapes(lhs)} x {shapes(rhs)} has {len(lb)} batch axes; the "
-                              f"fused op takes batch and heads: under jax.vmap, optimize the function vmap "
-                              f"maps (jax.vmap(jaxsub.optimize(f)))", ("batch axes", id(qk)))
-            return False
-        if len(lc) != 1 or len(lb) > 2 or lhs.dtype != rhs.dtype or lhs.dtype not in ACTIVATION_DTYPES:
+        if len(lc) != 1 or lhs.dtype != rhs.dtype or lhs.dtype not in ACTIVATION_DTYPES:
             return False
         ll, lfree = L.operand_labels(lhs.shape, lb, lc, "L")
         rl, rfree = L.operand_labels(rhs.shape, rb, rc, "R")
@@ -248,11 +244,12 @@ class _Attn:
                               f"fused op takes k and v with q's heads; repeat them to q's heads to fuse it",
                               ("gqa", id(qk)))
             return False
-        self.sizes = {l: lhs.shape[d] for d, l in zip(lb, "bh")}
+        names = L.batch_names(len(lb))  # past two batch axes, all but the last fold into B
+        self.sizes = {l: lhs.shape[d] for d, l in zip(lb, names)}
         self.sizes.update(d=lhs.shape[lc[0]], L=math.prod(lhs.shape[d] for d in lfree),
                           R=math.prod(rhs.shape[d] for d in rfree))
         self.operands = [[lhs, ll], [rhs, rl]]
-        self.qk, self.labels = qk, (*"bh"[:len(lb)], *(ll[d] for d in lfree), *(rl[d] for d in rfree))
+        self.qk, self.labels = qk, (*names, *(ll[d] for d in lfree), *(rl[d] for d in rfree))
         return True
 
     def chain(self):
@@ -318,7 +315,7 @@ class _Attn:
         self.q_scales, self.k_scales = [], []
         for src, sl, div in self.runtime_scales:
             sl = ren(sl)
-            side = {l for l in sl if l is not None} - {"b", "h"}
+            side = {l for l in sl if l is not None and not L.is_batch(l)}
             if len(side) > 1:
                 self.near_miss = (f"the scores are multiplied by {shapes(src)} computed at run time, varying over "
                                   f"queries and keys: not a scale of q or of k", ("runtime", id(src)))
@@ -348,7 +345,7 @@ class _Attn:
         if len(pc) != 1 or not L.is_label(pl[pc[0]], "k", sizes) or v.dtype != self.q.dtype:
             return False
         pfree = [d for d in range(len(p.shape)) if d not in pb and d not in pc]
-        if not all(pl[d] in ("b", "h", None) for d in pb) or not all(pl[d] in ("q", None) for d in pfree):
+        if not all(pl[d] is None or L.is_batch(pl[d]) for d in pb) or not all(pl[d] in ("q", None) for d in pfree):
             return False
         vl = [None] * len(v.shape)
         for dp, dv in zip(pb, vb):
@@ -369,9 +366,9 @@ class _Attn:
         free = [pl[d] for d in pfree], [vl[d] for d in vfree]
         self.out_labels = (*(pl[d] for d in pb), *free[self.pi], *free[1 - self.pi])
         want = tuple(sizes.get(l, 1) if l else 1 for l in self.out_labels)
-        bshk = tuple(sizes.get(l, 1) for l in "bkhd")
-        return (want == anchor.outs[0].shape and math.prod(self.k.shape) == math.prod(bshk)
-                and math.prod(self.q.shape) == math.prod(sizes.get(l, 1) for l in "bqhd"))
+        return (want == anchor.outs[0].shape
+                and math.prod(self.k.shape) == math.prod(L.extent(sizes, l) for l in "bkhd")
+                and math.prod(self.q.shape) == math.prod(L.extent(sizes, l) for l in "bqhd"))
 
     def causal(self):
         """Take a constant bottom-right lower-triangular boolean mask as `causal=True`."""
