@@ -8,6 +8,7 @@ fused op's mask for the key the user's code used) are checked instead.
 """
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -518,6 +519,37 @@ def test_hand_written_gelu_formulas():
     _expect(not_gelu, args)
     _expect(quick_gelu, args)
     _expect(gelu_beyond_six, args)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gelu_without_a_bias(dtype):
+    """gelu(x @ w) with no bias (nanoGPT's bias=False MLP), with and without dropout after it,
+    and a GELU of a function's input: the op with a zero bias. Not matched before."""
+    x, w, w2 = _normal(0, (8, 16), dtype), _normal(1, (16, N), dtype) / 4, _normal(2, (N, 16), dtype) / 4
+
+    def mlp(x, w, w2):
+        return jax.nn.gelu(x @ w, approximate=False) @ w2
+
+    def of_input(h):
+        return 0.5 * h * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3)))
+
+    _assert_same(mlp, (x, w, w2), dtype, argnums=(0, 1, 2))
+    _expect(mlp, (x, w, w2), bias_gelu_dropout=1)
+    assert "exact GELU, no bias" in str(jaxsub.explain(mlp, x, w, w2))
+    _assert_same(of_input, (x @ w,), dtype)
+    _expect(of_input, (x @ w,), bias_gelu_dropout=1)
+
+    def dropped(x, w, key):
+        h = jax.nn.gelu(x @ w)
+        keep = jax.random.bernoulli(key, 1 - RATE, h.shape)
+        return jnp.where(keep, h / (1 - RATE), 0)
+
+    key = jax.random.key(3)
+    got = jaxsub.optimize(dropped)(x, w, key)
+    want = ops.bias_gelu_dropout(x @ w, jnp.zeros((N,), dtype), rate=RATE, key=key, approximate=True)
+    assert_close(got, want, dtype)
+    for not_gelu in (jax.nn.silu, lambda h: h * jax.nn.sigmoid(1.702 * h), jnp.tanh):
+        _expect(lambda x, w, f=not_gelu: f(x @ w), (x, w))
 
 
 @pytest.mark.parametrize("approximate", [False, True], ids=["exact", "tanh"])

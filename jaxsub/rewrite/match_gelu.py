@@ -1,4 +1,4 @@
-"""Bias + GELU (+ dropout) matcher.
+"""Bias + GELU (+ dropout) matcher; the bias may be absent (gelu(x @ w), a zero bias then).
 
 GELU has many spellings (jax.nn.gelu's erfc form, 0.5*v*(1+erf(v/sqrt2)), the tanh
 approximation with integer_pow or v*v*v, ...). Instead of one template per spelling, the
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import ops
@@ -98,7 +99,9 @@ def _bias_add(g, ref, n):
 
 def _subgraph(g, out):
     """(v, bias add split, nodes in evaluation order) of the elementwise function ending at
-    `out` whose single non-constant leaf is a bias add output v; None otherwise."""
+    `out` whose single non-constant leaf is a bias add output v, or (v, None, nodes) where
+    that leaf is any other value of out's shape (a GELU without a bias: gelu(x @ w));
+    None otherwise."""
     n = out.shape[-1]
     leaf, split, seen, order = None, None, set(), []
 
@@ -113,7 +116,12 @@ def _subgraph(g, out):
             leaf, split = ref, (node, s)
             return True
         node = g.producer.get(ref)
-        if node is None or not _elementwise(g, node, out.shape) or len(seen) >= _MAX_NODES:
+        if node is None or not _elementwise(g, node, out.shape):
+            if ref.shape != out.shape or (leaf is not None and leaf is not ref):
+                return False
+            leaf, split = ref, None
+            return True
+        if len(seen) >= _MAX_NODES:
             return False
         if node in seen:
             return True
@@ -144,7 +152,11 @@ def _gelu(g, out):
     found = _subgraph(g, out)
     if found is None:
         return None
-    leaf, (add, (x, bias)), order = found
+    leaf, split, order = found
+    if split is None:  # no bias: the leaf itself is the GELU's input
+        add, x, bias = None, leaf, None
+    else:
+        add, (x, bias) = split
     prims = {n.prim for n in order}
     if prims & {"erf", "erfc"}:
         approximate, want = False, _exact(_PROBES)
@@ -156,7 +168,7 @@ def _gelu(g, out):
         got = _evaluate(g, order, leaf, out)
     if not np.all(np.abs(got - want) <= 1e-6 * (1.0 + np.abs(want))):
         return None
-    return x, bias, approximate, [*order, add]
+    return x, bias, approximate, [*order, add] if add is not None else order
 
 
 def match_bias_gelu_dropout(g, anchor, options):
@@ -169,7 +181,9 @@ def match_bias_gelu_dropout(g, anchor, options):
     if gelu is None:
         return None
     x, bias, approximate, nodes = gelu
-    if x.dtype not in ACTIVATION_DTYPES or x.dtype != out.dtype or bias.dtype not in (x.dtype, F32):
+    if x.dtype not in ACTIVATION_DTYPES or x.dtype != out.dtype or (bias is not None and bias.dtype not in (x.dtype, F32)):
+        return None
+    if not nodes:  # the GELU's input is its output: no GELU
         return None
     if drop is not None and not options.rewrite_dropout:
         return NearMiss(BGD, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(drop.bernoulli)))
@@ -182,10 +196,11 @@ def match_bias_gelu_dropout(g, anchor, options):
 
     def build(read):
         key = read(drop.key) if drop is not None else None
-        return [ops.bias_gelu_dropout(read(x), read(bias), rate=rate, key=key,
-                                      approximate=approximate)]
+        xv = read(x)
+        b = read(bias) if bias is not None else jnp.zeros(xv.shape[-1:], xv.dtype)
+        return [ops.bias_gelu_dropout(xv, b, rate=rate, key=key, approximate=approximate)]
 
     kind = "tanh" if approximate else "exact"
-    desc = f"x {shapes(x)}, {kind} GELU" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
+    desc = f"x {shapes(x)}, {kind} GELU" + (", no bias (a zero bias)" if bias is None else "") + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
     return Match(BGD, anchor, nodes if anchor in nodes else [anchor, *nodes],
                  dict(x=x, bias=bias, key=drop.key if drop else None), build, desc)
