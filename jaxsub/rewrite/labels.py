@@ -57,26 +57,31 @@ def backward(node, labels):
     return None
 
 
-def relayout(x, labels, target, sizes):
+def relayout(x, labels, target, sizes, full=False):
     """x (axes labelled `labels`, unlabelled ones of size 1) as the axes `target`; a target
-    label x lacks becomes a unit axis. Where the product has batch axes folded into "b"
-    (`folded`), a target "b" is their product (broadcast where x lacks some of them), and
-    an x labelled "b" (the op's result) is split into them."""
-    folded = outer(sizes)
-    if folded and "b" in labels:
-        i = labels.index("b")
-        x = x.reshape((*x.shape[:i], *(sizes[l] for l in folded), *x.shape[i + 1:]))
-        labels = (*labels[:i], *folded, *labels[i + 1:])
-    if folded and "b" in target:
-        j = target.index("b")
-        fine = (*target[:j], *folded, *target[j + 1:])
-        x = _relayout(x, labels, fine, sizes)
-        n, full = len(folded), tuple(sizes[l] for l in folded)
-        if any(l in labels for l in folded):
-            xp = np if isinstance(x, np.ndarray) else jnp
-            x = xp.broadcast_to(x, (*x.shape[:j], *full, *x.shape[j + n:]))
-        return x.reshape((*x.shape[:j], math.prod(x.shape[j:j + n]), *x.shape[j + n:]))
-    return _relayout(x, labels, target, sizes)
+    label x lacks becomes a unit axis. A target label that is folded (`folds`: "b" from
+    the batch axes past two, "h" from the kv heads and the query groups of grouped-query
+    attention) is the product of its parts, broadcast over the parts x lacks (k and v
+    repeated to q's heads; `full`: over all of them, as k and v need, even where x has none);
+    an x axis with a folded label (the op's result) is split into its parts."""
+    groups = folds(sizes)
+    for t, parts in groups.items():
+        if t in labels:
+            i = labels.index(t)
+            x = x.reshape((*x.shape[:i], *(sizes[l] for l in parts), *x.shape[i + 1:]))
+            labels = (*labels[:i], *parts, *labels[i + 1:])
+    fine = tuple(l for t in target for l in groups.get(t, (t,)))
+    x = _relayout(x, labels, fine, sizes)
+    shape, at = [], 0
+    for t in target:
+        parts = groups.get(t, (t,))
+        n = len(parts)
+        if t in groups and (full or any(l in labels for l in parts)):
+            full = (*x.shape[:at], *(sizes[l] for l in parts), *x.shape[at + n:])
+            x = (np if isinstance(x, np.ndarray) else jnp).broadcast_to(x, full)
+        shape.append(math.prod(x.shape[at:at + n]))
+        at += n
+    return x.reshape(tuple(shape)) if tuple(shape) != x.shape else x
 
 
 def _relayout(x, labels, target, sizes):
@@ -88,24 +93,26 @@ def _relayout(x, labels, target, sizes):
 
 
 def batch_names(n):
-    """Labels of a product's n batch axes: "b" and "h", or, past two, the folded "a0", "a1",
-    ... and "h" (the op takes their product as its batch, `relayout`)."""
+    """Labels of a product's n batch axes: "b" and "h", or, past two, "a0", "a1", ... and
+    "h", the a's folded into the op's "b" (`folds`). (With query groups, grouped-query
+    attention, the matcher calls the kv heads "hk": folded with the groups "g" into the
+    op's "h".)"""
     return list("bh"[:n]) if n <= 2 else [f"a{i}" for i in range(n - 1)] + ["h"]
 
 
-def outer(sizes):
-    """The batch labels folded into "b", in order (none for a product with two batch axes)."""
-    return sorted((l for l in sizes if l[0] == "a"), key=lambda l: int(l[1:]))
+def folds(sizes):
+    """{op label: its parts, in order} for the labels the op's axes fold (see relayout)."""
+    groups = {}
+    outer = sorted((l for l in sizes if l[0] == "a"), key=lambda l: int(l[1:]))
+    if outer:
+        groups["b"] = tuple(outer)
+    if "g" in sizes:
+        groups["h"] = tuple(l for l in ("hk", "g") if l in sizes)
+    return groups
 
 
 def is_batch(label):
-    return label in ("b", "h") or (label is not None and label[0] == "a")
-
-
-def extent(sizes, label):
-    """The op's size of `label`: "b" is the product of the folded axes where there are some."""
-    folded = outer(sizes)
-    return math.prod(sizes[l] for l in folded) if folded and label == "b" else sizes.get(label, 1)
+    return label in ("b", "h", "hk") or (label is not None and label[0] == "a")
 
 
 def broadcasts(c, ref) -> bool:
@@ -113,19 +120,21 @@ def broadcasts(c, ref) -> bool:
     return not c.shape or (len(c.shape) == len(ref.shape) and all(a in (1, n) for a, n in zip(c.shape, ref.shape)))
 
 
-def operand_labels(shape, batch, contract, free_label):
-    """Labels of a dot_general operand, or None when its free dims hold more than one
-    non-unit dim."""
+def operand_labels(shape, batch, contract, free_label, names):
+    """Labels of a dot_general operand (its batch axes `names`), or None when its free dims
+    hold more than two non-unit dims. Of two, the first is labelled "g" (a query group of
+    grouped-query attention; which of the two is the query is settled by the masks,
+    `_Attn.chain`)."""
     labels = [None] * len(shape)
-    for d, l in zip(batch, batch_names(len(batch))):
+    for d, l in zip(batch, names):
         labels[d] = l
     labels[contract[0]] = "d"
     free = [d for d in range(len(shape)) if d not in batch and d != contract[0]]
     big = [d for d in free if shape[d] != 1]
-    if len(big) > 1:
+    if len(big) > 2:
         return None, free
-    for d in big:
-        labels[d] = free_label
+    for d, l in zip(big, ("g", free_label)[2 - len(big):]):
+        labels[d] = l
     return tuple(labels), free
 
 

@@ -4,7 +4,9 @@ Attention: softmax(Q·Kᵀ·scale [+ additive mask | where(mask, s, -big)] [caus
 becomes `jaxsub.ops.attention` whenever q, k and v can be viewed as [B, S, H, D] (einsum
 'bqhd,bkhd->bhqk', 'bhqd,bhkd->bhqk', jax.nn.dot_product_attention's grouped form, flax
 linen/nnx attention; a product with more batch axes, such as windowed attention on
-[B, W, H, N, D] or an attention under jax.vmap, has all but its last folded into B):
+[B, W, H, N, D] or an attention under jax.vmap, has all but its last folded into B; with
+k and v of fewer heads than q, grouped- or multi-query attention, they are repeated to
+q's heads, labels.folds):
 the scale may sit on q, k or the logits, and is folded into
 `scale`; masks may come before or after it. `where(mask, s, c)` with c <= -1e4 (-1e9,
 finfo.min, -inf) is taken as a boolean mask: equal to the original on every row with at
@@ -234,20 +236,18 @@ class _Attn:
         lhs, rhs = qk.ins
         if len(lc) != 1 or lhs.dtype != rhs.dtype or lhs.dtype not in ACTIVATION_DTYPES:
             return False
-        ll, lfree = L.operand_labels(lhs.shape, lb, lc, "L")
-        rl, rfree = L.operand_labels(rhs.shape, rb, rc, "R")
-        if ll is None or rl is None:
-            # Two non-unit free axes on one side: a head axis the other operand lacks
-            # (grouped- or multi-query attention, k and v with fewer heads than q).
-            self.near_miss = (f"the scores' product {shapes(lhs)} x {shapes(rhs)} has two free axes on one side, "
-                              f"a head axis only one of q and k has (grouped- or multi-query attention): the "
-                              f"fused op takes k and v with q's heads; repeat them to q's heads to fuse it",
-                              ("gqa", id(qk)))
+        names = L.batch_names(len(lb))  # see labels.folds
+        ll, lfree = L.operand_labels(lhs.shape, lb, lc, "L", names)
+        rl, rfree = L.operand_labels(rhs.shape, rb, rc, "R", names)
+        if ll is None or rl is None or ("g" in ll and "g" in rl):
             return False
-        names = L.batch_names(len(lb))  # past two batch axes, all but the last fold into B
+        if "g" in ll or "g" in rl:  # query groups: the kv heads are "hk"
+            names, ll, rl = (tuple("hk" if l == "h" else l for l in ls) for ls in (names, ll, rl))
         self.sizes = {l: lhs.shape[d] for d, l in zip(lb, names)}
-        self.sizes.update(d=lhs.shape[lc[0]], L=math.prod(lhs.shape[d] for d in lfree),
-                          R=math.prod(rhs.shape[d] for d in rfree))
+        for shape, labels in ((lhs.shape, ll), (rhs.shape, rl)):
+            self.sizes.update({l: shape[d] for d, l in enumerate(labels) if l in ("L", "R", "g")})
+        self.sizes.update(d=lhs.shape[lc[0]])
+        self.sizes.setdefault("L", 1), self.sizes.setdefault("R", 1)
         self.operands = [[lhs, ll], [rhs, rl]]
         self.qk, self.labels = qk, (*names, *(ll[d] for d in lfree), *(rl[d] for d in rfree))
         return True
@@ -304,18 +304,29 @@ class _Attn:
         query = {"L": "R", "R": "L"}.get(labels[self.sm.axis])
         if query is None or any(m.boolean and not m.fill <= M.big_negative(jnp.bfloat16) for m in self.masks):
             return False
-        rename = {query: "q", labels[self.sm.axis]: "k"}
+        key = labels[self.sm.axis]
+        if "g" in self.operands[key == "R"][1]:
+            return False  # k with a free axis q lacks: not attention's form
+        rename = {query: "q", key: "k"}
+        # Grouped-query attention: q's two free axes are its query groups and its queries.
+        # Either reading is the same function; the masks tell the queries (a causal mask
+        # varies over them), else the larger axis is taken for them.
+        if "g" in self.sizes:
+            over = [{"g", query} & set(m.labels) for m in self.masks]
+            swap = {"g"} in over if ({"g"} in over) != ({query} in over) else self.sizes["g"] > self.sizes[query]
+            if swap:
+                rename.update({query: "g", "g": "q"})
 
         def ren(ls):
             return tuple(rename.get(l, l) for l in ls)
 
-        self.sizes["q"], self.sizes["k"] = self.sizes.pop(query), self.sizes.pop(labels[self.sm.axis])
+        self.sizes = {rename.get(l, l): n for l, n in self.sizes.items()}
         for m in self.masks:
             m.labels = ren(m.labels)
         self.q_scales, self.k_scales = [], []
         for src, sl, div in self.runtime_scales:
             sl = ren(sl)
-            side = {l for l in sl if l is not None and not L.is_batch(l)}
+            side = {"q" if l == "g" else l for l in sl if l is not None and not L.is_batch(l)}
             if len(side) > 1:
                 self.near_miss = (f"the scores are multiplied by {shapes(src)} computed at run time, varying over "
                                   f"queries and keys: not a scale of q or of k", ("runtime", id(src)))
@@ -345,7 +356,7 @@ class _Attn:
         if len(pc) != 1 or not L.is_label(pl[pc[0]], "k", sizes) or v.dtype != self.q.dtype:
             return False
         pfree = [d for d in range(len(p.shape)) if d not in pb and d not in pc]
-        if not all(pl[d] is None or L.is_batch(pl[d]) for d in pb) or not all(pl[d] in ("q", None) for d in pfree):
+        if not all(pl[d] is None or L.is_batch(pl[d]) or pl[d] == "g" for d in pb) or not all(pl[d] in ("q", "g", None) for d in pfree):
             return False
         vl = [None] * len(v.shape)
         for dp, dv in zip(pb, vb):
@@ -366,9 +377,9 @@ class _Attn:
         free = [pl[d] for d in pfree], [vl[d] for d in vfree]
         self.out_labels = (*(pl[d] for d in pb), *free[self.pi], *free[1 - self.pi])
         want = tuple(sizes.get(l, 1) if l else 1 for l in self.out_labels)
-        return (want == anchor.outs[0].shape
-                and math.prod(self.k.shape) == math.prod(L.extent(sizes, l) for l in "bkhd")
-                and math.prod(self.q.shape) == math.prod(L.extent(sizes, l) for l in "bqhd"))
+        return want == anchor.outs[0].shape and all(
+            math.prod(x.shape) == math.prod(sizes[l] for l in labels if l)
+            for x, labels in ((self.q, self.q_labels), (self.k, self.k_labels)))
 
     def causal(self):
         """Take a constant bottom-right lower-triangular boolean mask as `causal=True`."""
@@ -506,8 +517,9 @@ def match_attention(g, anchor, options):
             out = ops.attention_packed(projected.build(read), axis=2, **kw)
         else:
             q = _scaled(read, L.relayout(read(att.q), att.q_labels, "bqhd", sizes), att.q_scales, "bqhd", sizes)
-            k = _scaled(read, L.relayout(read(att.k), att.k_labels, "bkhd", sizes), att.k_scales, "bkhd", sizes)
-            v = L.relayout(read(att.v), att.v_labels, "bkhe", sizes)
+            k = _scaled(read, L.relayout(read(att.k), att.k_labels, "bkhd", sizes, full=True), att.k_scales,
+                        "bkhd", sizes)
+            v = L.relayout(read(att.v), att.v_labels, "bkhe", sizes, full=True)
             out = ops.attention(q, k, v, **kw)
         outs = [L.relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
         return (outs, again) if shared else outs
@@ -536,6 +548,9 @@ def match_attention(g, anchor, options):
 
 def _describe(att, causal, rate):
     parts = [f"q {shapes(att.q)}, k {shapes(att.k)}, v {shapes(att.v)}", f"scale={att.scale:.6g}"]
+    if "g" in att.sizes:
+        heads = math.prod(att.sizes[l] for l in L.folds(att.sizes)["h"])
+        parts.append(f"grouped-query: k and v repeated over {att.sizes['g']} query groups to q's {heads} heads")
     for side, scales in (("q", att.q_scales), ("k", att.k_scales)):
         parts += [f"{side} {'divided' if div else 'multiplied'} by {shapes(src)} computed at run time"
                   for src, _, div in scales]
