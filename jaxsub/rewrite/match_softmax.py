@@ -244,6 +244,9 @@ def _log_sum(g: G.Graph, ref):
             seen_log = True
         elif node.prim == "abs" and seen_log:
             pass
+        elif (node.prim == "convert_element_type" and seen_log and node.ins[0].dtype == F32
+              and node.outs[0].dtype != F32):  # a bf16/f16 logsumexp's f32 sum, narrowed before the log
+            pass
         elif node.prim == "reduce_sum" and seen_log and len(node.params["axes"]) == 1:
             return node, None, [*nodes, node]
         else:
@@ -271,7 +274,10 @@ def _parse_logspace(g: G.Graph, ref, node):
     want = ref.shape[:axis] + (1,) + ref.shape[axis + 1:]
     if lse.shape != want or red.ins[0].shape != ref.shape:
         return None
-    exp = g.op(red.ins[0], "exp")
+    summed, up = red.ins[0], g.op(red.ins[0], "convert_element_type")
+    if up is not None and summed.dtype == F32 and up.ins[0].dtype == ref.dtype != F32:
+        summed, nodes = up.ins[0], [*nodes, up]  # the bf16/f16 exponentials summed in f32
+    exp = g.op(summed, "exp")
     if exp is None:
         return None
     nodes = [node, diff, *nodes, exp]
