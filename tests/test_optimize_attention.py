@@ -539,6 +539,19 @@ def test_scores_scaled_at_run_time_over_both_sides_or_after_a_mask_are_near_miss
         assert_same(f, (*_qkv(), t), argnums=(0, 1, 2, 3))
 
 
+def test_weak_where_fill_is_a_near_miss_saying_so():
+    """where(mask, s, -5e3): the hidden keys keep a weight (the fill is not a boolean mask's),
+    so only the softmax fuses; explain said nothing (found by fuzzing)."""
+    def weak(q, k, v, pad):
+        s = jnp.where(pad[:, None, None, :], jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5, -5e3)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    report = jaxsub.explain(weak, *_qkv(), _padding())
+    assert dict(report.totals) == {"softmax_dropout": 1}, str(report)
+    assert "where(mask, scores, -5000): a fill above -1e4" in str(report), str(report)
+    assert_same(weak, (*_qkv(), _padding()), argnums=(0, 1, 2))
+
+
 def test_grouped_query_attention_fuses_with_k_and_v_repeated():
     """k and v with fewer heads than q (jax.nn.dot_product_attention's grouped form, a
     grouped einsum as MaxText writes it, multi-query): the op with k and v repeated to q's

@@ -65,6 +65,7 @@ class _Scores:
         self.axis = axis     # the softmax axis of the walk's first value
         self.steps = []      # (node, kind, payload), from the softmax input back
         self.qk = None
+        self.weak_fill = None  # a where(mask, s, c) met whose c is above the boolean-mask bound
 
     def _axis_here(self):
         """The softmax axis at the value the walk has reached (the layout steps undone)."""
@@ -137,6 +138,8 @@ class _Scores:
             pred, no, yes = node.ins
             for s, c, negate in ((yes, no, False), (no, yes, True)):
                 fill = g.scalar(c)
+                if fill is not None and fill > M.big_negative(c.dtype) and s.shape == ref.shape:
+                    self.weak_fill = fill
                 if fill is not None and fill <= M.big_negative(c.dtype) and s.shape == ref.shape:
                     self.steps.append((node, "select", (pred, fill, negate)))
                     if self.walk(s, depth + 1):
@@ -227,6 +230,10 @@ class _Attn:
         self.sm, self.post = sm, post[::-1]
         scores = _Scores(g, sm.axis)
         if not scores.walk(sm.x):
+            if scores.weak_fill is not None and scores.qk is None:
+                self.near_miss = (f"where(mask, scores, {scores.weak_fill:g}): a fill above -1e4 leaves the hidden keys "
+                                  f"some weight (exp(fill - max) need not underflow), which the fused op's mask would "
+                                  f"drop; fill with -1e9, finfo.min or -inf to fuse it", ("fill", id(sm.x)))
             return False
         self.steps = scores.steps[::-1]
         return self.qk_labels(scores.qk) and self.chain() and self.pv()
