@@ -539,6 +539,20 @@ def test_scores_scaled_at_run_time_over_both_sides_or_after_a_mask_are_near_miss
         assert_same(f, (*_qkv(), t), argnums=(0, 1, 2, 3))
 
 
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "gqa"])
+def test_dot_product_attention_causal_at_large_shapes(kv_heads):
+    """jax.nn.dot_product_attention(is_causal=True) with grouped k and v ands its triangle
+    with an all-True broadcast of the scores' shape; past 2^22 elements that broadcast was
+    not evaluated, so the triangle went in as a general boolean mask of that shape (found
+    on the H200: B 4, S 2048 ran the masked path). The ungrouped form too. Only traced
+    here (explain)."""
+    shape = (4, 1024, 4, 8)
+    args = (jnp.zeros(shape), jnp.zeros(shape[:2] + (kv_heads, 8)), jnp.zeros(shape[:2] + (kv_heads, 8)))
+    report = jaxsub.explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                       implementation="xla"), *args)
+    assert report.totals == {"attention": 1} and "causal" in str(report) and "boolean mask" not in str(report), str(report)
+
+
 def test_weak_where_fill_is_a_near_miss_saying_so():
     """where(mask, s, -5e3): the hidden keys keep a weight (the fill is not a boolean mask's),
     so only the softmax fuses; explain said nothing (found by fuzzing)."""

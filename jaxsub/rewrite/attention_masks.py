@@ -142,6 +142,14 @@ class Mask:
 
 
 def _all_true(g, ref):
+    """Whether ref is a constant all-True mask. A broadcast (or reshape) of one is followed
+    back to its source, which `constant` evaluates even where the broadcast is past its
+    size limit (jax.nn.dot_product_attention's [B, H, Sq, Sk] ones at long sequences)."""
+    for _ in range(8):
+        node = g.producer.get(ref)
+        if node is None or node.prim not in ("broadcast_in_dim", "reshape") or ref.dtype != np.bool_:
+            break
+        ref = node.ins[0]
     val = constant(g, ref, {})
     return val is not None and val.dtype == np.bool_ and bool(val.all())
 
