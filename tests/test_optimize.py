@@ -106,14 +106,23 @@ def ln_pow_div(x, s, b):
     return (x - m) / jnp.power(jnp.var(x, -1, keepdims=True) + 1e-5, 0.5) * s + b
 
 
+def ln_reciprocal_sum_times(x, s, b):
+    """jnp.reciprocal(jnp.sqrt(var + eps)), and the mean as (1 / N) * sum (found by fuzzing:
+    not matched)."""
+    m = (1.0 / x.shape[-1]) * x.sum(-1, keepdims=True)
+    return (x - m) * jnp.reciprocal(jnp.sqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)) * s + b
+
+
 def ln_no_params(x):
     return (x - x.mean(-1, keepdims=True)) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
 
 
 @pytest.mark.parametrize("fn,dtype", [(ln_two_pass, jnp.float32), (ln_fast_upcast, jnp.bfloat16),
                                       (ln_fast_upcast, jnp.float32), (ln_var_recip, jnp.float32),
-                                      (ln_pow, jnp.float32), (ln_pow_div, jnp.float32)],
-                         ids=["two_pass", "fast_upcast_bf16", "fast_f32", "var_recip", "pow", "pow_div"])
+                                      (ln_pow, jnp.float32), (ln_pow_div, jnp.float32),
+                                      (ln_reciprocal_sum_times, jnp.float32)],
+                         ids=["two_pass", "fast_upcast_bf16", "fast_f32", "var_recip", "pow", "pow_div",
+                              "reciprocal_sum_times"])
 def test_hand_written_layer_norm(fn, dtype):
     args = (_normal(0, (6, N), dtype), _normal(1, (N,)), _normal(2, (N,)))
     _assert_same(fn, args, dtype, argnums=(0, 1, 2))
@@ -242,6 +251,20 @@ def test_a_broadcast_dropout_before_the_residual_is_a_near_miss_saying_so():
         assert [e.pattern for e in report.near_misses] == [pattern], str(report)
         assert why in report.near_misses[0].detail and "Hint" not in str(report), str(report)
         assert float(jnp.abs(jaxsub.optimize(f)(x, w) - f(x, w)).max()) <= 1e-5
+
+    # The mask broadcast by where itself (keep[:, None]), and by jax.vmap with a shared key:
+    # the where's zero branch had used up the walk to the bernoulli (found by fuzzing).
+    def by_where(x, w):
+        keep = jax.random.bernoulli(key, 0.9, (x.shape[0], x.shape[2]))
+        return ln_two_pass(x + jnp.where(keep[:, None], (x @ w + b) / 0.9, 0), s, b)
+
+    def row(x, k):
+        return ln_two_pass(x + jnp.where(jax.random.bernoulli(k, 0.9, x.shape[-1:]), x / 0.9, 0), s, b)
+
+    by_vmap = lambda x, w: jax.vmap(row, in_axes=(0, None))(x[0], key)  # noqa: E731
+    for f, shape in ((by_where, f"[2, {N}] is broadcast"), (by_vmap, f"bool[{N}] is broadcast")):
+        report = jaxsub.explain(f, x, w)
+        assert any(shape in e.detail for e in report.near_misses), str(report)
 
 
 # ---------------------------------------------------------------------------------------
@@ -519,6 +542,34 @@ def test_hand_written_gelu_formulas():
     _expect(not_gelu, args)
     _expect(quick_gelu, args)
     _expect(gelu_beyond_six, args)
+
+
+def test_custom_jvp_closing_over_a_traced_value_with_nothing_matched():
+    """A custom_jvp whose rule closes over fn's traced argument, or takes an array as a
+    nondiff argument: jax.grad(optimize(fn)) raised UnexpectedTracerError, replaying the
+    jaxpr's call whose rule held the trace's tracers (found by both fuzzers; JAX's own
+    grad(jit(fn)) fails too). With nothing to rewrite, fn itself runs in the transform."""
+    def closing(x, c):
+        @jax.custom_jvp
+        def f(x):
+            return jnp.sin(x) * c
+
+        @f.defjvp
+        def f_jvp(primals, tangents):
+            (x,), (t,) = primals, tangents
+            return f(x), jnp.cos(x) * c * t
+
+        return f(x)
+
+    nondiff = jax.custom_jvp(lambda x, m: jnp.sin(x) * m, nondiff_argnums=(1,))
+    nondiff.defjvp(lambda m, p, t: (nondiff(p[0], m), jnp.cos(p[0]) * m * t[0]))
+    x, c = _normal(0, (3, 4)), _normal(1, (3, 1))
+    for fn in (closing, nondiff):
+        assert not jaxsub.explain(fn, x, c).matches
+        want = jax.grad(lambda *a: fn(*a).sum())(x, c)
+        for got in (jax.grad(lambda *a: jaxsub.optimize(fn)(*a).sum())(x, c),
+                    jax.jit(jax.grad(lambda *a: jaxsub.optimize(fn)(*a).sum()))(x, c)):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

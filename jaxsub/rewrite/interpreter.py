@@ -185,6 +185,11 @@ class Traced:
     eager: object = None
 
 
+def _rewrites(plan) -> bool:
+    """Whether the plan rewrites anything, in the graph or in a scan/remat body."""
+    return bool(plan.at) or any(_rewrites(sub) for sub in plan.sub.values())
+
+
 def _abstract(leaf):
     aval = jax.typeof(leaf) if hasattr(jax, "typeof") else jax.core.get_aval(leaf)
     # Inside shard_map a value's type also says which mesh axes it varies over: the trace
@@ -355,6 +360,12 @@ class Optimized:
     def _call_flat(self, args, kwargs):
         traced, leaves = self.specialize(args, kwargs)
         if traced.closes_over_tracers or any(isinstance(x, jax.core.Tracer) for x in leaves):
+            if not _rewrites(traced.plan):
+                # Nothing to rewrite: fn itself, traced by the caller's transformation. The
+                # replayed jaxpr would be the same program, but a custom_jvp rule in it that
+                # closes over fn's traced values would meet stale tracers when differentiated
+                # (as under jax.grad(jax.jit(fn))).
+                return self.fn(*args, **kwargs)
             outs = self._run(traced, leaves)  # inside the caller's trace (jit, grad, vmap)
         else:
             # Called outside any trace: the rewritten program runs compiled, once per

@@ -153,7 +153,7 @@ def drawn_mask(g: G.Graph, ref):
     if node is None:
         return None
     todo = list(node.ins)
-    for _ in range(8):
+    for _ in range(32):  # jnp.where's zero branch (converts, broadcasts) is walked first
         if not todo:
             break
         n = g.producer.get(todo.pop())

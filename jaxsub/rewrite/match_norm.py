@@ -50,15 +50,19 @@ def _mean(g, ref):
     if down is not None and base.dtype in ACTIVATION_DTYPES and down.ins[0].dtype == F32:
         base, row_f32 = strip_row(g, down.ins[0])
         trip = [down, *row_f32]
-    div = g.op(base, "div")
+    div = g.op(base, "div", "mul")  # sum / N, or sum * (1 / N)
     if div is None:
         return None
-    total, row2 = strip_row(g, div.ins[0])
+    summed, factor = div.ins
+    if div.prim == "mul" and g.scalar(summed) is not None:
+        summed, factor = factor, summed
+    total, row2 = strip_row(g, summed)
     red = g.op(total, "reduce_sum")
     if red is None:
         return None
     x, axes = red.ins[0], tuple(red.params["axes"])
-    if g.scalar(div.ins[1]) != float(math.prod(x.shape[a] for a in axes)):
+    n, c = float(math.prod(x.shape[a] for a in axes)), g.scalar(factor)
+    if c is None or (c != n if div.prim == "div" else abs(c * n - 1.0) > 1e-6):
         return None
     if trip:
         up = g.op(x, "convert_element_type")
@@ -178,8 +182,10 @@ def _inv_std(g, ref, sign):
         return node.ins[0], [*row, node]
     if node.prim == "pow" and g.scalar(node.ins[1]) == -0.5 * sign:  # (var + eps) ** -0.5 or ** 0.5
         return node.ins[0], [*row, node]
-    if sign > 0 and node.prim == "div" and g.scalar(node.ins[0]) == 1.0:
-        root = g.op(node.ins[1], "sqrt", "pow")
+    reciprocal = (node.prim == "div" and g.scalar(node.ins[0]) == 1.0) or (
+        node.prim == "integer_pow" and node.params["y"] == -1)  # 1 / sqrt, jnp.reciprocal(sqrt)
+    if sign > 0 and reciprocal:
+        root = g.op(node.ins[-1], "sqrt", "pow")
         if root is not None and (root.prim == "sqrt" or g.scalar(root.ins[1]) == 0.5):
             return root.ins[0], [*row, node, root]
     return None
