@@ -77,8 +77,8 @@ def relayout(x, labels, target, sizes, full=False):
         parts = groups.get(t, (t,))
         n = len(parts)
         if t in groups and (full or any(l in labels for l in parts)):
-            full = (*x.shape[:at], *(sizes[l] for l in parts), *x.shape[at + n:])
-            x = (np if isinstance(x, np.ndarray) else jnp).broadcast_to(x, full)
+            whole = (*x.shape[:at], *(sizes[l] for l in parts), *x.shape[at + n:])
+            x = (np if isinstance(x, np.ndarray) else jnp).broadcast_to(x, whole)
         shape.append(math.prod(x.shape[at:at + n]))
         at += n
     return x.reshape(tuple(shape)) if tuple(shape) != x.shape else x
