@@ -553,6 +553,21 @@ def test_dot_product_attention_causal_at_large_shapes(kv_heads):
     assert report.totals == {"attention": 1} and "causal" in str(report) and "boolean mask" not in str(report), str(report)
 
 
+def test_causal_triangle_at_4096_keys():
+    """jnp.tril at S 4096 (16M elements) was past the constant evaluator's 2^22 limit: the
+    triangle went in as a boolean mask, the fused kernels' masked path (found after the
+    large-shape GQA case). Only traced here (explain)."""
+    S4 = 4096
+
+    def attn(q, k, v):
+        s = jnp.where(jnp.tril(jnp.ones((S4, S4), bool)), jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    a = jnp.zeros((1, S4, 1, 8), jnp.bfloat16)
+    report = jaxsub.explain(attn, a, a, a)
+    assert "causal" in str(report) and "boolean mask" not in str(report), str(report)
+
+
 def test_weak_where_fill_is_a_near_miss_saying_so():
     """where(mask, s, -5e3): the hidden keys keep a weight (the fill is not a boolean mask's),
     so only the softmax fuses; explain said nothing (found by fuzzing)."""

@@ -19,7 +19,10 @@ from jaxsub.rewrite.patterns import narrow, rounded
 # or at most its rounding where c is a bf16/f16 constant (-1e4 is -9984 in bf16: HF GPT-2's
 # `masked_bias`), `big_negative`.
 _BIG_NEGATIVE = -1e4
-_MAX_CONSTANT = 1 << 22
+# Constant masks are evaluated whole, up to this many elements: a causal triangle up to
+# S 8192 (at S 8192 ~1 s of tracing per attention and ~0.6 GB of index arrays; beyond it
+# a triangle goes in as a boolean mask).
+_MAX_CONSTANT = 1 << 26
 _CONSTANT_OPS = frozenset({"iota", "broadcast_in_dim", "reshape", "transpose", "convert_element_type",
                            "ge", "gt", "le", "lt", "eq", "ne", "and", "or", "not", "select_n",
                            "add", "sub", "mul", "squeeze", "expand_dims"})
