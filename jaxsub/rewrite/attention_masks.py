@@ -27,6 +27,7 @@ _CONSTANT_OPS = frozenset({"iota", "broadcast_in_dim", "reshape", "transpose", "
                            "ge", "gt", "le", "lt", "eq", "ne", "and", "or", "not", "select_n",
                            "add", "sub", "mul", "squeeze", "expand_dims"})
 
+
 def constant(g: G.Graph, ref, memo):
     """The value of `ref` when it is computed from constants alone (iota, literals)."""
     if ref.value is not None:
@@ -174,6 +175,7 @@ def mask_source(g, ref, labels):
             break
         ref, labels = node.ins[0], back
     return ref, labels
+
 
 def builder(masks, sizes):
     """read -> the one mask `attention` takes: booleans and-ed; additive masks summed, with

@@ -19,6 +19,7 @@ import numpy as np
 LAYOUT = ("transpose", "reshape", "squeeze", "broadcast_in_dim", "convert_element_type")
 UNIT_OPS = ("reshape", "squeeze", "broadcast_in_dim")
 
+
 def nonunit(shape):
     return tuple(d for d in shape if d != 1)
 
