@@ -550,7 +550,8 @@ def test_dot_product_attention_causal_at_large_shapes(kv_heads):
     args = (jnp.zeros(shape), jnp.zeros(shape[:2] + (kv_heads, 8)), jnp.zeros(shape[:2] + (kv_heads, 8)))
     report = jaxsub.explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                        implementation="xla"), *args)
-    assert report.totals == {"attention": 1} and "causal" in str(report) and "boolean mask" not in str(report), str(report)
+    assert report.totals == {"attention": 1}, str(report)
+    assert "causal" in str(report) and "boolean mask" not in str(report), str(report)
 
 
 def test_causal_triangle_at_4096_keys():

@@ -231,9 +231,9 @@ class _Attn:
         scores = _Scores(g, sm.axis)
         if not scores.walk(sm.x):
             if scores.weak_fill is not None and scores.qk is None:
-                self.near_miss = (f"where(mask, scores, {scores.weak_fill:g}): a fill above -1e4 leaves the hidden keys "
-                                  f"some weight (exp(fill - max) need not underflow), which the fused op's mask would "
-                                  f"drop; fill with -1e9, finfo.min or -inf to fuse it", ("fill", id(sm.x)))
+                self.near_miss = (f"where(mask, scores, {scores.weak_fill:g}): a fill above -1e4 leaves the hidden "
+                                  f"keys some weight (exp(fill - max) need not underflow), which the fused op's mask "
+                                  f"would drop; fill with -1e9, finfo.min or -inf to fuse it", ("fill", id(sm.x)))
             return False
         self.steps = scores.steps[::-1]
         return self.qk_labels(scores.qk) and self.chain() and self.pv()
@@ -363,7 +363,8 @@ class _Attn:
         if len(pc) != 1 or not L.is_label(pl[pc[0]], "k", sizes) or v.dtype != self.q.dtype:
             return False
         pfree = [d for d in range(len(p.shape)) if d not in pb and d not in pc]
-        if not all(pl[d] is None or L.is_batch(pl[d]) or pl[d] == "g" for d in pb) or not all(pl[d] in ("q", "g", None) for d in pfree):
+        if (not all(pl[d] is None or L.is_batch(pl[d]) or pl[d] == "g" for d in pb)
+                or not all(pl[d] in ("q", "g", None) for d in pfree)):
             return False
         vl = [None] * len(v.shape)
         for dp, dv in zip(pb, vb):

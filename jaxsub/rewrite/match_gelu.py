@@ -181,7 +181,9 @@ def match_bias_gelu_dropout(g, anchor, options):
     if gelu is None:
         return None
     x, bias, approximate, nodes = gelu
-    if x.dtype not in ACTIVATION_DTYPES or x.dtype != out.dtype or (bias is not None and bias.dtype not in (x.dtype, F32)):
+    if x.dtype not in ACTIVATION_DTYPES or x.dtype != out.dtype:
+        return None
+    if bias is not None and bias.dtype not in (x.dtype, F32):
         return None
     if not nodes:  # the GELU's input is its output: no GELU
         return None
@@ -201,6 +203,7 @@ def match_bias_gelu_dropout(g, anchor, options):
         return [ops.bias_gelu_dropout(xv, b, rate=rate, key=key, approximate=approximate)]
 
     kind = "tanh" if approximate else "exact"
-    desc = f"x {shapes(x)}, {kind} GELU" + (", no bias (a zero bias)" if bias is None else "") + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
+    desc = (f"x {shapes(x)}, {kind} GELU" + (", no bias (a zero bias)" if bias is None else "")
+            + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout"))
     return Match(BGD, anchor, nodes if anchor in nodes else [anchor, *nodes],
                  dict(x=x, bias=bias, key=drop.key if drop else None), build, desc)
