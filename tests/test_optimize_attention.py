@@ -569,6 +569,20 @@ def test_causal_triangle_at_4096_keys():
     assert "causal" in str(report) and "boolean mask" not in str(report), str(report)
 
 
+def test_relayout_broadcasts_only_the_folds_a_mask_varies_over():
+    """A mask over the folded batch axes but not the heads stays a unit head axis (a
+    shadowed name had broadcast every fold after the first; found by the GQA fuzzer); k,
+    with `full`, is repeated over the query groups."""
+    from jaxsub.rewrite import labels
+
+    sizes = {"a0": 2, "a1": 3, "hk": 3, "g": 2, "q": 4, "k": 5, "d": 8}
+    mask = np.ones((2, 4, 5), bool)
+    assert labels.relayout(mask, ("a0", "q", "k"), "bhqk", sizes).shape == (6, 1, 4, 5)
+    k = np.arange(2 * 3 * 5 * 3 * 8).reshape(2, 3, 5, 3, 8)
+    rep = labels.relayout(k, ("a0", "a1", "k", "hk", "d"), "bkhd", sizes, full=True)
+    np.testing.assert_array_equal(rep, np.repeat(k.reshape(6, 5, 3, 8), 2, axis=2))
+
+
 def test_weak_where_fill_is_a_near_miss_saying_so():
     """where(mask, s, -5e3): the hidden keys keep a weight (the fill is not a boolean mask's),
     so only the softmax fuses; explain said nothing (found by fuzzing)."""
