@@ -230,7 +230,7 @@ class _Attn:
         self.sm, self.post = sm, post[::-1]
         scores = _Scores(g, sm.axis)
         if not scores.walk(sm.x):
-            if scores.weak_fill is not None and scores.qk is None:
+            if scores.weak_fill is not None:
                 self.near_miss = (f"where(mask, scores, {scores.weak_fill:g}): a fill above -1e4 leaves the hidden "
                                   f"keys some weight (exp(fill - max) need not underflow), which the fused op's mask "
                                   f"would drop; fill with -1e9, finfo.min or -inf to fuse it", ("fill", id(sm.x)))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsub.rewrite import graph as G
+from jaxsub.rewrite.labels import nonunit
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 F32 = jnp.dtype(jnp.float32)
@@ -191,10 +192,6 @@ def same_constant(c: float, value: float, dtype) -> bool:
     return c in rounded(value, dtype)
 
 
-def _nonunit(shape):
-    return tuple(d for d in shape if d != 1)
-
-
 def unit_view(g: G.Graph, ref):
     """(source, node) when `ref` is a reshape or broadcast_in_dim of `source` that only adds
     or drops axes of length 1, in order (keepdims and its inverse), else None."""
@@ -202,7 +199,7 @@ def unit_view(g: G.Graph, ref):
     if node is None or len(node.ins) != 1:
         return None
     src = node.ins[0]
-    if _nonunit(src.shape) != _nonunit(ref.shape):
+    if nonunit(src.shape) != nonunit(ref.shape):
         return None
     dims = node.params.get("broadcast_dimensions") if node.prim == "broadcast_in_dim" else None
     if dims is not None and list(dims) != sorted(dims):
@@ -221,7 +218,7 @@ def strip_row(g: G.Graph, ref):
             return ref, nodes
         src, out = node.ins[0], node.outs[0]
         along_last = (node.prim == "broadcast_in_dim" and len(out.shape) >= 1
-                      and _nonunit(src.shape) == _nonunit(out.shape[:-1])
+                      and nonunit(src.shape) == nonunit(out.shape[:-1])
                       and tuple(node.params["broadcast_dimensions"]) == tuple(range(len(src.shape)))
                       and src.shape[-1:] == (1,))
         if view is None and not along_last:
@@ -254,7 +251,7 @@ def strip_vec(g: G.Graph, ref, n: int, upcast: bool = False):
             ref = node.ins[0]
             continue
         src = node.ins[0]
-        if not src.shape or src.shape[-1] != n or _nonunit(src.shape) != (n,):
+        if not src.shape or src.shape[-1] != n or nonunit(src.shape) != (n,):
             return None
         if node.prim == "broadcast_in_dim" and node.params["broadcast_dimensions"][-1] != len(ref.shape) - 1:
             return None
