@@ -437,11 +437,37 @@ def test_bad_inputs_raise_naming_op_and_argument(name, kwargs, exc, arg, impleme
     assert arg in str(info.value)
 
 
-def test_fewer_key_heads_says_how_to_group():
-    """Grouped-query attention (fewer k/v heads) is not fused: the error says how to repeat."""
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("h,h_kv,mask_kind,causal,rate", [
+    (4, 2, None, False, 0.0), (6, 3, "padding", True, 0.1), (3, 1, "additive", False, 0.2),
+    (4, 4, "headkeys", True, 0.1)])
+def test_grouped_query_attention(h, h_kv, mask_kind, causal, rate, implementation):
+    """k and v with fewer heads than q (grouped-query; one: multi-query): output and
+    gradients against jax.nn.dot_product_attention's grouping (no dropout, f32) and the
+    float64 reference (dropout: `dropout_mask` over q's heads); dk and dv have k's heads."""
+    b, sq, sk, d = 2, 7, 9, 8
+    q, k, v, dout = qkv(311 + h * 10 + h_kv, b, sq, sk, h, d, F32)
+    k, v = k[:, :, :h_kv], v[:, :, :h_kv]
+    mask = make_mask(mask_kind, 5, b, h, sq, sk)
+    key = jax.random.key(7)
+    got = run_vjp_jit(q, k, v, dout, mask, key, causal=causal, rate=rate, implementation=implementation)
+    assert [g.shape for g in got] == [q.shape, q.shape, k.shape, v.shape]
+    want = reference_vjp_f64(q, k, v, dout, mask, keep_mask(key, b, h, sq, sk, rate), causal=causal, rate=rate)
+    check_against_reference(got, want, F32, sq, sk, d)
+    if rate == 0.0 and mask_kind is None:
+        def dpa(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+        out, vjp = jax.vjp(dpa, q, k, v)
+        for g, w in zip(got, (out, *vjp(dout))):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+def test_key_heads_must_divide_query_heads():
     q, k, v, _ = qkv(5, 2, 7, 7, 4, 8, F32)
-    with pytest.raises(ValueError, match=r"`k` must have q's H \(4\).*jnp.repeat\(k, 2, axis=2\)"):
-        jaxsub.ops.attention(q, k[:, :, :2], v[:, :, :2])
+    with pytest.raises(ValueError, match=r"jaxsub.attention: `k`'s heads \(3\) must divide q's \(4\)"):
+        jaxsub.ops.attention(q, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(ValueError, match=r"jaxsub.attention: `v` must have k's shape"):
+        jaxsub.ops.attention(q, k[:, :, :2], v)
 
 
 def test_traced_scale_is_a_type_error():
@@ -542,8 +568,11 @@ class TestCuda:
     same Philox mask). "fused" must run the CUDA fused kernel, not a fallback."""
 
     @staticmethod
-    def _cuda_vs_cpu(b, sq, sk, h, d, *, causal, rate, implementation, dtype=BF16, mask_kind=None, seed=121):
+    def _cuda_vs_cpu(b, sq, sk, h, d, *, causal, rate, implementation, dtype=BF16, mask_kind=None, seed=121,
+                     h_kv=None):
         q, k, v, dout = qkv(seed, b, sq, sk, h, d, dtype)
+        k, v = k[:, :, :h_kv], v[:, :, :h_kv]  # grouped-query attention where h_kv < h
+        groups = h // k.shape[2]  # dk and dv sum over the group's queries
         mask = make_mask(mask_kind, seed + 1, b, h, sq, sk)
         key = jax.random.key(seed + 2)
         run = jax.jit(lambda q, k, v, dout, mask, key: run_vjp(q, k, v, dout, mask, key, causal=causal, rate=rate,
@@ -556,7 +585,8 @@ class TestCuda:
         got = run(*jax.device_put(args, jax.devices()[0]))
         assert all(g.devices() == {jax.devices()[0]} for g in got)
         # out and dq reduce over keys, dk and dv over queries.
-        for name, g, w, n in zip(("out", "dq", "dk", "dv"), got, want, (sk, sk, sq, sq)):
+        for name, g, w, n in zip(("out", "dq", "dk", "dv"), got, want, (sk, sk, sq * groups, sq * groups)):
+            assert g.shape == w.shape
             assert_close(g, w, dtype, reduction=n, grad=name != "out", what=f"{implementation} {name}")
 
     @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -567,6 +597,10 @@ class TestCuda:
     @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
     def test_long_causal_d128_matches_cpu(self, implementation):
         self._cuda_vs_cpu(1, 2048, 2048, 4, 128, causal=True, rate=0.1, implementation=implementation)
+
+    def test_grouped_query_matches_cpu(self):
+        """Eight q heads over two k/v heads, causal, dropout, D 128."""
+        self._cuda_vs_cpu(2, 300, 300, 8, 128, causal=True, rate=0.1, implementation="fused", h_kv=2)
 
     @pytest.fixture(params=["sm90", "mma"])
     def fwd_kernel(self, request, monkeypatch):

@@ -554,33 +554,105 @@ def test_dot_product_attention_causal_at_large_shapes(kv_heads):
     assert "causal" in str(report) and "boolean mask" not in str(report), str(report)
 
 
-def test_causal_triangle_at_4096_keys():
-    """jnp.tril at S 4096 (16M elements) was past the constant evaluator's 2^22 limit: the
-    triangle went in as a boolean mask, the fused kernels' masked path (found after the
-    large-shape GQA case). Only traced here (explain)."""
-    S4 = 4096
+_LONG_MASKS = {
+    "tril": lambda n: jnp.tril(jnp.ones((n, n), bool)),
+    "flax": lambda n: nn.make_causal_mask(jnp.ones((1, n))),
+    "iota-upper": lambda n: ~(jnp.arange(n)[None, :] > jnp.arange(n)[:, None]),
+    "shifted": lambda n: jnp.arange(n)[None, :] <= jnp.arange(n)[:, None] + 1,
+    "window": lambda n: (jnp.arange(n)[None, :] <= jnp.arange(n)[:, None])
+    & (jnp.arange(n)[None, :] > jnp.arange(n)[:, None] - n // 4),
+}
+
+
+@pytest.mark.parametrize("n", [4096, 32768])
+@pytest.mark.parametrize("name", list(_LONG_MASKS))
+def test_triangle_at_long_sequences(name, n):
+    """Constant masks are evaluated in broadcast form, the triangle's comparison of a query
+    iota with a key iota kept lazy and checked per query: jnp.tril, flax's causal mask and
+    an iota comparison are causal at S 32768 (the whole-array evaluator stopped at 2^26
+    elements, S 8192, and took ~1 s there: the triangle went in as a boolean mask). A
+    diagonal one off and a sliding window are not causal. Only traced here (explain)."""
+    causal = name not in ("shifted", "window")
 
     def attn(q, k, v):
-        s = jnp.where(jnp.tril(jnp.ones((S4, S4), bool)), jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9)
+        m = _LONG_MASKS[name](n)
+        s = jnp.where(m, jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
 
-    a = jnp.zeros((1, S4, 1, 8), jnp.bfloat16)
-    report = jaxsub.explain(attn, a, a, a)
-    assert "causal" in str(report) and "boolean mask" not in str(report), str(report)
+    a = jnp.zeros((1, n, 1, 8), jnp.bfloat16)
+    report = str(jaxsub.explain(attn, a, a, a))
+    assert "attention" in report and ("causal" in report) == causal, report
+    assert ("boolean mask" in report) == (not causal), report
+
+
+def test_lazy_triangle_check_decides_as_the_whole_one(monkeypatch):
+    """The lazy comparison's per-query check, forced at a small S (every comparison lazy),
+    decides as the whole-array one: values and gradients equal the original."""
+    from jaxsub.rewrite import constants
+
+    monkeypatch.setattr(constants, "_EAGER", 0)
+    for name, causal in (("tril", True), ("flax", True), ("shifted", False), ("window", False)):
+        def attn(q, k, v, name=name):
+            s = jnp.where(_LONG_MASKS[name](S), jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9)
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+        report = str(jaxsub.explain(attn, *_qkv()))
+        assert ("causal" in report) == causal, (name, report)
+        assert_same(attn, _qkv(), argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("spelling", ["where-inf", "one-minus", "finfo-min", "small-fill", "shifted-values", "upper",
+                                      "above-hidden"])
+def test_additive_triangle_spellings(spelling, lazy, monkeypatch):
+    """An additive mask that is 0 on the triangle and a big negative above it (where(tril,
+    0, -inf), (1 - tril) * -1e9, HF's (1 - mask) * finfo.min) is causal=True; it went in as
+    an additive [S, S] mask. A fill of -100 (hidden keys keep a weight), visible values of
+    1 (not 0) and the upper triangle stay additive masks; where(triu(1), -1e9, 0) is causal
+    (jnp.triu's select makes a negated comparison, which the lazy form read the wrong way
+    round in a select: found by fuzzing). Values and gradients equal the original's, also with every comparison
+    kept lazy (as past 2^20 elements)."""
+    from jaxsub.rewrite import constants
+
+    if lazy:
+        monkeypatch.setattr(constants, "_EAGER", 0)
+    tril = lambda: jnp.tril(jnp.ones((S, S), bool))  # noqa: E731
+    masks = {
+        "where-inf": lambda: jnp.where(tril(), 0.0, -jnp.inf),
+        "one-minus": lambda: (1.0 - tril().astype(jnp.float32)) * -1e9,
+        "finfo-min": lambda: (1.0 - tril().astype(jnp.float32)) * jnp.finfo(jnp.float32).min,
+        "small-fill": lambda: jnp.where(tril(), 0.0, -100.0),
+        "shifted-values": lambda: jnp.where(tril(), 1.0, -1e9),
+        "upper": lambda: jnp.where(jnp.triu(jnp.ones((S, S), bool)), 0.0, -1e9),
+        "above-hidden": lambda: jnp.where(jnp.triu(jnp.ones((S, S), bool), 1), -1e9, 0.0),
+    }
+    causal = spelling not in ("small-fill", "shifted-values", "upper")
+
+    def attn(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5 + masks[spelling]()
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    report = str(jaxsub.explain(attn, *_qkv()))
+    assert dict(jaxsub.explain(attn, *_qkv()).totals) == {"attention": 1}, report
+    assert ("causal" in report) == causal and ("additive mask" in report) == (not causal), report
+    assert_same(attn, _qkv(), argnums=(0, 1, 2))
 
 
 def test_relayout_broadcasts_only_the_folds_a_mask_varies_over():
     """A mask over the folded batch axes but not the heads stays a unit head axis (a
     shadowed name had broadcast every fold after the first; found by the GQA fuzzer); k,
-    with `full`, is repeated over the query groups."""
+    with `kv`, keeps its own heads (the op groups q's heads over them) and is broadcast over
+    the folded batch axes it lacks."""
     from jaxsub.rewrite import labels
 
     sizes = {"a0": 2, "a1": 3, "hk": 3, "g": 2, "q": 4, "k": 5, "d": 8}
     mask = np.ones((2, 4, 5), bool)
     assert labels.relayout(mask, ("a0", "q", "k"), "bhqk", sizes).shape == (6, 1, 4, 5)
     k = np.arange(2 * 3 * 5 * 3 * 8).reshape(2, 3, 5, 3, 8)
-    rep = labels.relayout(k, ("a0", "a1", "k", "hk", "d"), "bkhd", sizes, full=True)
-    np.testing.assert_array_equal(rep, np.repeat(k.reshape(6, 5, 3, 8), 2, axis=2))
+    out = labels.relayout(k, ("a0", "a1", "k", "hk", "d"), "bkhd", sizes, kv=True)
+    np.testing.assert_array_equal(out, k.reshape(6, 5, 3, 8))
+    shared = labels.relayout(k[0], ("a1", "k", "hk", "d"), "bkhd", sizes, kv=True)  # the same k for each a0
+    np.testing.assert_array_equal(shared, np.broadcast_to(k[0], (2, 3, 5, 3, 8)).reshape(6, 5, 3, 8))
 
 
 def test_weak_where_fill_is_a_near_miss_saying_so():
@@ -596,10 +668,10 @@ def test_weak_where_fill_is_a_near_miss_saying_so():
     assert_same(weak, (*_qkv(), _padding()), argnums=(0, 1, 2))
 
 
-def test_grouped_query_attention_fuses_with_k_and_v_repeated():
+def test_grouped_query_attention_fuses():
     """k and v with fewer heads than q (jax.nn.dot_product_attention's grouped form, a
-    grouped einsum as MaxText writes it, multi-query): the op with k and v repeated to q's
-    heads. They had been near-misses (before that, not fused without a word). q's two free
+    grouped einsum as MaxText writes it, multi-query): the op with k and v of their own
+    heads (grouped-query `ops.attention`). They had been near-misses (before that, not fused without a word). q's two free
     axes are told apart by the masks: causal is found whichever of them comes first."""
     kv_heads = H // 2
     q = _normal(0, (B, S, H, D))
@@ -626,7 +698,8 @@ def test_grouped_query_attention_fuses_with_k_and_v_repeated():
     for f, causal in ((grouped, True), (multi_query, False), (dpa, True), (dpa_unmasked, False)):
         report = _check(f, (q, k, v), {"attention": 1})
         groups = H if f is multi_query else H // kv_heads
-        assert f"repeated over {groups} query groups to q's {H} heads" in str(report), str(report)
+        want = f"grouped-query: {groups} query groups over k and v's heads (q's {H} heads)"
+        assert want in str(report), str(report)
         assert ("causal" in str(report)) == causal, str(report)
 
     def dropped(q, k, v, key):

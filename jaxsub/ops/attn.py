@@ -66,12 +66,13 @@ def _visible(kind, mask4d, causal, sq, sk):
 def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=None, rate=0.0):
     """Pure-JAX attention: f32 compute (f64 when the inputs are f64), output in q.dtype.
 
-    q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; `mask` as in `attention`; `keep` is the boolean
-    keep-mask [B, H, Sq, Sk] (None = no dropout), kept probabilities scaled by
-    1 / (1 - rate). Rows with no visible key give zeros (and zero gradients), not NaN.
+    q: [B, Sq, H, D]; k, v: [B, Sk, H_kv, D] (H_kv dividing H, as in `attention`); `mask`
+    as in `attention`; `keep` is the boolean keep-mask [B, H, Sq, Sk] (None = no dropout),
+    kept probabilities scaled by 1 / (1 - rate). Rows with no visible key give zeros (and zero gradients), not NaN.
     """
     b, sq, h, d = q.shape
     sk = k.shape[1]
+    k, v = repeat_kv(q, k, v)
     cdt = _F64 if q.dtype == _F64 else _F32
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else float(scale)
     mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True)
@@ -457,16 +458,24 @@ def _check_inputs(q, k, v):
     for name, a in (("k", k), ("v", v)):
         if a.dtype != q.dtype:
             raise TypeError(f"jaxsub.{_OP}: `{name}` must have q's dtype ({q.dtype}), got {a.dtype}")
-    for axis, dim in ((0, "B"), (2, "H"), (3, "D")):
+    for axis, dim in ((0, "B"), (3, "D")):
         if k.shape[axis] != q.shape[axis]:
-            hint = ""
-            if dim == "H" and k.shape[2] and q.shape[2] % k.shape[2] == 0:
-                hint = (f" (grouped-query attention is not fused: repeat k and v over the groups, "
-                        f"jnp.repeat(k, {q.shape[2] // k.shape[2]}, axis=2))")
-            raise ValueError(f"jaxsub.{_OP}: `k` must have q's {dim} ({q.shape[axis]}), got shape {k.shape}{hint}")
+            raise ValueError(f"jaxsub.{_OP}: `k` must have q's {dim} ({q.shape[axis]}), got shape {k.shape}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"jaxsub.{_OP}: `k`'s heads ({k.shape[2]}) must divide q's ({q.shape[2]}): q's heads "
+                         f"in groups of H // H_kv per k/v head, got q {q.shape} and k {k.shape}")
     if v.shape != k.shape:
-        raise ValueError(f"jaxsub.{_OP}: `v` must have k's shape {k.shape} (same Sk), got {v.shape}")
+        raise ValueError(f"jaxsub.{_OP}: `v` must have k's shape {k.shape} (same Sk and heads), got {v.shape}")
     return q, k, v
+
+
+def repeat_kv(q, k, v):
+    """k and v repeated to q's heads (grouped-query attention): q head n reads k/v head
+    n // (H // H_kv), as jax.nn.dot_product_attention groups them."""
+    groups = q.shape[2] // k.shape[2]
+    if groups == 1:
+        return k, v
+    return jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
 
 
 def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0, key=None,
@@ -475,7 +484,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
 
     Args:
       q: queries [B, Sq, H, D]; float32, bfloat16 or float16.
-      k, v: keys and values [B, Sk, H, D], q's dtype, B, H and D.
+      k, v: keys and values [B, Sk, H_kv, D], q's dtype, B and D. H_kv = H is multi-head
+        attention; H_kv dividing H is grouped-query attention (H_kv = 1: multi-query), q head
+        n reading k/v head n // (H // H_kv) as in jax.nn.dot_product_attention. k and v are
+        then repeated to H heads (a copy of each) and their gradients summed over the groups.
       mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
         (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
         mask broadcastable to [B, H, Sq, Sk]. A 2-D mask of shape [B, Sk] (either kind)
@@ -513,6 +525,7 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       `dropout_mask(key, (B, H, Sq, Sk), dropout_rate)` is False, in both implementations.
     """
     q, k, v = _check_inputs(q, k, v)
+    k, v = repeat_kv(q, k, v)
     return _attention(_OP, q, k, v, None, mask, causal, scale, dropout_rate, key, implementation)
 
 

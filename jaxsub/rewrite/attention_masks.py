@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsub.rewrite import constants as C
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import labels as L
 from jaxsub.rewrite.patterns import narrow, rounded
@@ -19,32 +19,12 @@ from jaxsub.rewrite.patterns import narrow, rounded
 # or at most its rounding where c is a bf16/f16 constant (-1e4 is -9984 in bf16: HF GPT-2's
 # `masked_bias`), `big_negative`.
 _BIG_NEGATIVE = -1e4
-# Constant masks are evaluated whole, up to this many elements: a causal triangle up to
-# S 8192 (at S 8192 ~1 s of tracing per attention and ~0.6 GB of index arrays; beyond it
-# a triangle goes in as a boolean mask).
-_MAX_CONSTANT = 1 << 26
-_CONSTANT_OPS = frozenset({"iota", "broadcast_in_dim", "reshape", "transpose", "convert_element_type",
-                           "ge", "gt", "le", "lt", "eq", "ne", "and", "or", "not", "select_n",
-                           "add", "sub", "mul", "squeeze", "expand_dims"})
 
 
 def constant(g: G.Graph, ref, memo):
-    """The value of `ref` when it is computed from constants alone (iota, literals)."""
-    if ref.value is not None:
-        val = G.known(ref)
-        return None if val is None else np.asarray(val)
-    if ref in memo:
-        return memo[ref]
-    node = g.producer.get(ref)
-    val = None
-    if (node is not None and node.prim in _CONSTANT_OPS and len(node.outs) == 1
-            and np.prod(ref.shape, dtype=np.int64) <= _MAX_CONSTANT):
-        ins = [constant(g, r, memo) for r in node.ins]
-        if all(v is not None for v in ins):
-            with jax.ensure_compile_time_eval():
-                val = np.asarray(G.bind(node.eqn, ins)[0])
-    memo[ref] = val
-    return val
+    """The value of `ref` when it is computed from constants alone (iota, literals), in
+    compact form (`constants.value`: broadcastable to ref.shape, or a lazy comparison)."""
+    return C.value(g, ref, memo)
 
 
 # Below this fill, an added mask of unknown range is taken not to lift hidden scores (`lifted`).
@@ -57,8 +37,8 @@ def bounds(g: G.Graph, ref, depth: int = 0):
     of booleans, selects, sums, products and scales of bounded values), else None."""
     val = constant(g, ref, {})
     if val is not None:
-        val = np.asarray(val, np.float64)
-        return (float(val.min()), float(val.max())) if val.size else None
+        ends = C.span(val)
+        return None if ends is None else (float(ends[0]), float(ends[1]))
     node = g.producer.get(ref)
     if node is None or depth > 12 or len(node.outs) != 1:
         return None
@@ -146,16 +126,10 @@ class Mask:
 
 
 def _all_true(g, ref):
-    """Whether ref is a constant all-True mask. A broadcast (or reshape) of one is followed
-    back to its source, which `constant` evaluates even where the broadcast is past its
-    size limit (jax.nn.dot_product_attention's [B, H, Sq, Sk] ones at long sequences)."""
-    for _ in range(8):
-        node = g.producer.get(ref)
-        if node is None or node.prim not in ("broadcast_in_dim", "reshape") or ref.dtype != np.bool_:
-            break
-        ref = node.ins[0]
+    """Whether ref is a constant all-True mask (a broadcast one is evaluated in compact
+    form: jax.nn.dot_product_attention's [B, H, Sq, Sk] ones at any size)."""
     val = constant(g, ref, {})
-    return val is not None and val.dtype == np.bool_ and bool(val.all())
+    return val is not None and C.all_true(val)
 
 
 def mask_source(g, ref, labels):

@@ -58,13 +58,15 @@ def backward(node, labels):
     return None
 
 
-def relayout(x, labels, target, sizes, full=False):
+def relayout(x, labels, target, sizes, kv=False):
     """x (axes labelled `labels`, unlabelled ones of size 1) as the axes `target`; a target
     label x lacks becomes a unit axis. A target label that is folded (`folds`: "b" from
     the batch axes past two, "h" from the kv heads and the query groups of grouped-query
-    attention) is the product of its parts, broadcast over the parts x lacks (k and v
-    repeated to q's heads; `full`: over all of them, as k and v need, even where x has none);
-    an x axis with a folded label (the op's result) is split into its parts."""
+    attention) is the product of its parts, broadcast over the parts x lacks. `kv` (k and
+    v): "b" over all its parts, even where x has none, and "h" over none: k and v keep
+    their own heads (the kv heads, or one where they are shared), which `ops.attention`
+    groups q's heads over; an x axis with a folded label (the op's result) is split into
+    its parts."""
     groups = folds(sizes)
     for t, parts in groups.items():
         if t in labels:
@@ -77,7 +79,7 @@ def relayout(x, labels, target, sizes, full=False):
     for t in target:
         parts = groups.get(t, (t,))
         n = len(parts)
-        if t in groups and (full or any(l in labels for l in parts)):
+        if t in groups and (kv and t == "b" or not kv and any(l in labels for l in parts)):
             whole = (*x.shape[:at], *(sizes[l] for l in parts), *x.shape[at + n:])
             x = (np if isinstance(x, np.ndarray) else jnp).broadcast_to(x, whole)
         shape.append(math.prod(x.shape[at:at + n]))

@@ -5,8 +5,8 @@ becomes `jaxsub.ops.attention` whenever q, k and v can be viewed as [B, S, H, D]
 'bqhd,bkhd->bhqk', 'bhqd,bhkd->bhqk', jax.nn.dot_product_attention's grouped form, flax
 linen/nnx attention; a product with more batch axes, such as windowed attention on
 [B, W, H, N, D] or an attention under jax.vmap, has all but its last folded into B; with
-k and v of fewer heads than q, grouped- or multi-query attention, they are repeated to
-q's heads, labels.folds):
+k and v of fewer heads than q, grouped- or multi-query attention, they keep their heads,
+which the op groups q's heads over, labels.folds):
 the scale may sit on q, k or the logits, and is folded into
 `scale`; masks may come before or after it. `where(mask, s, c)` with c <= -1e4 (-1e9,
 finfo.min, -inf) is taken as a boolean mask: equal to the original on every row with at
@@ -14,9 +14,11 @@ least one visible key, because exp(c - max) underflows to exactly 0 there. On a 
 masked row the original averages v uniformly (finite c) or gives NaN (-inf), the fused
 op gives 0; such rows carry no information, so the rewrite is made and explain() says so
 ("fully-masked rows give 0 instead of the mean of v"). An additive mask added after such
-a where must leave c + mask a big negative (`M.lifted`). A boolean mask that is a constant
-(built from iota/ones, as jnp.tril and flax's make_causal_mask do) and equals jaxsub's
-bottom-right lower triangle becomes `causal=True`; any other mask is passed as is.
+a where must leave c + mask a big negative (`M.lifted`). A mask that is a constant
+(built from iota/ones, as jnp.tril and flax's make_causal_mask do; evaluated in broadcast
+form, rewrite.constants) and equals jaxsub's bottom-right lower triangle (boolean, or
+additive: 0 on it and a big negative elsewhere) becomes `causal=True`; any other mask is
+passed as is.
 Dropout on the probabilities (see match_dropout) becomes `dropout_rate` with the key that
 fed bernoulli; a dropout mask broadcast over batch/heads (flax's default
 `broadcast_dropout=True`) is a near-miss, since the kernel drops elements independently.
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import ops
+from jaxsub.rewrite import constants
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import attention_masks as M
 from jaxsub.rewrite import labels as L
@@ -390,29 +393,29 @@ class _Attn:
             for x, labels in ((self.q, self.q_labels), (self.k, self.k_labels)))
 
     def causal(self):
-        """Take a constant bottom-right lower-triangular boolean mask as `causal=True`."""
+        """Take a constant bottom-right lower-triangular mask (boolean, or additive: 0 where
+        visible, a big negative elsewhere) as `causal=True`."""
         sq, sk = self.sizes["q"], self.sizes["k"]
-        tril = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
         memo = {}
         for m in self.masks:
-            if not m.boolean:
-                continue
             val = M.constant(self.g, m.ref, memo)
             if val is None:
                 continue
-            vis = L.relayout(val, m.labels, "bhqk", self.sizes)
-            vis = ~vis if m.negate else vis
-            if vis.shape[-2:] == (sq, sk) and np.array_equal(np.broadcast_to(tril, vis.shape), vis):
+            if m.boolean:
+                vis, fill = constants.invert(val) if m.negate else val, m.fill
+            else:  # 0 where visible, a big negative elsewhere (where(tril, 0, -inf), (1 - tril) * -1e9)
+                vis, fill = constants.visible(val, m.factor, M.big_negative(jnp.bfloat16))
+            if vis is not None and constants.qk_prefix(vis, m.labels, sq, sk, sk - sq):
                 self.masks.remove(m)
-                self.causal_fill = m.fill
+                self.causal_fill = fill
                 return True
         return False
 
 
-def _scaled(read, x, scales, target, sizes):
+def _scaled(read, x, scales, target, sizes, kv=False):
     """x (q or k in the `target` layout) times (or divided by) the run-time scales of its side."""
     for src, labels, div in scales:
-        t = L.relayout(read(src), labels, target, sizes)
+        t = L.relayout(read(src), labels, target, sizes, kv=kv)
         x = (x / t if div else x * t).astype(x.dtype)
     return x
 
@@ -525,9 +528,9 @@ def match_attention(g, anchor, options):
             out = ops.attention_packed(projected.build(read), axis=2, **kw)
         else:
             q = _scaled(read, L.relayout(read(att.q), att.q_labels, "bqhd", sizes), att.q_scales, "bqhd", sizes)
-            k = _scaled(read, L.relayout(read(att.k), att.k_labels, "bkhd", sizes, full=True), att.k_scales,
-                        "bkhd", sizes)
-            v = L.relayout(read(att.v), att.v_labels, "bkhe", sizes, full=True)
+            k = _scaled(read, L.relayout(read(att.k), att.k_labels, "bkhd", sizes, kv=True), att.k_scales,
+                        "bkhd", sizes, kv=True)
+            v = L.relayout(read(att.v), att.v_labels, "bkhe", sizes, kv=True)
             out = ops.attention(q, k, v, **kw)
         outs = [L.relayout(out, tuple("bqhe"), att.out_labels, sizes).astype(out_dtype)]
         return (outs, again) if shared else outs
@@ -558,7 +561,7 @@ def _describe(att, causal, rate):
     parts = [f"q {shapes(att.q)}, k {shapes(att.k)}, v {shapes(att.v)}", f"scale={att.scale:.6g}"]
     if "g" in att.sizes:
         heads = math.prod(att.sizes[l] for l in L.folds(att.sizes)["h"])
-        parts.append(f"grouped-query: k and v repeated over {att.sizes['g']} query groups to q's {heads} heads")
+        parts.append(f"grouped-query: {att.sizes['g']} query groups over k and v's heads (q's {heads} heads)")
     for side, scales in (("q", att.q_scales), ("k", att.k_scales)):
         parts += [f"{side} {'divided' if div else 'multiplied'} by {shapes(src)} computed at run time"
                   for src, _, div in scales]
