@@ -88,21 +88,27 @@ def lifted(masks):
         if not m.boolean:
             continue
         later = [a for a in masks[i + 1:] if not a.boolean]
-        if not later or m.fill <= -1e30:
-            continue
-        lift = 0.0
-        for a in later:
-            if a.bounds is None:
-                lift = math.inf
-                break
-            lift += max(a.factor * a.bounds[0], a.factor * a.bounds[1])
-        if math.isinf(lift) and m.fill <= _UNBOUNDED_FILL:
-            continue
-        if m.fill + lift > big_negative(jnp.bfloat16):
+        lift = lift_of(later)
+        if later and not hides(m.fill, lift):
             added = "of unknown range" if math.isinf(lift) else f"up to {lift:g}"
             return (f"where(mask, scores, {m.fill:g}) is followed by an additive mask {added}, which may lift the "
                     f"hidden scores back (fill with -inf or finfo.min, or bound the added mask, to fuse it)")
     return None
+
+
+def lift_of(additive) -> float:
+    """The most the additive masks `additive` add to a score (inf where one is unbounded)."""
+    lift = 0.0
+    for a in additive:
+        if a.bounds is None:
+            return math.inf
+        lift += max(a.factor * a.bounds[0], a.factor * a.bounds[1])
+    return lift
+
+
+def hides(fill, lift) -> bool:
+    """Whether a score at `fill` stays hidden after masks adding up to `lift` (`lifted`)."""
+    return fill <= -1e30 or (fill <= _UNBOUNDED_FILL if math.isinf(lift) else fill + lift <= big_negative(jnp.bfloat16))
 
 
 def big_negative(dtype) -> float:
@@ -165,7 +171,9 @@ def builder(masks, sizes):
                 val = jnp.logical_not(val) if m.negate else val
                 vis = val if vis is None else vis & val
             else:
-                val = val.astype(jnp.float32) * m.factor
+                val = val.astype(jnp.float32)
+                if m.factor != 1.0:  # 0 stays 0: XLA folds (x * finfo.min) * 2 into x * -inf, NaN at x = 0
+                    val = jnp.where(val == 0, 0.0, val * m.factor)
                 add = val if add is None else add + val
         return vis if add is None else add if vis is None else jnp.where(vis, add, -jnp.inf)
 

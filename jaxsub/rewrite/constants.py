@@ -47,6 +47,23 @@ class Compare:
         return self.true, self.false
 
 
+@dataclasses.dataclass(frozen=True)
+class Sum:
+    """a + b: integer compact a and b (the value's rank) whose sum would be large, such as
+    a key position minus a query position (`k - q <= 0` is then `k <= q`, a `Compare`)."""
+    a: np.ndarray
+    b: np.ndarray
+
+
+_LAZY = (Compare, Sum)
+_SMALL_INT = 1 << 30  # integer operands of a Sum, and its shifts, stay below this (no overflow)
+
+
+def _small_ints(*xs) -> bool:
+    return all(np.issubdtype(x.dtype, np.integer) and (x.size == 0 or int(np.abs(x.astype(np.int64)).max()) < _SMALL_INT)
+               for x in xs)
+
+
 def value(g: G.Graph, ref, memo):
     """The compact value of `ref` (a numpy array broadcastable to ref.shape, or a `Compare`)
     when it is computed from constants alone, else None."""
@@ -70,11 +87,12 @@ def value(g: G.Graph, ref, memo):
 
 
 def dense(val, shape):
-    """val broadcast to `shape` (a read-only view), or None past LIMIT for a `Compare`."""
-    if isinstance(val, Compare):
+    """val broadcast to `shape` (a read-only view), or None past LIMIT for a lazy value."""
+    if isinstance(val, _LAZY):
         if math.prod(np.broadcast_shapes(val.a.shape, val.b.shape)) > LIMIT:
             return None
-        val = np.where(_COMPARE[val.op](val.a, val.b), val.true, val.false)
+        val = (np.where(_COMPARE[val.op](val.a, val.b), val.true, val.false) if isinstance(val, Compare)
+               else val.a + val.b)
     return np.broadcast_to(val, shape)
 
 
@@ -104,6 +122,8 @@ def _uniform(x):
 
 def _apply(node, ins, ref):
     prim, params, dtype = node.prim, node.params, ref.dtype
+    if any(isinstance(v, Sum) for v in ins):
+        return _sum_step(prim, params, ins, node, ref)
     lazy = [i for i, v in enumerate(ins) if isinstance(v, Compare)]
     if prim in _LAYOUT:
         x = ins[0]
@@ -126,6 +146,8 @@ def _apply(node, ins, ref):
     size = math.prod(np.broadcast_shapes(*(v.shape for v in ins)))
     if prim in _COMPARE and size > _EAGER and len(ins) == 2:
         return Compare(prim, ins[0], ins[1], np.asarray(True), np.asarray(False))
+    if prim in ("add", "sub") and size > _EAGER and _small_ints(*ins):
+        return Sum(ins[0].astype(dtype), (ins[1] if prim == "add" else -ins[1]).astype(dtype))
     if size > LIMIT:
         return None
     with np.errstate(all="ignore"):
@@ -135,6 +157,39 @@ def _apply(node, ins, ref):
         else:
             out = _ELEMENTWISE[prim](*ins)
     return np.asarray(out).astype(dtype)
+
+
+def _sum_step(prim, params, ins, node, ref):
+    """A step on a `Sum`: layout steps on both terms; a shift or an integer scale of it;
+    a comparison with a compact value c, as a `Compare` of one term with c minus the
+    other (exact in integers of at most 2^30); anything else materialized if small."""
+    x = next(v for v in ins if isinstance(v, Sum))
+    if prim in _LAYOUT:
+        a, b = (_layout(prim, params, y, node.ins[0].shape, ref.shape) for y in (x.a, x.b))
+        return None if a is None or b is None else Sum(a, b)
+    if prim == "convert_element_type" and np.issubdtype(ref.dtype, np.integer) and _small_ints(x.a, x.b):
+        return Sum(x.a.astype(ref.dtype), x.b.astype(ref.dtype))
+    other = [v for v in ins if v is not x]
+    if (len(ins) == 2 and len(other) == 1 and not isinstance(other[0], _LAZY) and _small_ints(other[0])
+            and math.prod(np.broadcast_shapes(x.a.shape, other[0].shape)) <= LIMIT):
+        c, first = other[0], ins[0] is x
+        with np.errstate(all="ignore"):
+            if prim == "add":
+                return Sum((x.a + c).astype(ref.dtype), x.b)
+            if prim == "sub":
+                return Sum((x.a - c).astype(ref.dtype), x.b) if first else Sum((c - x.a).astype(ref.dtype), -x.b)
+            if prim == "mul" and _uniform(c) is not None and _small_ints(x.a.astype(np.int64) * c,
+                                                                         x.b.astype(np.int64) * c):
+                return Sum((x.a * c).astype(ref.dtype), (x.b * c).astype(ref.dtype))
+            if prim in _COMPARE and _small_ints(c - x.b):
+                t, f = np.asarray(True), np.asarray(False)
+                return Compare(prim, x.a, c - x.b, t, f) if first else Compare(prim, c - x.b, x.a, t, f)
+    shape = np.broadcast_shapes(*(np.broadcast_shapes(v.a.shape, v.b.shape) if isinstance(v, _LAZY) else v.shape
+                                  for v in ins))
+    if math.prod(shape) > LIMIT:
+        return None
+    full = [dense(v, shape) if isinstance(v, _LAZY) else v for v in ins]
+    return _apply(node, [np.ascontiguousarray(v) for v in full], ref)
 
 
 def _two_valued(prim, ins, lazy, ref):

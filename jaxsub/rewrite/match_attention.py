@@ -311,8 +311,14 @@ class _Attn:
         if why is not None:
             self.near_miss = why, ("lifted", id(self.qk))
             return False
+        weak = [m.fill for m in self.masks if m.boolean and not m.fill <= M.big_negative(jnp.bfloat16)]
+        if weak:  # a big negative scaled down after the where (by less than 1)
+            self.near_miss = (f"where(mask, scores, c) is scaled after it to a fill of {weak[0]:g}, above -1e4: the "
+                              f"hidden keys keep some weight, which the fused op's mask would drop; fill with -1e9, "
+                              f"finfo.min or -inf to fuse it", ("fill", id(self.qk)))
+            return False
         query = {"L": "R", "R": "L"}.get(labels[self.sm.axis])
-        if query is None or any(m.boolean and not m.fill <= M.big_negative(jnp.bfloat16) for m in self.masks):
+        if query is None:
             return False
         key = labels[self.sm.axis]
         if "g" in self.operands[key == "R"][1]:
@@ -405,6 +411,10 @@ class _Attn:
                 vis, fill = constants.invert(val) if m.negate else val, m.fill
             else:  # 0 where visible, a big negative elsewhere (where(tril, 0, -inf), (1 - tril) * -1e9)
                 vis, fill = constants.visible(val, m.factor, M.big_negative(jnp.bfloat16))
+                # that the other additive masks do not lift back (M.lifted: the same for a boolean mask's fill)
+                if vis is not None and not M.hides(fill, M.lift_of([a for a in self.masks
+                                                                     if not a.boolean and a is not m])):
+                    continue
             if vis is not None and constants.qk_prefix(vis, m.labels, sq, sk, sk - sq):
                 self.masks.remove(m)
                 self.causal_fill = fill
