@@ -724,8 +724,9 @@ def test_weak_where_fill_is_a_near_miss_saying_so():
 def test_grouped_query_attention_fuses():
     """k and v with fewer heads than q (jax.nn.dot_product_attention's grouped form, a
     grouped einsum as MaxText writes it, multi-query): the op with k and v of their own
-    heads (grouped-query `ops.attention`). They had been near-misses (before that, not fused without a word). q's two free
-    axes are told apart by the masks: causal is found whichever of them comes first."""
+    heads (grouped-query `ops.attention`). They had been near-misses (before that, not
+    fused without a word). q's two free axes are told apart by the masks: causal is found
+    whichever of them comes first."""
     kv_heads = H // 2
     q = _normal(0, (B, S, H, D))
     k, v = _normal(1, (B, S, kv_heads, D)), _normal(2, (B, S, kv_heads, D))

@@ -60,8 +60,8 @@ _SMALL_INT = 1 << 30  # integer operands of a Sum, and its shifts, stay below th
 
 
 def _small_ints(*xs) -> bool:
-    return all(np.issubdtype(x.dtype, np.integer) and (x.size == 0 or int(np.abs(x.astype(np.int64)).max()) < _SMALL_INT)
-               for x in xs)
+    return all(np.issubdtype(x.dtype, np.integer)
+               and (x.size == 0 or int(np.abs(x.astype(np.int64)).max()) < _SMALL_INT) for x in xs)
 
 
 def value(g: G.Graph, ref, memo):
