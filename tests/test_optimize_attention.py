@@ -572,9 +572,10 @@ def test_triangle_at_long_sequences(name, n):
     iota with a key iota kept lazy and checked per query: jnp.tril, flax's causal mask and
     an iota comparison are causal at S 32768 (the whole-array evaluator stopped at 2^26
     elements, S 8192, and took ~1 s there: the triangle went in as a boolean mask), and so
-    is a difference of positions, (k - q) <= 0 (kept lazy as a sum). A diagonal one off and
-    a sliding window are not causal. Only traced here (explain)."""
-    causal = name not in ("shifted", "window")
+    is a difference of positions, (k - q) <= 0 (kept lazy as a sum). A diagonal one off is
+    not causal; a sliding window is the triangle and a band (the conjunction is split).
+    Only traced here (explain)."""
+    causal, rest = name != "shifted", name in ("shifted", "window")
 
     def attn(q, k, v):
         m = _LONG_MASKS[name](n)
@@ -582,9 +583,10 @@ def test_triangle_at_long_sequences(name, n):
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
 
     a = jnp.zeros((1, n, 1, 8), jnp.bfloat16)
-    report = str(jaxsub.explain(attn, a, a, a))
-    assert "attention" in report and ("causal" in report) == causal, report
-    assert ("boolean mask" in report) == (not causal), report
+    report = jaxsub.explain(attn, a, a, a)
+    detail = report.matches[0].detail
+    assert report.totals == {"attention": 1} and ("causal" in detail) == causal, str(report)
+    assert ("boolean mask" in detail) == rest, str(report)
 
 
 def test_lazy_triangle_check_decides_as_the_whole_one(monkeypatch):
@@ -593,13 +595,13 @@ def test_lazy_triangle_check_decides_as_the_whole_one(monkeypatch):
     from jaxsub.rewrite import constants
 
     monkeypatch.setattr(constants, "_EAGER", 0)
-    for name, causal in (("tril", True), ("flax", True), ("difference", True), ("shifted", False), ("window", False)):
+    for name, causal in (("tril", True), ("flax", True), ("difference", True), ("shifted", False), ("window", True)):
         def attn(q, k, v, name=name):
             s = jnp.where(_LONG_MASKS[name](S), jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9)
             return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
 
-        report = str(jaxsub.explain(attn, *_qkv()))
-        assert ("causal" in report) == causal, (name, report)
+        report = jaxsub.explain(attn, *_qkv())
+        assert ("causal" in report.matches[0].detail) == causal, (name, str(report))
         assert_same(attn, _qkv(), argnums=(0, 1, 2))
 
 
@@ -689,6 +691,37 @@ def test_fill_scaled_down_after_the_where_is_a_near_miss():
     assert dict(report.totals) == {"softmax_dropout": 1}, str(report)
     assert "is scaled after it to a fill of -5000, above -1e4" in str(report), str(report)
     assert_same(scaled, (*_qkv(), _padding()), argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("spelling", ["dpa-mask", "dpa-lengths", "where-and", "where-or-negated"])
+def test_padding_and_triangle_are_split(spelling):
+    """A causal triangle and-ed with a padding mask into one array (jax.nn.dot_product_attention
+    with mask= or key_value_seq_lengths= and is_causal=True; hand-written pad & tril; a
+    negated mask or-ed) went in as one [B, ..., S, S] boolean mask (found by fuzzing): the
+    conjunction is now split, the triangle becomes causal=True and the padding stays a
+    small mask. Values and gradients equal the original's."""
+    pad, lengths = _padding(), jnp.asarray([5, S], jnp.int32)
+    tril = lambda: jnp.tril(jnp.ones((S, S), bool))  # noqa: E731
+
+    def attn(q, k, v):
+        if spelling == "dpa-mask":
+            return jax.nn.dot_product_attention(q, k, v, mask=pad[:, None, None, :], is_causal=True,
+                                                implementation="xla")
+        if spelling == "dpa-lengths":
+            return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True,
+                                                implementation="xla")
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        if spelling == "where-and":
+            s = jnp.where(pad[:, None, None, :] & tril(), s, -1e9)
+        else:
+            s = jnp.where(~pad[:, None, None, :] | ~tril(), -jnp.inf, s)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    report = jaxsub.explain(attn, *_qkv())
+    assert dict(report.totals) == {"attention": 1}, str(report)
+    detail = report.matches[0].detail
+    assert "causal" in detail and f"[{S}, {S}]" not in detail, str(report)
+    assert_same(attn, _qkv(), argnums=(0, 1, 2))
 
 
 def test_relayout_broadcasts_only_the_folds_a_mask_varies_over():

@@ -157,6 +157,23 @@ def mask_source(g, ref, labels):
     return ref, labels
 
 
+def conjuncts(g, ref, labels, negate, depth=0):
+    """[(source, labels)] of the masks whose conjunction `ref` is (for a negated mask, which
+    hides where it is True: its disjunction): an `and` (`or`) of masks of its shape is split
+    and each part walked back to its source (`mask_source`), so that a constant part, such
+    as the causal triangle jax.nn.dot_product_attention ands with a padding mask, is seen
+    apart. where(a & b, s, c) is where(a, where(b, s, c), c): the same function."""
+    node = g.op(ref, "or" if negate else "and")
+    if (node is None or depth > 8 or ref.dtype != np.bool_
+            or any(len(r.shape) != len(ref.shape) or not L.broadcasts(r, ref) for r in node.ins)):
+        return [(ref, labels)]
+    parts = []
+    for r in node.ins:  # (an operand may be 1 where the result is not)
+        rl = tuple(l if a == n else None for l, a, n in zip(labels, r.shape, ref.shape))
+        parts += conjuncts(g, *mask_source(g, r, rl), negate, depth + 1)
+    return parts
+
+
 def builder(masks, sizes):
     """read -> the one mask `attention` takes: booleans and-ed; additive masks summed, with
     any boolean mask folded in as -inf."""

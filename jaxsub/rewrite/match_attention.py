@@ -303,7 +303,8 @@ class _Attn:
                 ml = tuple(l if a == c else None for l, a, c in zip(labels, m.shape, chain_shape))
                 src, sl = M.mask_source(g, m, ml)
                 if kind == "select":
-                    self.masks.append(M.Mask(src, sl, True, negate=payload[2], fill=payload[1]))
+                    self.masks += [M.Mask(r, rl, True, negate=payload[2], fill=payload[1])
+                                   for r, rl in M.conjuncts(g, src, sl, payload[2])]
                 else:
                     self.masks.append(M.Mask(src, sl, False, factor=-1.0 if kind == "sub" else 1.0,
                                             bounds=M.bounds(g, m)))
