@@ -589,6 +589,32 @@ def test_triangle_at_long_sequences(name, n):
     assert ("boolean mask" in detail) == rest, str(report)
 
 
+@pytest.mark.parametrize("n", [S, 16384])
+def test_position_bias_at_long_sequences(n, monkeypatch):
+    """An ALiBi-style bias slope * (k - q) with a causal triangle: past 2^26 elements the
+    position difference is a lazy sum, which the mask bounds read (they raised
+    AttributeError: found in review). At S 8 with every sum and comparison lazy, values and
+    gradients equal the original's."""
+    from jaxsub.rewrite import constants
+
+    if n == S:
+        monkeypatch.setattr(constants, "_EAGER", 0)
+    heads = H if n == S else 2
+
+    def attn(q, k, v):
+        rel = (jnp.arange(n)[None, :] - jnp.arange(n)[:, None]).astype(jnp.float32)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) + (0.5 ** jnp.arange(1, heads + 1))[:, None, None] * rel
+        s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    args = _qkv() if n == S else (jnp.zeros((1, n, heads, 8), jnp.bfloat16),) * 3
+    report = jaxsub.explain(attn, *args)
+    assert report.totals == {"attention": 1} and "causal" in report.matches[0].detail, str(report)
+    assert "additive mask" in report.matches[0].detail, str(report)
+    if n == S:
+        assert_same(attn, args, argnums=(0, 1, 2))
+
+
 def test_lazy_triangle_check_decides_as_the_whole_one(monkeypatch):
     """The lazy comparison's per-query check, forced at a small S (every comparison lazy),
     decides as the whole-array one: values and gradients equal the original."""

@@ -107,10 +107,20 @@ def test_compact_values_equal_jax_on_random_programs(monkeypatch, eager):
         fn = _random_program(random.Random(seed), depth=3)
         val, shape, want = _evaluate(fn)
         assert val is not None, seed
-        lazy += isinstance(val, C.Compare)
+        lazy += isinstance(val, (C.Compare, C.Sum))
         got = C.dense(val, shape)
         assert got.dtype == want.dtype and got.shape == want.shape, seed
         np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
+        # What the pass asks of a value holds for any kind of it (and does not raise).
+        lo, hi = C.span(val)
+        assert lo <= want.min() and want.max() <= hi, seed
+        assert not C.all_true(val) or bool(want.all()), seed
+        vis, _ = C.visible(val, 1.0, -1e4)
+        assert vis is None or np.array_equal(C.dense(vis, shape), want == 0), seed
+        if want.dtype == np.bool_:
+            tri = C.qk_prefix(val, ("b", "q", "k"), SHAPE[1], SHAPE[2], SHAPE[2] - SHAPE[1])
+            assert tri == _brute(want[0], *SHAPE[1:], SHAPE[2] - SHAPE[1]) and bool(np.all(want == want[:1])) \
+                or not tri, seed
     assert (lazy > 0) == (not eager)
 
 

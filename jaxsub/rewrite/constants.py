@@ -20,9 +20,9 @@ import numpy as np
 from jaxsub.rewrite import graph as G
 
 # Compact arrays up to this many elements (their varying axes' product) are computed; a
-# value past it is unknown, unless it is a lazy `Compare`.
+# value past it is unknown, unless it is lazy (`Compare`, `Sum`).
 LIMIT = 1 << 26
-# Comparisons whose compact result would exceed this stay lazy (`Compare`).
+# Comparisons and integer sums whose compact result would exceed this stay lazy.
 _EAGER = 1 << 20
 
 _COMPARE = {"ge": np.greater_equal, "gt": np.greater, "le": np.less_equal, "lt": np.less,
@@ -65,8 +65,8 @@ def _small_ints(*xs) -> bool:
 
 
 def value(g: G.Graph, ref, memo):
-    """The compact value of `ref` (a numpy array broadcastable to ref.shape, or a `Compare`)
-    when it is computed from constants alone, else None."""
+    """The compact value of `ref` (a numpy array broadcastable to ref.shape, or a lazy
+    `Compare` or `Sum`) when it is computed from constants alone, else None."""
     if ref.value is not None:
         val = G.known(ref)
         return None if val is None else np.asarray(val)
@@ -101,12 +101,17 @@ def span(val):
     values: a superset), or None when it has none."""
     if isinstance(val, Compare):
         val = np.asarray(val.scalars())
+    elif isinstance(val, Sum):  # the terms' extremes added (a superset)
+        ends = span(val.a), span(val.b)
+        return None if None in ends else (ends[0][0] + ends[1][0], ends[0][1] + ends[1][1])
     if val.size == 0:
         return None
     return val.min(), val.max()
 
 
 def all_true(val) -> bool:
+    if isinstance(val, Sum):
+        return False
     if isinstance(val, Compare):
         return bool(val.true) and bool(val.false) if val.true.dtype == np.bool_ else False
     return val.dtype == np.bool_ and bool(val.all())
@@ -340,6 +345,8 @@ def visible(val, factor, hidden_below):
     """An additive mask's compact value (times `factor`) as (a boolean compact value, True
     where it is 0, and the largest of its other values) when each of those is at most
     `hidden_below`; else (None, None)."""
+    if isinstance(val, Sum):
+        return None, None
     if isinstance(val, Compare):
         ends = [float(v) * factor for v in val.scalars()]
         if not all(e == 0 or e <= hidden_below for e in ends):
