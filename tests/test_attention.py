@@ -444,7 +444,14 @@ def test_bad_inputs_raise_naming_op_and_argument(name, kwargs, exc, arg, impleme
 def test_grouped_query_attention(h, h_kv, mask_kind, causal, rate, implementation):
     """k and v with fewer heads than q (grouped-query; one: multi-query): output and
     gradients against jax.nn.dot_product_attention's grouping (no dropout, f32) and the
-    float64 reference (dropout: `dropout_mask` over q's heads); dk and dv have k's heads."""
+    float64 reference (dropout: `dropout_mask` over q's heads); dk and dv have k's heads.
+    Products at full f32 precision, so that on a GPU backend (TF32 by default) it checks the
+    same thing."""
+    with jax.default_matmul_precision("float32"):
+        _grouped_query_case(h, h_kv, mask_kind, causal, rate, implementation)
+
+
+def _grouped_query_case(h, h_kv, mask_kind, causal, rate, implementation):
     b, sq, sk, d = 2, 7, 9, 8
     q, k, v, dout = qkv(311 + h * 10 + h_kv, b, sq, sk, h, d, F32)
     k, v = k[:, :, :h_kv], v[:, :, :h_kv]
