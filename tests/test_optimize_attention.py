@@ -674,7 +674,7 @@ def test_additive_mask_scaled_after_it_stays_finite():
     NaN at every visible key (found by fuzzing). Zeros of the mask now stay zeros."""
     def attn(q, k, v, valid):
         add = (1.0 - valid.astype(jnp.float32)[:, None, None, :]) * jnp.finfo(jnp.float32).min
-        s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) + add) * 2.0
+        s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5 / 2 + add) * 2.0  # logits as the others'
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
 
     args = (*_qkv(), _padding())
