@@ -750,6 +750,19 @@ def test_padding_and_triangle_are_split(spelling):
     assert_same(attn, _qkv(), argnums=(0, 1, 2))
 
 
+def test_window_with_its_triangle_twice_keeps_one_mask():
+    """dot_product_attention(is_causal=True, local_window_size=(w, 0)) ands the triangle twice
+    (is_causal's and the window's k <= q half): both are causal=True, and only the window's
+    band stays a mask (the second triangle had stayed an [S, S] mask: found by fuzzing)."""
+    def attn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0), implementation="xla")
+
+    report = jaxsub.explain(attn, *_qkv())
+    detail = report.matches[0].detail
+    assert "causal" in detail and detail.count("boolean mask") == 1, str(report)
+    assert_same(attn, _qkv(), argnums=(0, 1, 2))
+
+
 def test_relayout_broadcasts_only_the_folds_a_mask_varies_over():
     """A mask over the folded batch axes but not the heads stays a unit head axis (a
     shadowed name had broadcast every fold after the first; found by the GQA fuzzer); k,

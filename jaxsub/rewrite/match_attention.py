@@ -403,7 +403,7 @@ class _Attn:
         """Take a constant bottom-right lower-triangular mask (boolean, or additive: 0 where
         visible, a big negative elsewhere) as `causal=True`."""
         sq, sk = self.sizes["q"], self.sizes["k"]
-        memo = {}
+        memo, fills = {}, {}
         for m in self.masks:
             val = M.constant(self.g, m.ref, memo)
             if val is None:
@@ -413,14 +413,18 @@ class _Attn:
             else:  # 0 where visible, a big negative elsewhere (where(tril, 0, -inf), (1 - tril) * -1e9)
                 vis, fill = constants.visible(val, m.factor, M.big_negative(jnp.bfloat16))
                 # that the other additive masks do not lift back (M.lifted: the same for a boolean mask's fill)
-                if vis is not None and not M.hides(fill, M.lift_of([a for a in self.masks
-                                                                     if not a.boolean and a is not m])):
+                others = [a for a in self.masks if not a.boolean and a is not m]
+                if vis is not None and not M.hides(fill, M.lift_of(others)):
                     continue
             if vis is not None and constants.qk_prefix(vis, m.labels, sq, sk, sk - sq):
-                self.masks.remove(m)
-                self.causal_fill = fill
-                return True
-        return False
+                fills[id(m)] = fill
+                if not m.boolean:
+                    break  # (another additive triangle's lift check counted this one)
+        # every mask that is the triangle goes (dot_product_attention with a window and
+        # is_causal ands two); its hidden scores' fill is the largest of theirs
+        self.masks = [m for m in self.masks if id(m) not in fills]
+        self.causal_fill = max(fills.values(), default=None)
+        return bool(fills)
 
 
 def _scaled(read, x, scales, target, sizes, kv=False):
