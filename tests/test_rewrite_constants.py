@@ -118,9 +118,8 @@ def test_compact_values_equal_jax_on_random_programs(monkeypatch, eager):
         vis, _ = C.visible(val, 1.0, -1e4)
         assert vis is None or np.array_equal(C.dense(vis, shape), want == 0), seed
         if want.dtype == np.bool_:
-            tri = C.qk_prefix(val, ("b", "q", "k"), SHAPE[1], SHAPE[2], SHAPE[2] - SHAPE[1])
-            assert tri == _brute(want[0], *SHAPE[1:], SHAPE[2] - SHAPE[1]) and bool(np.all(want == want[:1])) \
-                or not tri, seed
+            if C.qk_prefix(val, ("b", "q", "k"), SHAPE[1], SHAPE[2], SHAPE[2] - SHAPE[1]):  # only where it holds
+                assert _brute(want[0], *SHAPE[1:], SHAPE[2] - SHAPE[1]) and bool(np.all(want == want[:1])), seed
     assert (lazy > 0) == (not eager)
 
 
