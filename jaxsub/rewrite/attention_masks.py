@@ -21,12 +21,6 @@ from jaxsub.rewrite.patterns import narrow, rounded
 _BIG_NEGATIVE = -1e4
 
 
-def constant(g: G.Graph, ref, memo):
-    """The value of `ref` when it is computed from constants alone (iota, literals), in
-    compact form (`constants.value`: broadcastable to ref.shape, or a lazy comparison)."""
-    return C.value(g, ref, memo)
-
-
 # Below this fill, an added mask of unknown range is taken not to lift hidden scores (`lifted`).
 _UNBOUNDED_FILL = -1e9
 _BOUND_OPS = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "stop_gradient", *G.VARYING_CASTS)
@@ -35,7 +29,7 @@ _BOUND_OPS = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dim
 def bounds(g: G.Graph, ref, depth: int = 0):
     """(lo, hi) bounding every element of `ref` when the graph says so (constants, converts
     of booleans, selects, sums, products and scales of bounded values), else None."""
-    val = constant(g, ref, {})
+    val = C.value(g, ref, {})
     if val is not None:
         ends = C.span(val)
         return None if ends is None else (float(ends[0]), float(ends[1]))
@@ -134,7 +128,7 @@ class Mask:
 def _all_true(g, ref):
     """Whether ref is a constant all-True mask (a broadcast one is evaluated in compact
     form: jax.nn.dot_product_attention's [B, H, Sq, Sk] ones at any size)."""
-    val = constant(g, ref, {})
+    val = C.value(g, ref, {})
     return val is not None and C.all_true(val)
 
 

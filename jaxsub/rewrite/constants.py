@@ -147,7 +147,7 @@ def _apply(node, ins, ref):
             return dataclasses.replace(x, true=x.true.astype(dtype), false=x.false.astype(dtype))
         return ins[0].astype(dtype)
     if lazy:
-        return _two_valued(prim, ins, lazy, ref)
+        return _two_valued(node, ins, lazy, ref)
     size = math.prod(np.broadcast_shapes(*(v.shape for v in ins)))
     if prim in _COMPARE and size > _EAGER and len(ins) == 2:
         return Compare(prim, ins[0], ins[1], np.asarray(True), np.asarray(False))
@@ -189,18 +189,23 @@ def _sum_step(prim, params, ins, node, ref):
             if prim in _COMPARE and _small_ints(c - x.b):
                 t, f = np.asarray(True), np.asarray(False)
                 return Compare(prim, x.a, c - x.b, t, f) if first else Compare(prim, c - x.b, x.a, t, f)
+    return _materialized(node, ins, ref)
+
+
+def _materialized(node, ins, ref):
+    """The step on its lazy operands made dense, where their values fit LIMIT, else None."""
     shape = np.broadcast_shapes(*(np.broadcast_shapes(v.a.shape, v.b.shape) if isinstance(v, _LAZY) else v.shape
                                   for v in ins))
     if math.prod(shape) > LIMIT:
         return None
-    full = [dense(v, shape) if isinstance(v, _LAZY) else v for v in ins]
-    return _apply(node, [np.ascontiguousarray(v) for v in full], ref)
+    return _apply(node, [np.ascontiguousarray(dense(v, shape)) if isinstance(v, _LAZY) else v for v in ins], ref)
 
 
-def _two_valued(prim, ins, lazy, ref):
+def _two_valued(node, ins, lazy, ref):
     """An element-wise step on one `Compare` and operands of one value each: applied to
     the Compare's two values. select_n on a Compare predicate picks between two such
     operands. Anything else is materialized if small enough."""
+    prim = node.prim
     if len(lazy) == 1:
         x = ins[lazy[0]]
         rest = [None if i in lazy else _uniform(v) for i, v in enumerate(ins)]
@@ -217,17 +222,7 @@ def _two_valued(prim, ins, lazy, ref):
             if true is not None:
                 return dataclasses.replace(x, true=np.asarray(true).astype(ref.dtype),
                                            false=np.asarray(false).astype(ref.dtype))
-    shape = np.broadcast_shapes(*(v.shape if not isinstance(v, Compare) else
-                                  np.broadcast_shapes(v.a.shape, v.b.shape) for v in ins))
-    full = [dense(v, shape) if isinstance(v, Compare) else v for v in ins]
-    if any(v is None for v in full) or math.prod(shape) > LIMIT:
-        return None
-    with np.errstate(all="ignore"):
-        if prim == "select_n":
-            out = np.where(full[0], full[2], full[1]) if len(full) == 3 and full[0].dtype == np.bool_ else None
-        else:
-            out = _ELEMENTWISE[prim](*full)
-    return None if out is None else np.asarray(out).astype(ref.dtype)
+    return _materialized(node, ins, ref)
 
 
 def _layout(prim, params, x, in_shape, out_shape):

@@ -405,7 +405,7 @@ class _Attn:
         sq, sk = self.sizes["q"], self.sizes["k"]
         memo, fills = {}, {}
         for m in self.masks:
-            val = M.constant(self.g, m.ref, memo)
+            val = constants.value(self.g, m.ref, memo)
             if val is None:
                 continue
             if m.boolean:
