@@ -340,12 +340,18 @@ __device__ __forceinline__ void load_q_frags(uint32_t (&qf)[D / 16][4], const At
       qf[kc][r] = i < a.sq ? ld32(qg + i * a.qkv_row + col) : 0u;
     }
 }
-// Key tiles of 64 the forward block blockIdx.x needs: keys beyond its last visible one
-// are never needed (causal).
+// The query tile of forward block blockIdx.x. Under the causal rule a tile's work grows
+// with its index, so the blocks launched first take the last (heaviest) tiles and the
+// grid ends on light ones.
+__device__ __forceinline__ int64_t fwd_query_tile(const AttnArgs& a) {
+  return a.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+}
+// Key tiles of 64 the forward block needs: keys beyond its last visible one are never
+// needed (causal).
 __device__ __forceinline__ int fwd_key_tiles(const AttnArgs& a) {
   int64_t key_end = a.sk;
   if (a.causal) {
-    const int64_t last = static_cast<int64_t>(blockIdx.x) * kTile + kTile + a.sk - a.sq;
+    const int64_t last = fwd_query_tile(a) * kTile + kTile + a.sk - a.sq;
     key_end = last < a.sk ? last : a.sk;
   }
   return static_cast<int>((key_end + kTile - 1) / kTile);
@@ -431,12 +437,22 @@ __device__ __forceinline__ void fwd_softmax_tile_as(const AttnArgs& a, const Row
     pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]) & keep.pair(1, n);
   }
 }
+// Under the causal rule without a mask tensor (kAnyMask), a tile whose every key the
+// warp's first row already sees is plain too: only the tiles on the diagonal test each
+// element. The test is on the warp's first row so that the whole warp takes one path
+// (quad_max shuffles).
 template <typename T, int kMode, int D, typename SF, typename OF, typename K>
 __device__ __forceinline__ void fwd_softmax_tile(const AttnArgs& a, const RowCtx& rc, SF&& S, OF&& O, float (&m)[2],
                                                  float (&l)[2], const K& keep, int64_t qrow, int64_t kb, int tq,
                                                  uint32_t (&pf)[4][4]) {
-  if constexpr (kMode == kNoMask) {
-    if (kb + kTile <= a.sk && a.scale > 0.f) {
+  bool plain = false;
+  if constexpr (kMode == kNoMask) plain = kb + kTile <= a.sk && a.scale > 0.f;
+  if constexpr (kMode == kAnyMask) {
+    const int64_t warp_row = qrow - (threadIdx.x % 32) / 4;
+    plain = a.mask_kind == kMaskNone && kb + kTile <= a.sk && a.scale > 0.f && kb + kTile - 1 <= warp_row + a.sk - a.sq;
+  }
+  if constexpr (kMode != kKeyMask) {
+    if (plain) {
       fwd_softmax_tile_as<T, kMode, D, true>(a, rc, S, O, m, l, keep, qrow, kb, tq, pf);
       return;
     }

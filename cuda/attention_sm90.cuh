@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
-  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTile + warp * 16;  // warp's first query row
+  const int64_t q0 = fwd_query_tile(a) * kTile + warp * 16;  // warp's first query row
   const int64_t row_stride = a.qkv_row;
   const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
   const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;

@@ -629,7 +629,8 @@ class TestCuda:
         (1, 7, None, False), (7, 130, "padding", True), (130, 128, "additive", False),
         (128, 1, "bool4d", False), (130, 130, "additive", True), (65, 200, None, True),
         (200, 65, None, True),  # Sq > Sk, causal: the first 135 queries see no key
-        (7, 130, "headkeys", False), (130, 65, "batch", True)])  # key masks: [1, H, 1, Sk], [B, 1, 1, 1]
+        (7, 130, "headkeys", False), (130, 65, "batch", True),  # key masks: [1, H, 1, Sk], [B, 1, 1, 1]
+        (257, 700, None, True)])  # causal tiles the first row already sees take the unmasked rule
     def test_fused_odd_sizes_match_cpu(self, sq, sk, mask_kind, causal, d, fwd_kernel):
         dtype = F16 if d == 32 or (d == 64 and sq % 2) else BF16
         self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused", dtype=dtype,
