@@ -160,8 +160,10 @@ __device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, floa
 // Which score rule a kernel is instantiated for (attention.cu picks per call):
 // kNoMask: no mask and no causal rule, only the bounds; kAnyMask: the full rule (score());
 // kKeyMask: a boolean mask that does not depend on the query ([Bm, Hm, 1, Skm]: key
-// padding), its bits read once per key (key_bits16, key_visible), plus the causal rule.
-enum MaskMode : int { kNoMask = 0, kAnyMask = 1, kKeyMask = 2 };
+// padding), its bits read once per key (key_bits16, key_visible), plus the causal rule;
+// kCausal: the causal rule and the bounds, no mask tensor (only the tiles on the diagonal
+// test each element: fwd_softmax_tile, bwd_probs).
+enum MaskMode : int { kNoMask = 0, kAnyMask = 1, kKeyMask = 2, kCausal = 3 };
 
 // Under a key mask: whether key j is visible (false past Sk).
 __device__ __forceinline__ bool key_visible(const AttnArgs& a, const RowCtx& rc, int64_t j) {
@@ -194,6 +196,8 @@ __device__ __forceinline__ float score_log2(const AttnArgs& a, const RowCtx& rc,
   } else if constexpr (kMode == kKeyMask) {
     const bool in = visible && i < a.sq && !(a.causal && j > i + a.sk - a.sq);
     return in ? s * a.scale * kLog2e : -INFINITY;
+  } else if constexpr (kMode == kCausal) {
+    return i < a.sq && j < a.sk && j <= i + a.sk - a.sq ? s * a.scale * kLog2e : -INFINITY;
   } else {
     return i < a.sq && j < a.sk ? s * a.scale * kLog2e : -INFINITY;
   }
@@ -437,21 +441,20 @@ __device__ __forceinline__ void fwd_softmax_tile_as(const AttnArgs& a, const Row
     pf[n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]) & keep.pair(1, n);
   }
 }
-// Under the causal rule without a mask tensor (kAnyMask), a tile whose every key the
-// warp's first row already sees is plain too: only the tiles on the diagonal test each
-// element. The test is on the warp's first row so that the whole warp takes one path
-// (quad_max shuffles).
+// Under kCausal, a tile whose every key the warp's first row already sees is plain too:
+// only the tiles on the diagonal test each element. The test is on the warp's first row
+// so that the whole warp takes one path (quad_max shuffles).
 template <typename T, int kMode, int D, typename SF, typename OF, typename K>
 __device__ __forceinline__ void fwd_softmax_tile(const AttnArgs& a, const RowCtx& rc, SF&& S, OF&& O, float (&m)[2],
                                                  float (&l)[2], const K& keep, int64_t qrow, int64_t kb, int tq,
                                                  uint32_t (&pf)[4][4]) {
   bool plain = false;
   if constexpr (kMode == kNoMask) plain = kb + kTile <= a.sk && a.scale > 0.f;
-  if constexpr (kMode == kAnyMask) {
+  if constexpr (kMode == kCausal) {
     const int64_t warp_row = qrow - (threadIdx.x % 32) / 4;
-    plain = a.mask_kind == kMaskNone && kb + kTile <= a.sk && a.scale > 0.f && kb + kTile - 1 <= warp_row + a.sk - a.sq;
+    plain = kb + kTile <= a.sk && a.scale > 0.f && kb + kTile - 1 <= warp_row + a.sk - a.sq;
   }
-  if constexpr (kMode != kKeyMask) {
+  if constexpr (kMode == kNoMask || kMode == kCausal) {
     if (plain) {
       fwd_softmax_tile_as<T, kMode, D, true>(a, rc, S, O, m, l, keep, qrow, kb, tq, pf);
       return;
@@ -519,7 +522,8 @@ void set_attrs(AttnArgs& a, float scale, bool causal, uint32_t threshold, float 
 // past 48 KB once per kernel).
 int mask_mode(const AttnArgs& a) {
   if (a.mask_kind == kMaskBool && a.sqm == 1) return kKeyMask;
-  return a.mask_kind != kMaskNone || a.causal ? kAnyMask : kNoMask;
+  if (a.mask_kind == kMaskNone) return a.causal ? kCausal : kNoMask;
+  return kAnyMask;
 }
 // Calls f(IntC<mode>) for the call's mask mode.
 template <typename F>
@@ -527,6 +531,7 @@ ffi::Error by_mask_mode(const AttnArgs& a, F&& f) {
   switch (mask_mode(a)) {
     case kKeyMask: return f(std::integral_constant<int, kKeyMask>{});
     case kAnyMask: return f(std::integral_constant<int, kAnyMask>{});
+    case kCausal: return f(std::integral_constant<int, kCausal>{});
     default: return f(std::integral_constant<int, kNoMask>{});
   }
 }

@@ -69,15 +69,15 @@ __device__ __forceinline__ uint32_t bwd_keep_bits(const AttnArgs& a, const uint1
 // Probabilities in place of the raw scores P(n, e) (from -lse in log2 units per query,
 // nlse2; kvis: the visibility of the thread's two keys), and the kept ones (unscaled) as
 // A fragments of Pᵀ, 16 queries each.
-// Under the causal rule without a mask tensor (kAnyMask), a tile whose first query
-// already sees the warp's last key takes kNoMask's rule (the same keys: kvis is the key
-// bounds in both); only the tiles on the diagonal test each element.
+// Under kCausal, a tile whose first query already sees the warp's last key takes kNoMask's
+// rule (the same keys: kvis is the key bounds in both); only the tiles on the diagonal
+// test each element.
 template <typename T, int kMode, typename PF>
 __device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, PF&& P, const float* nlse2,
                                           uint32_t kvis, uint32_t kbits, int64_t qb, int64_t k0, float scale_log2,
                                           int quad, int tq, uint32_t (&pdf)[4][4]) {
-  if constexpr (kMode == kAnyMask) {
-    if (a.mask_kind == kMaskNone && k0 + 15 <= qb + a.sk - a.sq) {
+  if constexpr (kMode == kCausal) {
+    if (k0 + 15 <= qb + a.sk - a.sq) {
       bwd_probs<T, kNoMask>(a, rc, P, nlse2, kvis, kbits, qb, k0, scale_log2, quad, tq, pdf);
       return;
     }
