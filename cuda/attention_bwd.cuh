@@ -69,18 +69,19 @@ __device__ __forceinline__ uint32_t bwd_keep_bits(const AttnArgs& a, const uint1
 // Probabilities in place of the raw scores P(n, e) (from -lse in log2 units per query,
 // nlse2; kvis: the visibility of the thread's two keys), and the kept ones (unscaled) as
 // A fragments of Pᵀ, 16 queries each.
-// Under kCausal, a tile whose first query already sees the warp's last key takes kNoMask's
-// rule (the same keys: kvis is the key bounds in both); only the tiles on the diagonal
-// test each element.
+// Under kCausal the rule is kNoMask's plus the causal test in tile coordinates: key jl of
+// the warp sees query il of the tile when jl - il <= lim = qb - k0 + Sk - Sq (always, off
+// the diagonal: lim >= 15). 32-bit and one compare per element; a 64-bit test per element
+// (score_log2), or a branch to kNoMask's loop off the diagonal, left ptxas short of
+// registers for the products at D = 64.
 template <typename T, int kMode, typename PF>
 __device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, PF&& P, const float* nlse2,
                                           uint32_t kvis, uint32_t kbits, int64_t qb, int64_t k0, float scale_log2,
                                           int quad, int tq, uint32_t (&pdf)[4][4]) {
+  int lim = kTile;
   if constexpr (kMode == kCausal) {
-    if (k0 + 15 <= qb + a.sk - a.sq) {
-      bwd_probs<T, kNoMask>(a, rc, P, nlse2, kvis, kbits, qb, k0, scale_log2, quad, tq, pdf);
-      return;
-    }
+    const int64_t l = qb - k0 + a.sk - a.sq;
+    lim = l < -kTile ? -kTile : l > kTile ? kTile : static_cast<int>(l);
   }
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
@@ -89,11 +90,11 @@ __device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, P
     for (int e = 0; e < 4; ++e) {
       const int il = n * 8 + tq * 2 + (e & 1), jl = quad + (e >> 1) * 8;
       float x;
-      if constexpr (kMode == kNoMask) {
+      if constexpr (kMode == kNoMask || kMode == kCausal) {
         // No per-element branch: the key's bit is its bounds; a query past Sq has
         // nlse2 = -inf. (The same select under kKeyMask, with the causal test, ran
         // 7% slower than the rule below: bench/NOTES.md, attention v4.)
-        x = (kvis >> (e >> 1)) & 1u ? fmaf(P(n, e), scale_log2, nlse2[il]) : -INFINITY;
+        x = ((kvis >> (e >> 1)) & 1u) && jl - il <= lim ? fmaf(P(n, e), scale_log2, nlse2[il]) : -INFINITY;
       } else {
         x = score_log2<kMode>(a, rc, P(n, e), qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) + nlse2[il];
       }
