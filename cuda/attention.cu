@@ -61,10 +61,10 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t q0 = fwd_query_tile(a) * kTile + warp * 16;  // warp's first query row
-  const int64_t row_stride = a.qkv_row;
+  const int64_t row_stride = a.kv_row;  // k and v's (q's: load_q_frags)
   const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
-  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
-  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
+  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh / a.group * D;
+  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh / a.group * D;
   const RowCtx rc = row_ctx(a, bb, hh);
   const Seed seed = load_seed(a.seed, a.seed_offset);
 
@@ -182,39 +182,34 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   constexpr int kRow = D + kPad, kDsRow = kTile + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
-  const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t k0 = kblock + warp * 16;  // warp's first key
-  const int64_t row_stride = a.qkv_row, out_row = a.h * D;  // dout and dq_acc: plain [B, Sq, H, D]
-  const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
-  const T* dog = static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D;
-  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
-  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
-  float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
-  const RowCtx rc = row_ctx(a, bb, hh);
-  const Seed seed = load_seed(a.seed, a.seed_offset);
-  const float scale_log2 = a.scale * kLog2e;
-
+  const int64_t out_row = a.h * D;        // dout and dq_acc: plain [B, Sq, H, D]
   // Queries before the block's first visible one are never needed.
   const int64_t q_begin = bwd_query_begin(a, kblock);
-  const int tiles = a.sq > q_begin ? static_cast<int>((a.sq - q_begin + kTile - 1) / kTile) : 0;
-  // Starts the copies of query tile t into stage `st`.
-  auto load_query_tile = [&](int t, int st) {
-    const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
-    load_tile<T, D>(sm.q[st], qg, qb, a.sq, row_stride);
-    load_tile<T, D>(sm.dout[st], dog, qb, a.sq, out_row);
-    load_lse_delta(a, sm.lse[st], sm.delta[st], bh, qb);
+  const BwdHeads hd = bwd_heads(a, a.sq > q_begin ? static_cast<int>((a.sq - q_begin + kTile - 1) / kTile) : 0);
+  const int64_t bb = hd.bb;
+  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hd.kvh * D;
+  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hd.kvh * D;
+  const Seed seed = load_seed(a.seed, a.seed_offset);
+  const float scale_log2 = a.scale * kLog2e;
+  // Starts the copies of iteration u's query tile into stage `st`.
+  auto load_query_tile = [&](int u, int st) {
+    const int64_t hh = hd.head(u), qb = q_begin + static_cast<int64_t>(hd.tile(u)) * kTile;
+    load_tile<T, D>(sm.q[st], static_cast<const T*>(a.q) + bb * a.q_batch + hh * D, qb, a.sq, a.qkv_row);
+    load_tile<T, D>(sm.dout[st], static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D, qb, a.sq, out_row);
+    load_lse_delta(a, sm.lse[st], sm.delta[st], bb * a.h + hh, qb);
   };
 
-  load_tile<T, D>(sm.k, kg, kblock, a.sk, row_stride);
-  load_tile<T, D>(sm.v, vg, kblock, a.sk, row_stride);
-  if (kStages == 2 && tiles > 0) load_query_tile(0, 0);
+  load_tile<T, D>(sm.k, kg, kblock, a.sk, a.kv_row);
+  load_tile<T, D>(sm.v, vg, kblock, a.sk, a.kv_row);
+  if (kStages == 2 && hd.iters > 0) load_query_tile(0, 0);
   cp_async_commit();
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // The visibility of this thread's two keys (k0 + quad, k0 + quad + 8: bits 0 and 1), the
-  // same for every query tile: in bounds, and under a key mask, visible (unused by kAnyMask).
-  auto visible = [&](int64_t j) { return kMode == kKeyMask ? key_visible(a, rc, j) : j < a.sk; };
-  const uint32_t kvis = static_cast<uint32_t>(visible(k0 + quad)) | static_cast<uint32_t>(visible(k0 + quad + 8)) << 1;
+  // same for every query tile of a q head: in bounds, and under a key mask, visible (unused
+  // by kAnyMask).
+  uint32_t kvis = bwd_key_vis<kMode>(a, row_ctx(a, bb, hd.first), k0 + quad);
 
   // ldmatrix row addresses of this lane (matrix m = lane / 8, row r = lane % 8).
   const int lm = lane / 8, lr = lane % 8;
@@ -228,15 +223,19 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   // Transposed, A of dS K from dSᵀ (rows = keys 16 kc + 8 (m / 2) + r, query columns 16 warp + 8 (m % 2)).
   const T* ds_lane = sm.ds + ((lm / 2) * 8 + lr) * kDsRow + warp * 16 + (lm % 2) * 8;
 
-  for (int t = 0; t < tiles; ++t) {
-    const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
-    const int buf = kStages == 2 ? (t & 1) : 0;
+  for (int u = 0; u < hd.iters; ++u) {
+    const int64_t hh = hd.head(u), bh = bb * a.h + hh;
+    const int64_t qb = q_begin + static_cast<int64_t>(hd.tile(u)) * kTile;
+    const RowCtx rc = row_ctx(a, bb, hh);
+    if (bwd_head_changes_vis<kMode>(a, hd, u)) kvis = bwd_key_vis<kMode>(a, rc, k0 + quad);
+    float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
+    const int buf = kStages == 2 ? (u & 1) : 0;
     if (kStages == 2) {
-      if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
+      if (u + 1 < hd.iters) load_query_tile(u + 1, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
-      load_query_tile(t, 0);  // the last iteration read this stage before its second barrier
+      load_query_tile(u, 0);  // the last iteration read this stage before its second barrier
       cp_async_commit();
       cp_async_wait<0>();
     }
@@ -313,8 +312,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
 
-  bwd_store<T, D>(a, [&](int dn, int e) { return dk[dn][e]; }, [&](int dn, int e) { return dv[dn][e]; }, bb, hh, k0, quad,
-                  tq);
+  bwd_store<T, D>(a, [&](int dn, int e) { return dk[dn][e]; }, [&](int dn, int e) { return dv[dn][e]; }, bb, hd.kvh,
+                  k0, quad, tq);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -338,7 +337,7 @@ bool use_sm90() {
 // kernel takes any other).
 bool use_sm90(const AttnArgs& a, int d) {
   constexpr int64_t kMaxStride = int64_t{1} << 24;
-  return a.qkv_row < kMaxStride && a.grad_row < kMaxStride && a.h * d < kMaxStride &&
+  return a.qkv_row < kMaxStride && a.grad_row < kMaxStride && a.h * d < kMaxStride && a.kv_row < kMaxStride &&
          (a.dq_acc == nullptr || aligned16(a.dq_acc)) && use_sm90();
 }
 
@@ -353,10 +352,11 @@ ffi::Error run_fwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
         if (use_sm90(a, D))
-          return launch_tile_kernel<attention_fwd_sm90_kernel<T, D, kMode>>(op, tiles, sm90_fwd_smem<D>() + 1024,
-                                                                             stream, a);
+          return launch_tile_kernel<attention_fwd_sm90_kernel<T, D, kMode>>(op, tiles, a.b * a.h,
+                                                                             sm90_fwd_smem<D>() + 1024, stream, a);
       }
-      return launch_tile_kernel<attention_fwd_kernel<T, D, kMode>>(op, tiles, sizeof(FwdSmem<T, D>), stream, a);
+      return launch_tile_kernel<attention_fwd_kernel<T, D, kMode>>(op, tiles, a.b * a.h, sizeof(FwdSmem<T, D>),
+                                                                   stream, a);
     });
     if (e.failure()) return e;
     return launch_status(op);
@@ -402,11 +402,11 @@ bool cluster_fits(ClusterLaunch& l) {
 // Whether the backward reduces dq inside clusters (attention_sm90.cuh, kClusterDq): the
 // wgmma kernels run, no causal mask (every key block then visits the same query tiles),
 // at most two query tiles (Sq <= 128: each keeps its stage) and at most 8 key blocks
-// (Sk <= 512; 8 is the portable cluster size). JAXSUB_ATTENTION_CLUSTER_DQ=0 keeps the f32
-// accumulator and atomics (for comparisons).
+// (Sk <= 512; 8 is the portable cluster size), one q head per k/v head. JAXSUB_ATTENTION_
+// CLUSTER_DQ=0 keeps the f32 accumulator and atomics (for comparisons).
 bool use_cluster_dq(const AttnArgs& a) {
   const char* off = std::getenv("JAXSUB_ATTENTION_CLUSTER_DQ");
-  return !(off != nullptr && std::string(off) == "0") && !a.causal && a.sq <= 2 * kTile &&
+  return !(off != nullptr && std::string(off) == "0") && !a.causal && a.group == 1 && a.sq <= 2 * kTile &&
          (a.sk + kTile - 1) / kTile <= 8;
 }
 
@@ -455,7 +455,7 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
           for_head_chunks(a, [&](const AttnArgs& c, unsigned n) {
             l.config.gridDim.y = n;
             launched = launched && cudaLaunchKernelEx(&l.config, kernel, c) == cudaSuccess;
-          });
+          }, a.b * a.h);
           return ffi::Error::Success();
         });
         if (e.failure()) return e;
@@ -467,14 +467,16 @@ ffi::Error run_bwd(const char* op, cudaStream_t stream, ffi::DataType t, int d, 
       }
     }
     attention_delta_kernel<T, D><<<delta_blocks, kThreads, 0, stream>>>(a);
+    const int64_t kv_heads = a.b * (a.h / a.group);  // a block per key block of each k/v head
     const ffi::Error e = by_mask_mode(a, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if constexpr (D >= 64) {
         if (use_sm90(a, D))
           return launch_tile_kernel<attention_bwd_sm90_kernel<T, D, kMode, false>>(
-              op, tiles, sm90_bwd_smem<D>() + 1024, stream, a);
+              op, tiles, kv_heads, sm90_bwd_smem<D>() + 1024, stream, a);
       }
-      return launch_tile_kernel<attention_bwd_kernel<T, D, kMode>>(op, tiles, sizeof(BwdSmem<T, D>), stream, a);
+      return launch_tile_kernel<attention_bwd_kernel<T, D, kMode>>(op, tiles, kv_heads, sizeof(BwdSmem<T, D>), stream,
+                                                                   a);
     });
     if (e.failure()) return e;
     const int64_t n = rows * D, hd = a.h * D;

@@ -29,9 +29,12 @@ struct AttnArgs {
   // 3, H, D] or [3, B, S, H, D] tensor) has its own strides and q, k, v pointers into it.
   // The gradients' views have strides of their own (grad_row, dq_batch, dkv_batch): the
   // same as the inputs', except where separate q, k, v get one packed gradient.
+  // Grouped-query attention (separate tensors only): k and v have H / group heads, q head
+  // h reading k/v head h / group; their rows are kv_row = (H / group) * D apart (dk, dv:
+  // dkv_row). Otherwise group = 1 and kv_row = qkv_row, dkv_row = grad_row.
   const void* q;         // [B, Sq, H, D] view, T
-  const void* k;         // [B, Sk, H, D] view, T
-  const void* v;         // [B, Sk, H, D] view, T
+  const void* k;         // [B, Sk, H / group, D] view, T
+  const void* v;         // [B, Sk, H / group, D] view, T
   const void* out;       // [B, Sq, H, D] T (backward: forward output)
   const void* dout;      // [B, Sq, H, D] T (backward)
   const void* mask;      // [Bm, Hm, Sqm, Skm] pred or f32
@@ -53,6 +56,8 @@ struct AttnArgs {
   int64_t bh0 = 0;  // the launch's first (b, h): blockIdx.y + bh0 (for_head_chunks)
   int64_t qkv_row, q_batch, kv_batch;  // the views' strides, in elements
   int64_t grad_row, dq_batch, dkv_batch;  // the gradient views' strides (backward)
+  int64_t kv_row, dkv_row;                // k and v's row stride, dk and dv's
+  int64_t group = 1;                      // q heads per k/v head
   int64_t bm, hm, sqm, skm;
   int mask_kind;
   float scale;
@@ -485,12 +490,15 @@ ffi::Error read_shapes(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBu
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) return invalid(op, "q, k, v must be [B, S, H, D]");
   a.b = qd[0], a.sq = qd[1], a.h = qd[2], d = static_cast<int>(qd[3]);
   a.sk = kd[1];
-  if (kd[0] != a.b || kd[2] != a.h || kd[3] != d || vd[0] != a.b || vd[1] != a.sk || vd[2] != a.h || vd[3] != d)
-    return invalid(op, "q, k, v shapes do not match");
+  const int64_t hkv = kd[2];
+  if (kd[0] != a.b || hkv < 1 || a.h % hkv != 0 || kd[3] != d || vd[0] != a.b || vd[1] != a.sk || vd[2] != hkv ||
+      vd[3] != d)
+    return invalid(op, "q, k, v shapes do not match (k and v: [B, Sk, H_kv, D], H_kv dividing q's H)");
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
     return invalid(op, "q, k, v dtypes differ");
-  a.qkv_row = a.h * d, a.q_batch = a.sq * a.qkv_row, a.kv_batch = a.sk * a.qkv_row;
-  a.grad_row = a.qkv_row, a.dq_batch = a.q_batch, a.dkv_batch = a.kv_batch;
+  a.group = a.h / hkv;
+  a.qkv_row = a.h * d, a.q_batch = a.sq * a.qkv_row, a.kv_row = hkv * d, a.kv_batch = a.sk * a.kv_row;
+  a.grad_row = a.qkv_row, a.dq_batch = a.q_batch, a.dkv_row = a.kv_row, a.dkv_batch = a.kv_batch;
   return read_mask_and_dim(op, mask, mask_kind, d, a);
 }
 
@@ -510,6 +518,7 @@ ffi::Error read_packed_shapes(const char* op, const ffi::AnyBuffer& qkv, int32_t
   }
   a.q_batch = a.kv_batch = a.sq * a.qkv_row;
   a.grad_row = a.qkv_row, a.dq_batch = a.dkv_batch = a.q_batch;
+  a.kv_row = a.dkv_row = a.qkv_row;
   return read_mask_and_dim(op, mask, mask_kind, d, a);
 }
 
@@ -535,13 +544,13 @@ ffi::Error by_mask_mode(const AttnArgs& a, F&& f) {
     default: return f(std::integral_constant<int, kNoMask>{});
   }
 }
-// A grid has at most 65535 blocks along y, where the tile kernels put the B * H heads:
-// more heads are launched in chunks, each kernel adding its chunk's first head (bh0) to
-// blockIdx.y. Calls launch(args, heads) per chunk.
+// A grid has at most 65535 blocks along y, where the tile kernels put the B * H heads
+// (the backward: the B * H / group k/v heads): more heads are launched in chunks, each
+// kernel adding its chunk's first head (bh0) to blockIdx.y. Calls launch(args, heads) per
+// chunk.
 constexpr int64_t kMaxGridY = 65535;
 template <typename F>
-void for_head_chunks(const AttnArgs& a, F&& launch) {
-  const int64_t heads = a.b * a.h;
+void for_head_chunks(const AttnArgs& a, F&& launch, int64_t heads) {
   for (int64_t bh0 = 0; bh0 < heads; bh0 += kMaxGridY) {
     AttnArgs c = a;
     c.bh0 = bh0;
@@ -551,11 +560,12 @@ void for_head_chunks(const AttnArgs& a, F&& launch) {
 // Kernel over `tiles` row tiles (grid x) of every head (grid y, in chunks), launched
 // dependent on the kernel before it (pdl.cuh: Kernel waits for it).
 template <auto Kernel>
-ffi::Error launch_tile_kernel(const char* op, unsigned tiles, size_t smem, cudaStream_t stream, const AttnArgs& a) {
+ffi::Error launch_tile_kernel(const char* op, unsigned tiles, int64_t heads, size_t smem, cudaStream_t stream,
+                              const AttnArgs& a) {
   if (auto e = smem_opt_in<Kernel>(op, smem); e.failure()) return e;
-  for_head_chunks(a, [&](const AttnArgs& c, unsigned heads) {
-    launch_dependent(Kernel, dim3(tiles, heads), dim3(kThreads), smem, stream, c);
-  });
+  for_head_chunks(a, [&](const AttnArgs& c, unsigned n) {
+    launch_dependent(Kernel, dim3(tiles, n), dim3(kThreads), smem, stream, c);
+  }, heads);
   return ffi::Error::Success();
 }
 

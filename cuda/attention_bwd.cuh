@@ -121,8 +121,39 @@ __device__ __forceinline__ void bwd_dscores(const AttnArgs& a, PF&& P, DF&& DP, 
   }
 }
 
-// Pieces both backward kernels share besides the element-wise steps above: where the
-// block's query tiles start, the per-query values of a tile, and the dK, dV stores.
+// Pieces both backward kernels share besides the element-wise steps above: the block's
+// heads, where its query tiles start, the per-query values of a tile, and the dK, dV stores.
+
+// A backward block owns one key block of k/v head kvh of batch bb (grid y: the B * H /
+// group k/v heads). Under grouped-query attention (a.group > 1) its loop walks the query
+// tiles of each q head reading that k/v head in turn, so dK and dV sum over the group in
+// registers: iteration u is query tile u % tiles of q head first + u / tiles.
+struct BwdHeads {
+  int64_t bb, kvh, first;
+  int tiles, iters;  // query tiles per q head; loop iterations (tiles * group)
+  __device__ __forceinline__ int64_t head(int u) const { return first + u / tiles; }
+  __device__ __forceinline__ int tile(int u) const { return u % tiles; }
+};
+__device__ __forceinline__ BwdHeads bwd_heads(const AttnArgs& a, int tiles) {
+  const int64_t hkv = a.h / a.group, bhk = a.bh0 + blockIdx.y;
+  BwdHeads r;
+  r.bb = bhk / hkv, r.kvh = bhk % hkv, r.first = r.kvh * a.group;
+  r.tiles = tiles, r.iters = tiles * static_cast<int>(a.group);
+  return r;
+}
+// The visibility of a thread's keys j and j + 8 (bits 0 and 1), the same for every query
+// tile of a q head: in bounds, and under a key mask, visible to that head (rc).
+template <int kMode>
+__device__ __forceinline__ uint32_t bwd_key_vis(const AttnArgs& a, const RowCtx& rc, int64_t j) {
+  auto visible = [&](int64_t x) { return kMode == kKeyMask ? key_visible(a, rc, x) : x < a.sk; };
+  return static_cast<uint32_t>(visible(j)) | static_cast<uint32_t>(visible(j + 8)) << 1;
+}
+// Whether iteration u starts a q head whose key mask is not the previous head's (a
+// per-head key mask under grouped-query attention): the bits above are read again.
+template <int kMode>
+__device__ __forceinline__ bool bwd_head_changes_vis(const AttnArgs& a, const BwdHeads& hd, int u) {
+  return kMode == kKeyMask && a.group > 1 && a.hm != 1 && u > 0 && hd.tile(u) == 0;
+}
 
 // The first query the backward block blockIdx.x (keys kblock ..) needs, a multiple of 64
 // (causal: queries before its first visible key see none of its keys).
@@ -218,7 +249,7 @@ __device__ __forceinline__ void bwd_bias_sums(const AttnArgs& a, KF&& DK, VF&& D
 template <typename T, int D, typename KF, typename VF>
 __device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, int64_t bb, int64_t hh, int64_t k0,
                                           int quad, int tq) {
-  T* dkg = static_cast<T*>(a.dk) + bb * a.dkv_batch + hh * D;
+  T* dkg = static_cast<T*>(a.dk) + bb * a.dkv_batch + hh * D;  // hh: the k/v head
   T* dvg = static_cast<T*>(a.dv) + bb * a.dkv_batch + hh * D;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -226,9 +257,9 @@ __device__ __forceinline__ void bwd_store(const AttnArgs& a, KF&& DK, VF&& DV, i
     if (j >= a.sk) continue;
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
-      *reinterpret_cast<uint32_t*>(dkg + j * a.grad_row + dn * 8 + tq * 2) =
+      *reinterpret_cast<uint32_t*>(dkg + j * a.dkv_row + dn * 8 + tq * 2) =
           pack2<T>(DK(dn, 2 * r) * a.scale, DK(dn, 2 * r + 1) * a.scale);
-      *reinterpret_cast<uint32_t*>(dvg + j * a.grad_row + dn * 8 + tq * 2) =
+      *reinterpret_cast<uint32_t*>(dvg + j * a.dkv_row + dn * 8 + tq * 2) =
           pack2<T>(DV(dn, 2 * r) * a.keep_scale, DV(dn, 2 * r + 1) * a.keep_scale);
     }
   }

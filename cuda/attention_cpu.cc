@@ -25,20 +25,23 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Shapes and checks.
 
 // Sizes, and the strides of the q, k, v views (and of dq, dk, dv): position s of batch b,
-// head h at b * q_batch (kv_batch) + s * row + h * d. out and dout are plain [B, Sq, H, D].
+// head h at b * q_batch + s * row + h * d (k, v: b * kv_batch + s * kv_row + (h / group) *
+// d, q head h reading k/v head h / group). out and dout are plain [B, Sq, H, D].
 struct Dims {
   int64_t b, sq, sk, h, d;
   int64_t row, q_batch, kv_batch;
+  int64_t kv_row, group;
 };
 
-// q: T[B, Sq, H, D]; k, v: T[B, Sk, H, D]; seed: u32[2].
+// q: T[B, Sq, H, D]; k, v: T[B, Sk, H_kv, D] (H_kv dividing H); seed: u32[2].
 ffi::Error qkv_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                     const ffi::AnyBuffer& seed, Dims& out) {
   auto dq = q.dimensions(), dk = k.dimensions(), dv = v.dimensions();
   if (dq.size() != 4 || dk.size() != 4 || dv.size() != 4) return invalid(op, "q, k and v must have rank 4");
-  out = Dims{dq[0], dq[1], dk[1], dq[2], dq[3], dq[2] * dq[3], dq[1] * dq[2] * dq[3], dk[1] * dq[2] * dq[3]};
-  if (dk[0] != out.b || dk[2] != out.h || dk[3] != out.d)
-    return invalid(op, "k must be [B, Sk, H, D] with q's B, H and D");
+  if (dk[2] < 1 || dq[2] % dk[2] != 0) return invalid(op, "k's heads must divide q's (k, v: [B, Sk, H_kv, D])");
+  out = Dims{dq[0], dq[1], dk[1], dq[2], dq[3], dq[2] * dq[3], dq[1] * dq[2] * dq[3], dk[1] * dk[2] * dq[3],
+             dk[2] * dq[3], dq[2] / dk[2]};
+  if (dk[0] != out.b || dk[3] != out.d) return invalid(op, "k must be [B, Sk, H_kv, D] with q's B and D");
   for (int a = 0; a < 4; ++a) {
     if (dv[a] != dk[a]) return invalid(op, "v must have k's shape");
   }
@@ -67,7 +70,9 @@ struct RowCtx {
 
 // Offsets of query i / key j of head h in the q / k, v views, and of query i in out.
 int64_t q_at(const Dims& d, int64_t b, int64_t i, int64_t h) { return b * d.q_batch + i * d.row + h * d.d; }
-int64_t kv_at(const Dims& d, int64_t b, int64_t j, int64_t h) { return b * d.kv_batch + j * d.row + h * d.d; }
+int64_t kv_at(const Dims& d, int64_t b, int64_t j, int64_t h) {  // h: the q head
+  return b * d.kv_batch + j * d.kv_row + h / d.group * d.d;
+}
 int64_t o_at(const Dims& d, int64_t b, int64_t i, int64_t h) { return ((b * d.sq + i) * d.h + h) * d.d; }
 
 template <typename T>
@@ -176,8 +181,10 @@ void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const
   std::vector<double> dqi(d.d), dkh(d.sk * d.d), dvh(d.sk * d.d);
   for (int64_t b = 0; b < d.b; ++b) {
     for (int64_t h = 0; h < d.h; ++h) {
-      std::fill(dkh.begin(), dkh.end(), 0.0);
-      std::fill(dvh.begin(), dvh.end(), 0.0);
+      if (h % d.group == 0) {  // the first q head reading this k/v head: dk, dv sum over the group
+        std::fill(dkh.begin(), dkh.end(), 0.0);
+        std::fill(dvh.begin(), dvh.end(), 0.0);
+      }
       for (int64_t i = 0; i < d.sq; ++i) {
         const int64_t qi = q_at(d, b, i, h), oi = o_at(d, b, i, h);
         const float lse_i = lse[(b * d.h + h) * d.sq + i];
@@ -208,6 +215,7 @@ void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const
         const int64_t gi = q_at(g, b, i, h);
         for (int64_t e = 0; e < d.d; ++e) dq[gi + e] = from_float<T>(static_cast<float>(dqi[e]));
       }
+      if (h % d.group != d.group - 1) continue;
       for (int64_t j = 0; j < d.sk; ++j) {
         const int64_t gj = kv_at(g, b, j, h);
         for (int64_t e = 0; e < d.d; ++e) {
@@ -306,6 +314,7 @@ ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBu
   MaskView m;
   if (auto e = qkv_dims(op, q, k, v, seed, d); e.failure()) return e;
   if (d.sq != d.sk) return invalid(op, "q and k must have one sequence length (self-attention)");
+  if (d.group != 1) return invalid(op, "q, k and v must have the same heads (one packed gradient)");
   if (auto e = attention_mask(op, mask, mask_kind, d, m); e.failure()) return e;
   const ffi::DataType t = q.element_type();
   const size_t nq = q.element_count();
@@ -316,7 +325,7 @@ ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBu
   void* dbias_out[3];  // its GPU workspace (the next result) is not touched here
   if (auto e = dbias_parts(op, *dbias, t, d.h * d.d, nullptr, dbias_out); e.failure()) return e;
   const int64_t hd = d.h * d.d;
-  const Dims g{d.b, d.sq, d.sk, d.h, d.d, 3 * hd, d.sq * 3 * hd, d.sq * 3 * hd};  // [B, S, 3, H, D]
+  const Dims g{d.b, d.sq, d.sk, d.h, d.d, 3 * hd, d.sq * 3 * hd, d.sq * 3 * hd, 3 * hd, 1};  // [B, S, 3, H, D]
   const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
@@ -337,7 +346,7 @@ ffi::Error packed_dims(const char* op, const ffi::AnyBuffer& qkv, int32_t axis, 
     return invalid(op, "qkv must be [B, S, 3, H, D] (qkv_axis 2) or [3, B, S, H, D] (qkv_axis 0)");
   const int64_t hd = s[3] * s[4];
   const int64_t b = axis == 2 ? s[0] : s[1], seq = axis == 2 ? s[1] : s[2], row = axis == 2 ? 3 * hd : hd;
-  out = Dims{b, seq, seq, s[3], s[4], row, seq * row, seq * row};
+  out = Dims{b, seq, seq, s[3], s[4], row, seq * row, seq * row, row, 1};
   koff = axis == 2 ? hd : b * seq * hd;
   return check_buffer(op, "seed", seed, ffi::DataType::U32, seed_words(seed.element_count()));
 }

@@ -90,7 +90,8 @@ ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32
   int d = 0;
   if (auto e = read_shapes(op, q, k, v, mask, mask_kind, a, d); e.failure()) return e;
   auto g = dqkv->dimensions();
-  if (a.sq != a.sk || g.size() != 5 || g[0] != a.b || g[1] != a.sq || g[2] != 3 || g[3] != a.h || g[4] != d)
+  if (a.sq != a.sk || a.group != 1 || g.size() != 5 || g[0] != a.b || g[1] != a.sq || g[2] != 3 || g[3] != a.h ||
+      g[4] != d)
     return invalid(op, "dqkv must be [B, S, 3, H, D] for q, k, v of shape [B, S, H, D]");
   if (auto e = set_dbias(op, a, d, q.element_type(), dbias, dbias_ws); e.failure()) return e;
   if (a.b * a.h * a.sq == 0) {  // dqkv is empty too
@@ -98,7 +99,7 @@ ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32
     return launch_status(op);
   }
   const int64_t hd = a.h * d;
-  a.grad_row = 3 * hd, a.dq_batch = a.dkv_batch = a.sq * a.grad_row;
+  a.grad_row = a.dkv_row = 3 * hd, a.dq_batch = a.dkv_batch = a.sq * a.grad_row;
   const int64_t kbytes = hd * static_cast<int64_t>(ffi::ByteWidth(q.element_type()));
   char* dbase = static_cast<char*>(dqkv->untyped_data());
   a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data();

@@ -90,10 +90,10 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
   const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t q0 = fwd_query_tile(a) * kTile + warp * 16;  // warp's first query row
-  const int64_t row_stride = a.qkv_row;
+  const int64_t row_stride = a.kv_row;  // k and v's (q's: load_q_frags)
   const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
-  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
-  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
+  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh / a.group * D;
+  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh / a.group * D;
   const RowCtx rc = row_ctx(a, bb, hh);
   const Seed seed = load_seed(a.seed, a.seed_offset);
 
@@ -299,37 +299,36 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   auto addr = [](const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
-  const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
   const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t k0 = kblock + warp * 16;  // warp's first key
-  const int64_t row_stride = a.qkv_row, out_row = a.h * D;  // dout and dq_acc: plain [B, Sq, H, D]
-  const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
-  const T* dog = static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D;
-  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hh * D;
-  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hh * D;
-  float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
-  const RowCtx rc = row_ctx(a, bb, hh);
+  const int64_t out_row = a.h * D;        // dout and dq_acc: plain [B, Sq, H, D]
+  const int64_t q_begin = bwd_query_begin(a, kblock);
+  const BwdHeads hd = bwd_heads(a, a.sq > q_begin ? static_cast<int>((a.sq - q_begin + kTile - 1) / kTile) : 0);
+  const int64_t bb = hd.bb;
+  const T* kg = static_cast<const T*>(a.k) + bb * a.kv_batch + hd.kvh * D;
+  const T* vg = static_cast<const T*>(a.v) + bb * a.kv_batch + hd.kvh * D;
   const Seed seed = load_seed(a.seed, a.seed_offset);
   const float scale_log2 = a.scale * kLog2e;
+  auto q_of = [&](int64_t hh) { return static_cast<const T*>(a.q) + bb * a.q_batch + hh * D; };
+  auto do_of = [&](int64_t hh) { return static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D; };
 
-  const int64_t q_begin = bwd_query_begin(a, kblock);
-  const int tiles = a.sq > q_begin ? static_cast<int>((a.sq - q_begin + kTile - 1) / kTile) : 0;
-  auto load_query_tile = [&](int t, int st) {
-    const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
-    load_tile_swz<T, D, false>(q_s(st), qg, qb, a.sq, row_stride);
-    load_tile_swz<T, D, false>(do_s(st), dog, qb, a.sq, out_row);
-    load_lse_delta(a, lse_s + st * kTile, delta_s + st * kTile, bh, qb);
+  // Iteration u's query tile (BwdHeads): Q and dO, then its lse and delta.
+  auto load_qdo = [&](int u, int st) {
+    const int64_t hh = hd.head(u), qb = q_begin + static_cast<int64_t>(hd.tile(u)) * kTile;
+    load_tile_swz<T, D, false>(q_s(st), q_of(hh), qb, a.sq, a.qkv_row);
+    load_tile_swz<T, D, false>(do_s(st), do_of(hh), qb, a.sq, out_row);
   };
-  load_tile_swz<T, D, false>(k_s, kg, kblock, a.sk, row_stride);
-  load_tile_swz<T, D, false>(v_s, vg, kblock, a.sk, row_stride);
-  if (tiles > 0) {
-    load_tile_swz<T, D, false>(q_s(0), qg, q_begin, a.sq, row_stride);
-    load_tile_swz<T, D, false>(do_s(0), dog, q_begin, a.sq, out_row);
-  }
+  auto load_rows = [&](int u, int st) {
+    load_lse_delta(a, lse_s + st * kTile, delta_s + st * kTile, bb * a.h + hd.head(u),
+                   q_begin + static_cast<int64_t>(hd.tile(u)) * kTile);
+  };
+  load_tile_swz<T, D, false>(k_s, kg, kblock, a.sk, a.kv_row);
+  load_tile_swz<T, D, false>(v_s, vg, kblock, a.sk, a.kv_row);
+  if (hd.iters > 0) load_qdo(0, 0);
   // Launched dependent on the delta kernel (pdl.cuh): the copies of the call's inputs above
   // are in flight while it finishes; delta and the zeroed dq accumulator only after it.
   wait_for_previous_grid();
-  if (tiles > 0) load_lse_delta(a, lse_s, delta_s, bh, q_begin);
+  if (hd.iters > 0) load_rows(0, 0);
   cp_async_commit();
   if constexpr (kDq4) {  // the dQ product reads the copy after the loop's barriers
     cp_async_wait<0>();
@@ -340,8 +339,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   float dk[D / 2], dv[D / 2];  // [4 dn + e]: key quad + 8 (e / 2) of the warp, column 8 dn + 2 tq + e % 2
 #pragma unroll
   for (int x = 0; x < D / 2; ++x) dk[x] = dv[x] = 0.f;
-  auto visible = [&](int64_t j) { return kMode == kKeyMask ? key_visible(a, rc, j) : j < a.sk; };
-  const uint32_t kvis = static_cast<uint32_t>(visible(k0 + quad)) | static_cast<uint32_t>(visible(k0 + quad + 8)) << 1;
+  uint32_t kvis = bwd_key_vis<kMode>(a, row_ctx(a, bb, hd.first), k0 + quad);
   // K-major operand descriptors step 32 bytes per 16 columns inside a panel; MN-major
   // ones 16 rows (2048 bytes) per 16 of the reduction dim.
   auto kmajor = [](uint32_t tile, int kc) { return wgmma_desc(tile + (kc / 4) * kPanelBytes + (kc % 4) * 32); };
@@ -349,11 +347,15 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
 
   uint16_t* keep_w = keep_s + warp * kTile;  // the warp's keep words of the current tile
 
-  for (int t = 0; t < tiles; ++t) {
-    const int64_t qb = q_begin + static_cast<int64_t>(t) * kTile;
-    const int buf = t & 1;
+  for (int u = 0; u < hd.iters; ++u) {
+    const int64_t hh = hd.head(u), bh = bb * a.h + hh;
+    const int64_t qb = q_begin + static_cast<int64_t>(hd.tile(u)) * kTile;
+    const RowCtx rc = row_ctx(a, bb, hh);
+    if (bwd_head_changes_vis<kMode>(a, hd, u)) kvis = bwd_key_vis<kMode>(a, rc, k0 + quad);
+    float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
+    const int buf = u & 1;
     // The other stage was last read by the previous tile's products, all waited for.
-    if (t + 1 < tiles) load_query_tile(t + 1, buf ^ 1);
+    if (u + 1 < hd.iters) load_qdo(u + 1, buf ^ 1), load_rows(u + 1, buf ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     float* nlse2 = lse_s + buf * kTile;
@@ -432,10 +434,12 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
     // every warp reaches after its own wait above.
   }
   cp_async_wait<0>();  // no copy outlives the block (tiles == 0: the K, V copies)
-  if constexpr (kClusterDq) bwd_cluster_dq<T, D>(a, [&](int t) { return reinterpret_cast<float*>(q_s(t)); }, tiles, bb, hh);
+  // (kClusterDq: group 1, so the k/v head is the q head and iteration u is query tile u.)
+  if constexpr (kClusterDq)
+    bwd_cluster_dq<T, D>(a, [&](int t) { return reinterpret_cast<float*>(q_s(t)); }, hd.iters, bb, hd.kvh);
 
-  bwd_store<T, D>(a, [&](int dn, int e) { return dk[4 * dn + e]; }, [&](int dn, int e) { return dv[4 * dn + e]; }, bb, hh,
-                  k0, quad, tq);
+  bwd_store<T, D>(a, [&](int dn, int e) { return dk[4 * dn + e]; }, [&](int dn, int e) { return dv[4 * dn + e]; }, bb,
+                  hd.kvh, k0, quad, tq);
 #else
   __trap();  // launched without sm_90a device code: a build error, never a wrong result
 #endif

@@ -469,6 +469,21 @@ def _grouped_query_case(h, h_kv, mask_kind, causal, rate, implementation):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+def test_grouped_query_kernels_get_the_key_heads():
+    """The fused path hands k and v to its custom calls with their own heads (the kernels
+    group the q heads), not repeated to q's."""
+    q, k, v, dout = qkv(331, 2, 7, 9, 6, 8, F32)
+    k, v = k[:, :, :2], v[:, :, :2]
+
+    def loss(q, k, v):
+        return jnp.sum(jaxsub.ops.attention(q, k, v, implementation="fused") * dout)
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    calls = [line for line in hlo.splitlines() if "jaxsub_attention_" in line and "custom_call" in line]
+    assert len(calls) == 2, calls
+    for line in calls:
+        assert "tensor<2x9x2x8xf32>" in line and "tensor<2x9x6x8xf32>" not in line, line
+
+
 def test_key_heads_must_divide_query_heads():
     q, k, v, _ = qkv(5, 2, 7, 7, 4, 8, F32)
     with pytest.raises(ValueError, match=r"jaxsub.attention: `k`'s heads \(3\) must divide q's \(4\)"):
@@ -608,6 +623,17 @@ class TestCuda:
     def test_grouped_query_matches_cpu(self):
         """Eight q heads over two k/v heads, causal, dropout, D 128."""
         self._cuda_vs_cpu(2, 300, 300, 8, 128, causal=True, rate=0.1, implementation="fused", h_kv=2)
+
+    @pytest.mark.parametrize("h,h_kv,d,sq,sk,causal,mask_kind,rate", [
+        (6, 3, 64, 130, 200, False, "headkeys", 0.1),  # a key mask per q head: each head's own bits
+        (4, 1, 64, 200, 130, True, "padding", 0.0),    # multi-query
+        (6, 2, 128, 77, 300, True, None, 0.1),
+        (6, 2, 32, 100, 100, False, "additive", 0.1)])
+    def test_grouped_query_kernels_match_cpu(self, h, h_kv, d, sq, sk, causal, mask_kind, rate, fwd_kernel):
+        """The kernels read k and v with their own heads: the forward each q head's k/v head,
+        the backward's blocks walking the group's q heads in turn (dk, dv summed there)."""
+        self._cuda_vs_cpu(2, sq, sk, h, d, causal=causal, rate=rate, implementation="fused", mask_kind=mask_kind,
+                          h_kv=h_kv, seed=h * 100 + d)
 
     @pytest.fixture(params=["sm90", "mma"])
     def fwd_kernel(self, request, monkeypatch):

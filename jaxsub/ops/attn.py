@@ -486,8 +486,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       q: queries [B, Sq, H, D]; float32, bfloat16 or float16.
       k, v: keys and values [B, Sk, H_kv, D], q's dtype, B and D. H_kv = H is multi-head
         attention; H_kv dividing H is grouped-query attention (H_kv = 1: multi-query), q head
-        n reading k/v head n // (H // H_kv) as in jax.nn.dot_product_attention. k and v are
-        then repeated to H heads (a copy of each) and their gradients summed over the groups.
+        n reading k/v head n // (H // H_kv) as in jax.nn.dot_product_attention. The fused
+        kernels read each k/v head for its group of q heads (no copies; the backward sums dk
+        and dv over the group in registers); the unfused path, and the fused one on more
+        than one device, repeat k and v to H heads and sum their gradients.
       mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
         (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
         mask broadcastable to [B, H, Sq, Sk]. A 2-D mask of shape [B, Sk] (either kind)
@@ -525,7 +527,6 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       `dropout_mask(key, (B, H, Sq, Sk), dropout_rate)` is False, in both implementations.
     """
     q, k, v = _check_inputs(q, k, v)
-    k, v = repeat_kv(q, k, v)
     return _attention(_OP, q, k, v, None, mask, causal, scale, dropout_rate, key, implementation)
 
 
@@ -599,10 +600,12 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
                 return source.fused(jnp.asarray(mask4d), seed, scale, causal, kind, rate)
             if packed is not None:
                 return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate)
+            if jax.device_count() > 1:  # the partitioning rules name one head axis for q, k and v
+                k, v = repeat_kv(q, k, v)
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
         _ffi.fallback(op, reason, instead="the unfused path")
     if source is not None:
         return unfused_source(source, mask4d, seed, kind, causal, scale, rate, op=op)
     if packed is not None:
         q, k, v = packed_slices(*packed)
-    return _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate, op=op)
+    return _unfused(q, *repeat_kv(q, k, v), mask4d, seed, kind, causal, scale, rate, op=op)
