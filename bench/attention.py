@@ -12,7 +12,8 @@ Cases, q/k/v [B, S, H, D] bf16, scale 1/sqrt(D), self-attention (Sq = Sk = S):
 - causal: B=2, S=2048, H=16, D=128, causal.
 - `--shape B,S,H,D[,causal|padded]` (repeatable) adds a case of that shape, named after it
   (e.g. `--shape 2,2048,16,64` is case b2s2048h16d64); given without `--cases`, only the
-  given shapes run.
+  given shapes run. H may be H/H_kv: grouped-query attention, k and v with H_kv heads
+  (plain XLA repeats them to H; `--shape 2,2048,32/8,128,causal` is b2s2048h32kv8d128-causal).
 
 Rows, each forward ("fwd") and forward + backward ("fwd+bwd": `jax.vjp` with a random
 cotangent; the output and all of dq, dk, dv are returned):
@@ -96,14 +97,20 @@ class Case:
     d: int
     causal: bool
     padded: bool
+    h_kv: int | None = None  # k/v heads (grouped-query attention); None: H
 
     @property
     def qkv_shape(self) -> tuple[int, int, int, int]:
         return (self.b, self.s, self.h, self.d)
 
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.b, self.s, self.h_kv or self.h, self.d)
+
     def describe(self) -> str:
         extra = ", causal" if self.causal else ", key padding" if self.padded else ""
-        return f"B={self.b} S={self.s} H={self.h} D={self.d}{extra}"
+        heads = f"{self.h}/{self.h_kv}" if self.h_kv else f"{self.h}"
+        return f"B={self.b} S={self.s} H={heads} D={self.d}{extra}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +156,12 @@ def attention_floor_bytes(case: Case, pass_: str) -> int:
     """Bytes the fused ABI.md targets must move: fwd reads q, k, v, mask, seed and writes
     out, lse; bwd reads dout, q, k, v, out, lse, mask, seed and writes dq, dk, dv. The bwd
     workspaces are scratch and not counted; the key-padding mask is [B, 1, 1, S] pred."""
-    act = math.prod(case.qkv_shape) * jnp.dtype(DTYPE).itemsize
+    act = math.prod(case.qkv_shape) * jnp.dtype(DTYPE).itemsize  # q, out, dout, dq
+    act_kv = math.prod(case.kv_shape) * jnp.dtype(DTYPE).itemsize  # k, v, dk, dv
     lse = case.b * case.h * case.s * 4
     mask = case.b * case.s if case.padded else 0
-    fwd = 4 * act + lse + mask + 8
-    return fwd if pass_ == "fwd" else fwd + 8 * act + lse + mask + 8
+    fwd = 2 * act + 2 * act_kv + lse + mask + 8
+    return fwd if pass_ == "fwd" else fwd + 4 * act + 4 * act_kv + lse + mask + 8
 
 
 def softmax_floor_bytes(shape, pass_: str) -> int:
@@ -202,7 +210,9 @@ def format_floors(floors: list[dict]) -> str:
 
 
 def xla_attention(q, k, v, *, mask, causal: bool, rate: float, key):
-    """Plain XLA attention as written in jnp (after Flax's dot_product_attention)."""
+    """Plain XLA attention as written in jnp (after Flax's dot_product_attention); k and
+    v with fewer heads (grouped-query) repeated to q's."""
+    k, v = attn_module.repeat_kv(q, k, v)
     q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(_F32)
     visible = None if mask is None else mask[:, None, None, :]
@@ -376,7 +386,8 @@ def _print_row(row: dict) -> None:
 
 def bench_case(case: Case, size: Size, impls: list[str], repeats: int, seed: int) -> list[dict]:
     mask, lengths = key_padding(case, seed)
-    data = timing.random_sets([(case.qkv_shape, DTYPE)] * 3, (case.qkv_shape, DTYPE), size.k2, seed)
+    data = timing.random_sets([(case.qkv_shape, DTYPE), (case.kv_shape, DTYPE), (case.kv_shape, DTYPE)],
+                              (case.qkv_shape, DTYPE), size.k2, seed)
     sets, keys, cotangents = data
     check = check_attention(case, mask, sets[0], cotangents[0], keys[0])
     runs = fused_runs(sets[0][0])
@@ -451,19 +462,23 @@ def format_table(rows: list[dict]) -> str:
 
 
 def parse_shape(text: str) -> Case:
-    """argparse type of --shape: "B,S,H,D" with an optional ",causal" or ",padded"."""
+    """argparse type of --shape: "B,S,H,D" with an optional ",causal" or ",padded"; H may
+    be "H/H_kv" (grouped-query: k and v with H_kv heads, H_kv dividing H)."""
     parts = [t.strip() for t in text.split(",")]
     flag = parts.pop() if parts and parts[-1] in ("causal", "padded") else ""
+    heads = parts[2].split("/") if len(parts) == 4 else []
     try:
-        dims = [int(t) for t in parts]
-    except ValueError:
-        dims = []
-    if len(dims) != 4 or min(dims) <= 0:
-        raise argparse.ArgumentTypeError(f"expected B,S,H,D (positive integers) and optionally ,causal or "
-                                         f",padded; got {text!r}")
+        dims = [int(t) for t in parts[:2] + heads[:1] + parts[3:]]
+        h_kv = int(heads[1]) if len(heads) == 2 else None
+    except (ValueError, IndexError):
+        dims, h_kv = [], None
+    if len(dims) != 4 or min(dims) <= 0 or len(heads) > 2 or (h_kv is not None and (h_kv <= 0 or dims[2] % h_kv)):
+        raise argparse.ArgumentTypeError(f"expected B,S,H,D or B,S,H/H_kv,D (positive integers, H_kv dividing H) "
+                                         f"and optionally ,causal or ,padded; got {text!r}")
     b, s, h, d = dims
-    name = f"b{b}s{s}h{h}d{d}" + {"causal": "-causal", "padded": "-pad", "": ""}[flag]
-    return Case(name, b, s, h, d, causal=flag == "causal", padded=flag == "padded")
+    kv = f"kv{h_kv}" if h_kv else ""
+    name = f"b{b}s{s}h{h}{kv}d{d}" + {"causal": "-causal", "padded": "-pad", "": ""}[flag]
+    return Case(name, b, s, h, d, causal=flag == "causal", padded=flag == "padded", h_kv=h_kv)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -471,7 +486,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke run; its timings mean nothing")
     p.add_argument("--cases", type=report.csv_choices(FULL.cases), default=None,
                    help=f"comma-separated subset of {','.join(FULL.cases)} (default: all, or none with --shape)")
-    p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="B,S,H,D[,causal|padded]",
+    p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="B,S,H[/H_kv],D[,causal|padded]",
                    help="an extra case of that shape, q/k/v [B, S, H, D] (repeatable)")
     p.add_argument("--impls", type=report.csv_choices(IMPLS), default=list(IMPLS),
                    help=f"comma-separated subset of {','.join(IMPLS)} (ratios need xla and cudnn)")

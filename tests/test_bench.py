@@ -125,7 +125,7 @@ def test_attention_shape_option_runs_only_the_given_shapes(tmp_path):
     assert bench_attention.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["cases"] == {"b1s24h2d32-pad": {"name": "b1s24h2d32-pad", "b": 1, "s": 24, "h": 2, "d": 32,
-                                                  "causal": False, "padded": True}}
+                                                  "causal": False, "padded": True, "h_kv": None}}
     assert {(r["case"], r["pass"], r["impl"]) for r in result["rows"]} == {
         ("b1s24h2d32-pad", p, "fused") for p in bench_attention.PASSES}
     assert all(r["check"] == "ok" and r["flops"] > 0 for r in result["rows"])
@@ -135,7 +135,30 @@ def test_attention_shape_option_runs_only_the_given_shapes(tmp_path):
     assert args.shape[0].causal and not args.shape[0].padded
 
 
-@pytest.mark.parametrize("text", ["2,16,1", "2,16,1,64,sliding", "0,16,1,64", "a,16,1,64"])
+def test_attention_shape_option_takes_grouped_query_heads(tmp_path):
+    """H/H_kv: k and v with H_kv heads; every row checked against the reference and run,
+    the floor counting k, v and their gradients at H_kv heads."""
+    out = tmp_path / "attention.json"
+    argv = ["--small", "--shape", "1,24,4/2,32,causal", "--impls", "fused,unfused,xla", "--no-softmax",
+            "--repeats", "1", "--json", str(out)]
+    assert bench_attention.main(argv) == 0
+    result = json.loads(out.read_text())
+    case = result["cases"]["b1s24h4kv2d32-causal"]
+    assert (case["h"], case["h_kv"], case["causal"]) == (4, 2, True)
+    assert {(r["impl"], r["pass"]) for r in result["rows"]} == {
+        (i, p) for i in ("fused", "unfused", "xla") for p in bench_attention.PASSES}
+    assert all(r["check"] == "ok" and r["flops"] > 0 for r in result["rows"])
+    grouped = bench_attention.parse_shape("1,24,4/2,32,causal")
+    full = bench_attention.parse_shape("1,24,4,32,causal")
+    act = 24 * 4 * 32 * 2  # one [1, 24, 4, 32] bf16 tensor; k and v have half its heads
+    assert bench_attention.attention_floor_bytes(full, "fwd") - bench_attention.attention_floor_bytes(
+        grouped, "fwd") == act
+    assert bench_attention.attention_floor_bytes(full, "fwd+bwd") - bench_attention.attention_floor_bytes(
+        grouped, "fwd+bwd") == 3 * act
+
+
+@pytest.mark.parametrize("text", ["2,16,1", "2,16,1,64,sliding", "0,16,1,64", "a,16,1,64", "2,16,4/3,64",
+                                  "2,16,4/0,64", "2,16,4/2/1,64", "2,16,/2,64"])
 def test_attention_shape_option_rejects_bad_shapes(text, capsys):
     with pytest.raises(SystemExit):
         bench_attention.parse_args(["--shape", text])
