@@ -295,6 +295,39 @@ def test_calls_without_dropout_run_on_each_devices_slices(four_cpu_devices):
     four_cpu_devices(_PARTITIONED)
 
 
+# Grouped-query attention under jit with sharded operands (k and v with fewer heads than
+# q): values and gradients equal one device's, batch or heads sliced, with dropout too.
+# (On several devices the op repeats k and v to q's heads before the fused call: the
+# partitioning rules name one head axis.)
+_GROUPED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxsub
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    rng = np.random.default_rng(0)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    q, dout = r(8, 12, 4, 16), r(8, 12, 4, 16)
+    key = jax.random.key(5)
+    cases = ((2, P("data", None, "model"), 0.0), (2, P("data"), 0.1), (1, P("data", None, "model"), 0.1))
+    for h_kv, spec, rate in cases:
+        k, v = r(8, 12, h_kv, 16), r(8, 12, h_kv, 16)
+        run = jax.grad(lambda q, k, v: jnp.sum(jaxsub.ops.attention(
+            q, k, v, causal=True, dropout_rate=rate, key=key if rate else None, implementation="fused") * dout),
+            argnums=(0, 1, 2))
+        args = [jax.device_put(a, NamedSharding(mesh, spec if a.shape[2] > 1 else P("data"))) for a in (q, k, v)]
+        got, want = jax.jit(run)(*args), run(q, k, v)
+        largest = max(float(jnp.abs(w).max()) for w in want)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert g.shape == w.shape and float(jnp.abs(g - w).max()) <= 1e-5 * (1.0 + largest), (h_kv, spec, name)
+    print("ok")
+""")
+
+
+def test_grouped_query_attention_on_devices(four_cpu_devices):
+    four_cpu_devices(_GROUPED)
+
+
 def _rule(rule, shard, ins, outs, keep=None):
     return _partition._Rule(rule, shard, ins, outs, keep)
 
