@@ -27,8 +27,10 @@ is summed over the devices (one all-reduce). Marks:
   blocks, as words 2-3: the kernels add it to their counters, and every device draws the
   decisions the whole tensor has there.
 - `_`: a dimension of its own, never sharded.
-- `b~` (any letter with `~`): a dimension of its own whose size is a multiple of b's, cut
-  into as many slices as b (a workspace with rows per b).
+- `b~` (any letter with `~`): a dimension of its own cut into as many slices as b: a
+  workspace with rows per b (its size a multiple of b's), or grouped-query attention's k/v
+  heads (a divisor of b's, q head n reading k/v head n // (H / H_kv)); b is then sliced
+  only where this size divides by the devices too.
 
 An operand of size 0 (an optional operand left out) and a dimension of size 1 (a
 broadcast mask) are dimensions of their own. A letter is sharded only where its size
@@ -116,11 +118,29 @@ class _Rule:
             outer = next((w for w, size in self.keep if size > 1), None)
             shard_letters &= {outer}
         self.shard = [w for w in self.sizes if w in shard_letters]
+        # Letters tied to a parent with a size dividing the parent's (grouped-query heads),
+        # one size per parent: in the Shardy rule the parent is the compound (p_kv p_g) of
+        # that factor and the group, so that propagation slices them together.
+        self.groups: dict[str, int] = {}
+        for t, parent in self.tied.items():
+            size, whole = self.sizes[t], self.sizes.get(parent, 0)
+            if 1 < size < whole and whole % size == 0 and self.groups.setdefault(parent, size) != size:
+                raise ValueError(f"partition rule {rule!r}: {parent}~ with two sizes")
 
     def sdy(self) -> str:
+        def name(w):
+            parent = self.tied.get(w)
+            if parent in self.groups and self.sizes[w] == self.groups[parent]:
+                return f"{parent}_kv"
+            return f"({w}_kv {w}_g)" if w in self.groups else w
+
         def side(ls):
-            return ", ".join(" ".join(x) if x else "" for x in ls)
+            return ", ".join(" ".join(map(name, x)) if x else "" for x in ls)
         return side(self.letters[:self.n_in]) + " -> " + side(self.letters[self.n_in:])
+
+    def sdy_factor_sizes(self) -> dict[str, int]:
+        """The sizes of the factors sdy() uses only inside compounds (the groups)."""
+        return {f"{p}_g": self.sizes[p] // size for p, size in self.groups.items()}
 
     def assign(self, mesh, shardings) -> dict[str, tuple[str, ...]]:
         """letter -> mesh axes, from the operands' shardings in order (the first operand
@@ -132,7 +152,9 @@ class _Rule:
                 if entry is None or w not in self.shard or w in got:
                     continue
                 axes = (entry,) if isinstance(entry, str) else tuple(entry)
-                if used & set(axes) or self.sizes[w] % math.prod(mesh.shape[a] for a in axes):
+                n = math.prod(mesh.shape[a] for a in axes)
+                tied = [self.sizes[t] for t, parent in self.tied.items() if parent == w]
+                if used & set(axes) or any(size % n for size in [self.sizes[w], *tied]):
                     continue
                 got[w] = axes
                 used |= set(axes)
@@ -160,7 +182,8 @@ class _Rule:
         i = self.n_in + j
         if self.marks[i] == SCRATCH:
             return ()
-        return tuple(a for w, axes in got.items() if w not in self.letters[i] for a in axes)
+        has = set(self.letters[i]) | {self.tied[w] for w in self.letters[i] if w in self.tied}  # b~ is sliced as b
+        return tuple(a for w, axes in got.items() if w not in has for a in axes)
 
 
 def _offset_seed(seed, axes, n, blocks):
@@ -237,7 +260,8 @@ def sharded_call(call, rule: str, shard: str, args, out_types, keep: str | None 
     def wrapped(*xs):
         return tuple(call(out_types, *xs))
 
-    wrapped.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=bound.sdy())
+    wrapped.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=bound.sdy(),
+                          **bound.sdy_factor_sizes())
     return jax.custom_batching.sequential_vmap(wrapped)(*args)
 
 

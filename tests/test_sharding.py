@@ -296,9 +296,9 @@ def test_calls_without_dropout_run_on_each_devices_slices(four_cpu_devices):
 
 
 # Grouped-query attention under jit with sharded operands (k and v with fewer heads than
-# q): values and gradients equal one device's, batch or heads sliced, with dropout too.
-# (On several devices the op repeats k and v to q's heads before the fused call: the
-# partitioning rules name one head axis.)
+# q): values and gradients equal one device's, with dropout too. Where the devices that
+# slice q's heads also divide k's, each device reads its own k/v heads (no all-gather);
+# where they do not (multi-query, heads on two devices), the heads stay whole.
 _GROUPED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jaxsub
@@ -309,17 +309,23 @@ _GROUPED = textwrap.dedent("""
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     q, dout = r(8, 12, 4, 16), r(8, 12, 4, 16)
     key = jax.random.key(5)
-    cases = ((2, P("data", None, "model"), 0.0), (2, P("data"), 0.1), (1, P("data", None, "model"), 0.1))
-    for h_kv, spec, rate in cases:
+    heads = P("data", None, "model")
+    cases = ((2, heads, 0.0, "f32[4,12,1,16]"), (2, P("data"), 0.1, "f32[4,12,2,16]"), (1, heads, 0.1, None))
+    for h_kv, spec, rate, local_k in cases:
         k, v = r(8, 12, h_kv, 16), r(8, 12, h_kv, 16)
-        run = jax.grad(lambda q, k, v: jnp.sum(jaxsub.ops.attention(
+        run = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jaxsub.ops.attention(
             q, k, v, causal=True, dropout_rate=rate, key=key if rate else None, implementation="fused") * dout),
-            argnums=(0, 1, 2))
+            argnums=(0, 1, 2)))
         args = [jax.device_put(a, NamedSharding(mesh, spec if a.shape[2] > 1 else P("data"))) for a in (q, k, v)]
-        got, want = jax.jit(run)(*args), run(q, k, v)
+        got, want = run(*args), run(q, k, v)
         largest = max(float(jnp.abs(w).max()) for w in want)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
             assert g.shape == w.shape and float(jnp.abs(g - w).max()) <= 1e-5 * (1.0 + largest), (h_kv, spec, name)
+        hlo = run.lower(*args).compile().as_text()
+        calls = [l for l in hlo.splitlines() if 'custom_call_target="jaxsub_attention_' in l]
+        if local_k is not None:
+            assert "all-gather" not in hlo, (h_kv, spec, [l for l in hlo.splitlines() if "all-gather" in l][:2])
+            assert len(calls) == 2 and all(local_k in l for l in calls), (h_kv, spec, calls)
     print("ok")
 """)
 
@@ -357,6 +363,19 @@ def test_rule_sums_results_without_a_sliced_letter_and_ties_workspaces():
     got = {"b": ("data",)}
     assert r.summed(got, 1) == ("data",) and r.summed(got, 0) == () and r.summed(got, 2) == ()
     assert r.axes(got, r.letters[4][0]) == ("data",)  # the workspace's rows follow b
+
+
+def test_rule_groups_heads_with_a_dividing_tied_letter():
+    """h~ smaller than h and dividing it (grouped-query k/v heads): in the Shardy rule h is
+    the compound (h_kv h_g), so that both slice together; its results are sliced with h,
+    not summed over h's devices. A workspace's multiple (b~) stays a factor of its own."""
+    r = _rule("b q h d, b k h~ d, b~ -> b q h d, b k h~ d, !b~", "b h", [(2, 3, 8, 4), (2, 5, 2, 4), (6,)],
+              [(2, 3, 8, 4), (2, 5, 2, 4), (6,)])
+    kv, ws, ws_out = r.letters[1][2], r.letters[2][0], r.letters[5][0]
+    assert r.sdy() == f"b q (h_kv h_g) d, b k h_kv d, {ws} -> b q (h_kv h_g) d, b k h_kv d, {ws_out}"
+    assert r.sdy_factor_sizes() == {"h_g": 4}
+    got = {"h": ("model",)}
+    assert r.summed(got, 1) == () and r.axes(got, kv) == ("model",)
 
 
 def test_rule_with_dropout_slices_the_outermost_letter_of_the_keep_decisions():

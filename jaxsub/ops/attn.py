@@ -98,13 +98,21 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
 # ffi_call wrappers, argument for argument as cuda/ABI.md lists them.
 
 
+def _kv_heads(q, k) -> str:
+    """The partitioning rules' letter for k and v's heads: q's (h), or under grouped-query
+    attention a dimension sliced as q's heads are (h~: each device's q heads read its own
+    k/v heads; jaxsub/_partition.py)."""
+    return "h" if k.shape[2] == q.shape[2] else "h~"
+
+
 def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
     b, sq, h, _ = q.shape
+    g = _kv_heads(q, k)
     return _ffi.call(
         "jaxsub_attention_fwd",
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)),
         q, k, v, mask4d, seed,
-        rule="b q h d, b k h d, b k h e, b h q k, @ -> b q h e, b h q", shard="b h",
+        rule=f"b q h d, b k {g} d, b k {g} e, b h q k, @ -> b q h e, b h q", shard="b h",
         keep=_dropout.keep(rate, "b h q k"),
         **_masks.attrs(scale, causal, kind, rate),
     )
@@ -112,6 +120,7 @@ def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
 
 def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
     b, sq, h, _ = q.shape
+    g = _kv_heads(q, k)
     dq, dk, dv, _, _ = _ffi.call(
         "jaxsub_attention_bwd",
         (
@@ -122,8 +131,8 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
             jax.ShapeDtypeStruct(q.shape, _F32),
         ),
         dout, q, k, v, out, lse, mask4d, seed,
-        rule="b q h e, b q h d, b k h d, b k h e, b q h e, b h q, b h q k, @ "
-             "-> b q h d, b k h d, b k h e, !b h q, !b q h d",
+        rule=f"b q h e, b q h d, b k {g} d, b k {g} e, b q h e, b h q, b h q k, @ "
+             f"-> b q h d, b k {g} d, b k {g} e, !b h q, !b q h d",
         shard="b h", keep=_dropout.keep(rate, "b h q k"), **_masks.attrs(scale, causal, kind, rate),
     )
     return dq, dk, dv
@@ -488,8 +497,9 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         attention; H_kv dividing H is grouped-query attention (H_kv = 1: multi-query), q head
         n reading k/v head n // (H // H_kv) as in jax.nn.dot_product_attention. The fused
         kernels read each k/v head for its group of q heads (no copies; the backward sums dk
-        and dv over the group in registers); the unfused path, and the fused one on more
-        than one device, repeat k and v to H heads and sum their gradients.
+        and dv over the group in registers; sharded over devices by heads, each device's q
+        heads read its own k/v heads where H_kv divides by the devices); the unfused path
+        repeats k and v to H heads and sums their gradients.
       mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
         (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
         mask broadcastable to [B, H, Sq, Sk]. A 2-D mask of shape [B, Sk] (either kind)
@@ -600,8 +610,6 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
                 return source.fused(jnp.asarray(mask4d), seed, scale, causal, kind, rate)
             if packed is not None:
                 return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate)
-            if jax.device_count() > 1:  # the partitioning rules name one head axis for q, k and v
-                k, v = repeat_kv(q, k, v)
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
         _ffi.fallback(op, reason, instead="the unfused path")
     if source is not None:
