@@ -307,16 +307,23 @@ _GROUPED = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    q, dout = r(8, 12, 4, 16), r(8, 12, 4, 16)
     key = jax.random.key(5)
     heads = P("data", None, "model")
-    cases = ((2, heads, 0.0, "f32[4,12,1,16]"), (2, P("data"), 0.1, "f32[4,12,2,16]"), (1, heads, 0.1, None))
-    for h_kv, spec, rate, local_k in cases:
-        k, v = r(8, 12, h_kv, 16), r(8, 12, h_kv, 16)
+    # (q heads, k/v heads, spec, rate, each device's k in its calls, or None: not checked).
+    # H_kv not dividing by the four devices (2 of 8 below; found by a fuzzer: sliced 4 ways,
+    # the gradient failed to compile): k and v are repeated to q's heads.
+    cases = ((8, 8, 4, heads, 0.0, "f32[4,12,2,16]"), (8, 8, 4, P("data"), 0.1, "f32[4,12,4,16]"),
+             (8, 4, 1, heads, 0.1, None), (1, 8, 2, P(None, None, "d"), 0.0, None))
+    line = Mesh(np.array(jax.devices()), ("d",))
+    for b, h, h_kv, spec, rate, local_k in cases:
+        q, dout = r(b, 12, h, 16), r(b, 12, h, 16)
+        k, v = r(b, 12, h_kv, 16), r(b, 12, h_kv, 16)
         run = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jaxsub.ops.attention(
             q, k, v, causal=True, dropout_rate=rate, key=key if rate else None, implementation="fused") * dout),
             argnums=(0, 1, 2)))
-        args = [jax.device_put(a, NamedSharding(mesh, spec if a.shape[2] > 1 else P("data"))) for a in (q, k, v)]
+        m = line if "d" in spec else mesh
+        n = h // NamedSharding(m, spec).shard_shape((b, 12, h, 16))[2]  # head slices
+        args = [jax.device_put(a, NamedSharding(m, spec if a.shape[2] % n == 0 else P())) for a in (q, k, v)]
         got, want = run(*args), run(q, k, v)
         largest = max(float(jnp.abs(w).max()) for w in want)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):

@@ -610,6 +610,11 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
                 return source.fused(jnp.asarray(mask4d), seed, scale, causal, kind, rate)
             if packed is not None:
                 return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate)
+            if k.shape[2] != q.shape[2] and k.shape[2] % jax.device_count():
+                # k's heads divide by the devices or are repeated to q's: otherwise Shardy
+                # can give the backward's k an indivisible sharding (q's heads sliced by more
+                # devices than H_kv; found by a fuzzer).
+                k, v = repeat_kv(q, k, v)
             return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
         _ffi.fallback(op, reason, instead="the unfused path")
     if source is not None:
