@@ -194,8 +194,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   const Seed seed = load_seed(a.seed, a.seed_offset);
   const float scale_log2 = a.scale * kLog2e;
   // Starts the copies of iteration u's query tile into stage `st`.
-  auto load_query_tile = [&](int u, int st) {
-    const int64_t hh = hd.head(u), qb = q_begin + static_cast<int64_t>(hd.tile(u)) * kTile;
+  auto load_query_tile = [&](BwdStep s, int st) {
+    const int64_t hh = s.hh, qb = q_begin + static_cast<int64_t>(s.t) * kTile;
     load_tile<T, D>(sm.q[st], static_cast<const T*>(a.q) + bb * a.q_batch + hh * D, qb, a.sq, a.qkv_row);
     load_tile<T, D>(sm.dout[st], static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D, qb, a.sq, out_row);
     load_lse_delta(a, sm.lse[st], sm.delta[st], bb * a.h + hh, qb);
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
 
   load_tile<T, D>(sm.k, kg, kblock, a.sk, a.kv_row);
   load_tile<T, D>(sm.v, vg, kblock, a.sk, a.kv_row);
-  if (kStages == 2 && hd.iters > 0) load_query_tile(0, 0);
+  if (kStages == 2 && hd.iters > 0) load_query_tile(hd.start(), 0);
   cp_async_commit();
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // The visibility of this thread's two keys (k0 + quad, k0 + quad + 8: bits 0 and 1), the
@@ -223,19 +223,21 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   // Transposed, A of dS K from dSᵀ (rows = keys 16 kc + 8 (m / 2) + r, query columns 16 warp + 8 (m % 2)).
   const T* ds_lane = sm.ds + ((lm / 2) * 8 + lr) * kDsRow + warp * 16 + (lm % 2) * 8;
 
-  for (int u = 0; u < hd.iters; ++u) {
-    const int64_t hh = hd.head(u), bh = bb * a.h + hh;
-    const int64_t qb = q_begin + static_cast<int64_t>(hd.tile(u)) * kTile;
+  BwdStep cur = hd.start();
+  for (int u = 0; u < hd.iters; ++u, cur = hd.next(cur)) {
+    const BwdStep nxt = hd.next(cur);
+    const int64_t hh = cur.hh, bh = bb * a.h + hh;
+    const int64_t qb = q_begin + static_cast<int64_t>(cur.t) * kTile;
     const RowCtx rc = row_ctx(a, bb, hh);
-    if (bwd_head_changes_vis<kMode>(a, hd, u)) kvis = bwd_key_vis<kMode>(a, rc, k0 + quad);
+    if (bwd_head_changes_vis<kMode>(a, cur, u)) kvis = bwd_key_vis<kMode>(a, rc, k0 + quad);
     float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
     const int buf = kStages == 2 ? (u & 1) : 0;
     if (kStages == 2) {
-      if (u + 1 < hd.iters) load_query_tile(u + 1, buf ^ 1);
+      if (u + 1 < hd.iters) load_query_tile(nxt, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
-      load_query_tile(u, 0);  // the last iteration read this stage before its second barrier
+      load_query_tile(cur, 0);  // the last iteration read this stage before its second barrier
       cp_async_commit();
       cp_async_wait<0>();
     }

@@ -409,12 +409,28 @@ __device__ __forceinline__ void fwd_softmax_tile_as(const AttnArgs& a, const Row
   // Under a key mask, this thread's 16 keys (shared by its two rows) are read once.
   const uint32_t vis = kMode == kKeyMask ? key_bits16(a, rc, kb + tq * 16) : 0xffffu;
   const float sc = plain ? a.scale * kLog2e : 1.f;
+  // kKeyMask and kCausal test in tile coordinates, 32-bit: key c = 16 tq + 2 n + e % 2 of
+  // the tile sees row qrow + 8 (e / 2) when c - 8 (e / 2) <= lim (always without the
+  // causal rule), and is in bounds when c < kend (kKeyMask: in vis). Rows past Sq are
+  // never stored, so they need no test.
+  constexpr bool kLocal = kMode == kKeyMask || kMode == kCausal;
+  int lim = 2 * kTile, kend = kTile;
+  if constexpr (kLocal && !plain) {
+    auto clamp = [](int64_t x) { return static_cast<int>(x < -kTile ? -kTile : x > 2 * kTile ? 2 * kTile : x); };
+    if (kMode == kCausal || a.causal) lim = clamp(qrow - kb + a.sk - a.sq);
+    if (kMode == kCausal) kend = clamp(a.sk - kb);
+  }
+  const float sl = a.scale * kLog2e;
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if constexpr (!plain) {
+      if constexpr (!plain && kLocal) {
+        const int c = tq * 16 + n * 2 + (e & 1);
+        const bool in = ((vis >> (n * 2 + (e & 1))) & 1u) && c - (e >> 1) * 8 <= lim && c < kend;
+        S(n, e) = in ? S(n, e) * sl : -INFINITY;
+      } else if constexpr (!plain) {
         const int64_t i = qrow + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
         S(n, e) = score_log2<kMode>(a, rc, S(n, e), i, j, (vis >> (n * 2 + (e & 1))) & 1u);
       }

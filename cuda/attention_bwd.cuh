@@ -69,9 +69,10 @@ __device__ __forceinline__ uint32_t bwd_keep_bits(const AttnArgs& a, const uint1
 // Probabilities in place of the raw scores P(n, e) (from -lse in log2 units per query,
 // nlse2; kvis: the visibility of the thread's two keys), and the kept ones (unscaled) as
 // A fragments of Pᵀ, 16 queries each.
-// Under kCausal the rule is kNoMask's plus the causal test in tile coordinates: key jl of
-// the warp sees query il of the tile when jl - il <= lim = qb - k0 + Sk - Sq (always, off
-// the diagonal: lim >= 15). 32-bit and one compare per element; a 64-bit test per element
+// Under kCausal (and kKeyMask with the causal rule) the rule is kNoMask's plus the causal
+// test in tile coordinates: key jl of the warp sees query il of the tile when jl - il <=
+// lim = qb - k0 + Sk - Sq (always, off the diagonal: lim >= 15); kvis holds the keys'
+// bounds and mask bits. 32-bit and one compare per element; a 64-bit test per element
 // (score_log2), or a branch to kNoMask's loop off the diagonal, left ptxas short of
 // registers for the products at D = 64.
 template <typename T, int kMode, typename PF>
@@ -79,7 +80,7 @@ __device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, P
                                           uint32_t kvis, uint32_t kbits, int64_t qb, int64_t k0, float scale_log2,
                                           int quad, int tq, uint32_t (&pdf)[4][4]) {
   int lim = kTile;
-  if constexpr (kMode == kCausal) {
+  if (kMode == kCausal || (kMode == kKeyMask && a.causal)) {
     const int64_t l = qb - k0 + a.sk - a.sq;
     lim = l < -kTile ? -kTile : l > kTile ? kTile : static_cast<int>(l);
   }
@@ -90,10 +91,10 @@ __device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, P
     for (int e = 0; e < 4; ++e) {
       const int il = n * 8 + tq * 2 + (e & 1), jl = quad + (e >> 1) * 8;
       float x;
-      if constexpr (kMode == kNoMask || kMode == kCausal) {
+      if constexpr (kMode != kAnyMask) {  // kvis: the key's bounds (and its mask bit)
         // No per-element branch: the key's bit is its bounds; a query past Sq has
-        // nlse2 = -inf. (The same select under kKeyMask, with the causal test, ran
-        // 7% slower than the rule below: bench/NOTES.md, attention v4.)
+        // nlse2 = -inf. (Under kKeyMask this took 16% off bert-pad's fwd+bwd against
+        // score_log2; attention v4 had measured a form of it 7% slower: bench/NOTES.md.)
         x = ((kvis >> (e >> 1)) & 1u) && jl - il <= lim ? fmaf(P(n, e), scale_log2, nlse2[il]) : -INFINITY;
       } else {
         x = score_log2<kMode>(a, rc, P(n, e), qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) + nlse2[il];
@@ -127,12 +128,18 @@ __device__ __forceinline__ void bwd_dscores(const AttnArgs& a, PF&& P, DF&& DP, 
 // A backward block owns one key block of k/v head kvh of batch bb (grid y: the B * H /
 // group k/v heads). Under grouped-query attention (a.group > 1) its loop walks the query
 // tiles of each q head reading that k/v head in turn, so dK and dV sum over the group in
-// registers: iteration u is query tile u % tiles of q head first + u / tiles.
+// registers. A step is one iteration's query tile t of q head hh, the next one's next(s).
+struct BwdStep {
+  int t;
+  int64_t hh;
+};
 struct BwdHeads {
   int64_t bb, kvh, first;
   int tiles, iters;  // query tiles per q head; loop iterations (tiles * group)
-  __device__ __forceinline__ int64_t head(int u) const { return first + u / tiles; }
-  __device__ __forceinline__ int tile(int u) const { return u % tiles; }
+  __device__ __forceinline__ BwdStep start() const { return {0, first}; }
+  __device__ __forceinline__ BwdStep next(BwdStep s) const {
+    return s.t + 1 < tiles ? BwdStep{s.t + 1, s.hh} : BwdStep{0, s.hh + 1};
+  }
 };
 __device__ __forceinline__ BwdHeads bwd_heads(const AttnArgs& a, int tiles) {
   const int64_t hkv = a.h / a.group, bhk = a.bh0 + blockIdx.y;
@@ -148,11 +155,11 @@ __device__ __forceinline__ uint32_t bwd_key_vis(const AttnArgs& a, const RowCtx&
   auto visible = [&](int64_t x) { return kMode == kKeyMask ? key_visible(a, rc, x) : x < a.sk; };
   return static_cast<uint32_t>(visible(j)) | static_cast<uint32_t>(visible(j + 8)) << 1;
 }
-// Whether iteration u starts a q head whose key mask is not the previous head's (a
-// per-head key mask under grouped-query attention): the bits above are read again.
+// Whether step s (iteration u) starts a q head whose key mask is not the previous head's
+// (a per-head key mask under grouped-query attention): the bits above are read again.
 template <int kMode>
-__device__ __forceinline__ bool bwd_head_changes_vis(const AttnArgs& a, const BwdHeads& hd, int u) {
-  return kMode == kKeyMask && a.group > 1 && a.hm != 1 && u > 0 && hd.tile(u) == 0;
+__device__ __forceinline__ bool bwd_head_changes_vis(const AttnArgs& a, BwdStep s, int u) {
+  return kMode == kKeyMask && a.group > 1 && a.hm != 1 && u > 0 && s.t == 0;
 }
 
 // The first query the backward block blockIdx.x (keys kblock ..) needs, a multiple of 64

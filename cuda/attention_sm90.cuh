@@ -313,22 +313,22 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   auto do_of = [&](int64_t hh) { return static_cast<const T*>(a.dout) + (bb * a.sq * a.h + hh) * D; };
 
   // Iteration u's query tile (BwdHeads): Q and dO, then its lse and delta.
-  auto load_qdo = [&](int u, int st) {
-    const int64_t hh = hd.head(u), qb = q_begin + static_cast<int64_t>(hd.tile(u)) * kTile;
+  auto load_qdo = [&](BwdStep s, int st) {
+    const int64_t hh = s.hh, qb = q_begin + static_cast<int64_t>(s.t) * kTile;
     load_tile_swz<T, D, false>(q_s(st), q_of(hh), qb, a.sq, a.qkv_row);
     load_tile_swz<T, D, false>(do_s(st), do_of(hh), qb, a.sq, out_row);
   };
-  auto load_rows = [&](int u, int st) {
-    load_lse_delta(a, lse_s + st * kTile, delta_s + st * kTile, bb * a.h + hd.head(u),
-                   q_begin + static_cast<int64_t>(hd.tile(u)) * kTile);
+  auto load_rows = [&](BwdStep s, int st) {
+    load_lse_delta(a, lse_s + st * kTile, delta_s + st * kTile, bb * a.h + s.hh,
+                   q_begin + static_cast<int64_t>(s.t) * kTile);
   };
   load_tile_swz<T, D, false>(k_s, kg, kblock, a.sk, a.kv_row);
   load_tile_swz<T, D, false>(v_s, vg, kblock, a.sk, a.kv_row);
-  if (hd.iters > 0) load_qdo(0, 0);
+  if (hd.iters > 0) load_qdo(hd.start(), 0);
   // Launched dependent on the delta kernel (pdl.cuh): the copies of the call's inputs above
   // are in flight while it finishes; delta and the zeroed dq accumulator only after it.
   wait_for_previous_grid();
-  if (hd.iters > 0) load_rows(0, 0);
+  if (hd.iters > 0) load_rows(hd.start(), 0);
   cp_async_commit();
   if constexpr (kDq4) {  // the dQ product reads the copy after the loop's barriers
     cp_async_wait<0>();
@@ -347,15 +347,17 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
 
   uint16_t* keep_w = keep_s + warp * kTile;  // the warp's keep words of the current tile
 
-  for (int u = 0; u < hd.iters; ++u) {
-    const int64_t hh = hd.head(u), bh = bb * a.h + hh;
-    const int64_t qb = q_begin + static_cast<int64_t>(hd.tile(u)) * kTile;
+  BwdStep cur = hd.start();
+  for (int u = 0; u < hd.iters; ++u, cur = hd.next(cur)) {
+    const BwdStep nxt = hd.next(cur);
+    const int64_t hh = cur.hh, bh = bb * a.h + hh;
+    const int64_t qb = q_begin + static_cast<int64_t>(cur.t) * kTile;
     const RowCtx rc = row_ctx(a, bb, hh);
-    if (bwd_head_changes_vis<kMode>(a, hd, u)) kvis = bwd_key_vis<kMode>(a, rc, k0 + quad);
+    if (bwd_head_changes_vis<kMode>(a, cur, u)) kvis = bwd_key_vis<kMode>(a, rc, k0 + quad);
     float* dqg = a.dq_acc + (bb * a.sq * a.h + hh) * D;
     const int buf = u & 1;
     // The other stage was last read by the previous tile's products, all waited for.
-    if (u + 1 < hd.iters) load_qdo(u + 1, buf ^ 1), load_rows(u + 1, buf ^ 1);
+    if (u + 1 < hd.iters) load_qdo(nxt, buf ^ 1), load_rows(nxt, buf ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     float* nlse2 = lse_s + buf * kTile;
