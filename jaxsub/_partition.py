@@ -32,6 +32,11 @@ is summed over the devices (one all-reduce). Marks:
   heads (a divisor of b's, q head n reading k/v head n // (H / H_kv)); b is then sliced
   only where this size divides by the devices too.
 
+An operand's sharding that names no mesh axes in order (a sub-axis split by a reshape and
+transposed: `[2, 8]` sliced `d` = 4 on the 8, reshaped to `[2, 2, 4]` and transposed to
+`[2, 4, 2]`) counts as whole: XLA gathers it for the call. JAX's own decoding of such a
+sharding raises, so the wrapper takes the shardings undecoded and decodes them itself.
+
 An operand of size 0 (an optional operand left out) and a dimension of size 1 (a
 broadcast mask) are dimensions of their own. A letter is sharded only where its size
 divides by the devices that hold it, so no device runs on padding.
@@ -202,6 +207,19 @@ def _add64(seed, add):
     return jnp.stack([seed[0], seed[1], lo, hi])
 
 
+def _decoded(mesh, sharding):
+    """`sharding` (from the partitioner, undecoded) as a NamedSharding on `mesh`; None where
+    it names no mesh axes in order, or there is no mesh."""
+    if isinstance(sharding, NamedSharding) or sharding is None:
+        return sharding
+    try:
+        from jax._src.sharding_impls import parse_flatten_op_sharding
+        spec, = parse_flatten_op_sharding(sharding._hlo_sharding, mesh)
+    except Exception:  # a transposed sub-axis (IndivisibleError); a private API that moved
+        return None
+    return NamedSharding(mesh, spec)
+
+
 def _entry(axes):
     if not axes:
         return None
@@ -247,13 +265,13 @@ def sharded_call(call, rule: str, shard: str, args, out_types, keep: str | None 
         return lower
 
     def partition(mesh, arg_shapes, result_shape):
-        got = bound.assign(mesh, [a.sharding for a in arg_shapes])
+        got = bound.assign(mesh, [_decoded(mesh, a.sharding) for a in arg_shapes])
         ins = tuple(bound.sharding(mesh, got, i) for i in range(bound.n_in))
         outs = tuple(bound.sharding(mesh, got, bound.n_in + j) for j in range(len(out_types)))
         return mesh, lowering(mesh, got), outs, ins
 
     def infer(mesh, arg_shapes, result_shape):
-        got = bound.assign(mesh, [a.sharding for a in arg_shapes])
+        got = bound.assign(mesh, [_decoded(mesh, a.sharding) for a in arg_shapes])
         return tuple(bound.sharding(mesh, got, bound.n_in + j) for j in range(len(out_types)))
 
     @custom_partitioning
@@ -261,7 +279,7 @@ def sharded_call(call, rule: str, shard: str, args, out_types, keep: str | None 
         return tuple(call(out_types, *xs))
 
     wrapped.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=bound.sdy(),
-                          **bound.sdy_factor_sizes())
+                          decode_shardings=False, **bound.sdy_factor_sizes())
     return jax.custom_batching.sequential_vmap(wrapped)(*args)
 
 
