@@ -437,11 +437,19 @@ def test_bad_inputs_raise_naming_op_and_argument(name, kwargs, exc, arg, impleme
     assert arg in str(info.value)
 
 
+@pytest.fixture(params=["grouped", "repeated"])
+def gqa_backward(request, monkeypatch):
+    """The fused backward under grouped-query attention both ways, whatever the shape: the
+    grouped kernels (k and v with their own heads) or k and v repeated to q's heads."""
+    monkeypatch.setattr(attention_module, "GROUPED_BWD_MIN_BLOCKS", 0 if request.param == "grouped" else 1 << 40)
+    return request.param
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("h,h_kv,mask_kind,causal,rate", [
     (4, 2, None, False, 0.0), (6, 3, "padding", True, 0.1), (3, 1, "additive", False, 0.2),
     (4, 4, "headkeys", True, 0.1)])
-def test_grouped_query_attention(h, h_kv, mask_kind, causal, rate, implementation):
+def test_grouped_query_attention(h, h_kv, mask_kind, causal, rate, implementation, gqa_backward):
     """k and v with fewer heads than q (grouped-query; one: multi-query): output and
     gradients against jax.nn.dot_product_attention's grouping (no dropout, f32) and the
     float64 reference (dropout: `dropout_mask` over q's heads); dk and dv have k's heads.
@@ -469,10 +477,14 @@ def _grouped_query_case(h, h_kv, mask_kind, causal, rate, implementation):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
-def test_grouped_query_kernels_get_the_key_heads():
-    """The fused path hands k and v to its custom calls with their own heads (the kernels
-    group the q heads), not repeated to q's."""
-    q, k, v, dout = qkv(331, 2, 7, 9, 6, 8, F32)
+@pytest.mark.parametrize("sk,min_blocks,backward_heads", [(9, 0, 2), (9, 5, 6), (200, 5, 2)])
+def test_grouped_query_kernels_get_the_key_heads(monkeypatch, sk, min_blocks, backward_heads):
+    """The fused path hands k and v to its forward with their own heads (the kernels group
+    the q heads), not repeated to q's; to its backward too, unless that would run fewer than
+    GROUPED_BWD_MIN_BLOCKS blocks (B * H_kv * key blocks of 64: 2 * 2 * 1 at Sk 9, 2 * 2 * 4
+    at Sk 200), where it takes them repeated."""
+    monkeypatch.setattr(attention_module, "GROUPED_BWD_MIN_BLOCKS", min_blocks)
+    q, k, v, dout = qkv(331, 2, 7, sk, 6, 8, F32)
     k, v = k[:, :, :2], v[:, :, :2]
 
     def loss(q, k, v):
@@ -481,7 +493,8 @@ def test_grouped_query_kernels_get_the_key_heads():
     calls = [line for line in hlo.splitlines() if "jaxsub_attention_" in line and "custom_call" in line]
     assert len(calls) == 2, calls
     for line in calls:
-        assert "tensor<2x9x2x8xf32>" in line and "tensor<2x9x6x8xf32>" not in line, line
+        heads = backward_heads if "jaxsub_attention_bwd" in line else 2
+        assert f"tensor<2x{sk}x{heads}x8xf32>" in line and f"tensor<2x{sk}x{8 - heads}x8xf32>" not in line, line
 
 
 def test_key_heads_must_divide_query_heads():
@@ -629,7 +642,8 @@ class TestCuda:
         (4, 1, 64, 200, 130, True, "padding", 0.0),    # multi-query
         (6, 2, 128, 77, 300, True, None, 0.1),
         (6, 2, 32, 100, 100, False, "additive", 0.1)])
-    def test_grouped_query_kernels_match_cpu(self, h, h_kv, d, sq, sk, causal, mask_kind, rate, fwd_kernel):
+    def test_grouped_query_kernels_match_cpu(self, h, h_kv, d, sq, sk, causal, mask_kind, rate, fwd_kernel,
+                                             gqa_backward):
         """The kernels read k and v with their own heads: the forward each q head's k/v head,
         the backward's blocks walking the group's q heads in turn (dk, dv summed there)."""
         self._cuda_vs_cpu(2, sq, sk, h, d, causal=causal, rate=rate, implementation="fused", mask_kind=mask_kind,

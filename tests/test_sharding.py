@@ -300,6 +300,7 @@ def test_calls_without_dropout_run_on_each_devices_slices(four_cpu_devices):
 # slice q's heads also divide k's, each device reads its own k/v heads (no all-gather);
 # where they do not (multi-query, heads on two devices), the heads stay whole.
 _GROUPED = textwrap.dedent("""
+    import itertools
     import jax, jax.numpy as jnp, numpy as np
     import jaxsub
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -315,7 +316,10 @@ _GROUPED = textwrap.dedent("""
     cases = ((8, 8, 4, heads, 0.0, "f32[4,12,2,16]"), (8, 8, 4, P("data"), 0.1, "f32[4,12,4,16]"),
              (8, 4, 1, heads, 0.1, None), (1, 8, 2, P(None, None, "d"), 0.0, None))
     line = Mesh(np.array(jax.devices()), ("d",))
-    for b, h, h_kv, spec, rate, local_k in cases:
+    # The backward both ways (jaxsub/ops/attn.py): the grouped kernels, then k and v
+    # repeated (each device's k then checked in the forward's call only).
+    for (b, h, h_kv, spec, rate, local_k), min_blocks in itertools.product(cases, (0, 1 << 40)):
+        jaxsub.ops.attn.GROUPED_BWD_MIN_BLOCKS = min_blocks
         q, dout = r(b, 12, h, 16), r(b, 12, h, 16)
         k, v = r(b, 12, h_kv, 16), r(b, 12, h_kv, 16)
         run = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jaxsub.ops.attention(
@@ -330,9 +334,11 @@ _GROUPED = textwrap.dedent("""
             assert g.shape == w.shape and float(jnp.abs(g - w).max()) <= 1e-5 * (1.0 + largest), (h_kv, spec, name)
         hlo = run.lower(*args).compile().as_text()
         calls = [l for l in hlo.splitlines() if 'custom_call_target="jaxsub_attention_' in l]
-        if local_k is not None:
+        if local_k is not None and min_blocks == 0:
             assert "all-gather" not in hlo, (h_kv, spec, [l for l in hlo.splitlines() if "all-gather" in l][:2])
             assert len(calls) == 2 and all(local_k in l for l in calls), (h_kv, spec, calls)
+        elif local_k is not None:
+            assert len(calls) == 2 and local_k in calls[0] and "attention_fwd" in calls[0], (h_kv, spec, calls)
     print("ok")
 """)
 

@@ -289,13 +289,34 @@ def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate):
     return out, (q, k, v, out, lse, mask4d, seed)
 
 
+# The grouped-query backward runs one block per key block of each k/v head (64 keys), each
+# walking its group's q heads: H / H_kv times fewer blocks, each H / H_kv times longer, than
+# with k and v repeated to q's heads. Below this many blocks the backward takes k and v
+# repeated (and sums dk and dv over each group after it). On an H100 (132 SMs; fwd+bwd,
+# bf16, dropout; bench/NOTES.md, fifty-eighth session) the grouped one took 0.90-0.94x the
+# repeated one's time at 2048 and 4096 blocks (causal, D 128), 1.03-1.20x at 256-1024
+# (0.98x at 512 without the causal mask), and 4.3x at 64 (multi-query).
+GROUPED_BWD_MIN_BLOCKS = 2048
+
+
+def _bwd_repeats_kv(q, k) -> bool:
+    """Whether the fused backward takes k and v repeated to q's heads (see above)."""
+    b, sk, h_kv = k.shape[:3]
+    return h_kv != q.shape[2] and b * h_kv * -(-sk // 64) < GROUPED_BWD_MIN_BLOCKS
+
+
 def _fused_bwd(scale, causal, kind, rate, res, dout):
     dout = _masks.cotangent(dout)
     if isinstance(res, Switched):
         return res.backward(dout)
     q, k, v, out, lse, mask4d, seed = res
-    dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
-    return dq, dk, dv, None, None
+    if not _bwd_repeats_kv(q, k):
+        dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
+        return dq, dk, dv, None, None
+    dq, dk, dv = _bwd_call(dout, q, *repeat_kv(q, k, v), out, lse, mask4d, seed, scale, causal, kind, rate)
+    b, sk, h_kv, d = k.shape
+    group_sum = lambda g, like: g.astype(_F32).reshape(b, sk, h_kv, -1, d).sum(3).astype(like.dtype)
+    return dq, group_sum(dk, k), group_sum(dv, v), None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
@@ -497,9 +518,11 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         attention; H_kv dividing H is grouped-query attention (H_kv = 1: multi-query), q head
         n reading k/v head n // (H // H_kv) as in jax.nn.dot_product_attention. The fused
         kernels read each k/v head for its group of q heads (no copies; the backward sums dk
-        and dv over the group in registers; sharded over devices by heads, each device's q
-        heads read its own k/v heads where H_kv divides by the devices); the unfused path
-        repeats k and v to H heads and sums their gradients.
+        and dv over the group in registers, except where that leaves too few blocks for the
+        GPU, B * H_kv * ceil(Sk / 64) < GROUPED_BWD_MIN_BLOCKS, where it takes k and v
+        repeated; sharded over devices by heads, each device's q heads read its own k/v
+        heads where H_kv divides by the devices); the unfused path repeats k and v to H
+        heads and sums their gradients.
       mask: None; a boolean key-padding mask [B, Sk] (True = attend); or a boolean
         (True = attend) or additive (floating, added to the scaled scores, -inf allowed)
         mask broadcastable to [B, H, Sq, Sk]. A 2-D mask of shape [B, Sk] (either kind)
