@@ -279,7 +279,7 @@ def _tool(name):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU refusal")
-@pytest.mark.parametrize("name", ["time_rows", "attention_waves", "order_effect"])
+@pytest.mark.parametrize("name", ["time_rows", "attention_waves", "order_effect", "gqa_backward"])
 def test_gpu_timing_tools_import_and_refuse_cpu(name):
     with pytest.raises(SystemExit, match="needs a GPU"):
         _tool(name).main([])
