@@ -97,6 +97,25 @@ def test_attention_mask_gradient_matches_reference(case, implementation, fallbac
     expect_route(fallback_log, "attention", implementation)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_attention_mask_gradient_with_grouped_heads(implementation, fallback_log):
+    """k and v with fewer heads than q (grouped-query) and the mask differentiated: the fused
+    path's unfused structure takes k and v repeated, as the unfused path does (it raised an
+    einsum shape error before); dk and dv have k's heads."""
+    b, sq, sk, h, h_kv, d, rate = 2, 7, 9, 6, 2, 8, 0.1
+    q, k, v, dout, mask, key = case_inputs(20, b, sq, sk, h, d, F32, "hqk")
+    k, v = k[:, :, :h_kv], v[:, :, :h_kv]
+
+    def f(q, k, v, m):
+        return jaxsub.ops.attention(q, k, v, mask=m, causal=True, dropout_rate=rate, key=key,
+                                    implementation=implementation)
+
+    got = jax.jit(lambda *a: jax.vjp(f, *a)[1](dout))(q, k, v, mask)
+    want = reference_grads(q, k, v, dout, mask, keep_mask(key, (b, h, sq, sk), rate), causal=True, rate=rate)
+    check_grads_against(got, want, F32, max(sq, sk, d))
+    expect_route(fallback_log, "attention", implementation)
+
+
 def expect_route(log, op, implementation):
     """The mask's gradient from the softmax backward's dS: the fused path says it runs the
     unfused structure, and nothing computes dS again (`masks.mask_cotangent`)."""

@@ -283,7 +283,8 @@ def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate):
     grad_mask = _masks.differentiated(kind, mask4d)
     q, k, v, mask4d, seed = _masks.primals(q, k, v, mask4d, seed)
     if grad_mask:
-        return switched(_OP, lambda q, k, v, m: _unfused(q, k, v, m, seed, kind, causal, scale, rate, op=_OP),
+        return switched(_OP, lambda q, k, v, m: _unfused(q, *repeat_kv(q, k, v), m, seed, kind, causal, scale,
+                                                         rate, op=_OP),
                         q, k, v, mask4d)
     out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
     return out, (q, k, v, out, lse, mask4d, seed)
