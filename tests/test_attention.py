@@ -216,6 +216,26 @@ def test_additive_rows_masked_by_large_values(implementation, fill):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_additive_rows_whose_visible_keys_hold_large_values(implementation):
+    """Under the causal rule a mask row's visible keys can all hold large negative values
+    while a key the rule hides does not: those rows are shifted by their visible keys'
+    maximum (masks._near), not left as they are (the rows' gradients were up to their
+    visible keys' count too large) or shifted by a hidden key's value. Against the float64
+    reference of the same mask with each row shifted in numpy."""
+    b, sq, sk, h, d = 2, 7, 9, 3, 8
+    q, k, v, dout = qkv(26, b, sq, sk, h, d, F32)
+    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    m = np.zeros((b, h, sq, sk), np.float32)
+    m[0, 1, :4] = np.where(vis[:4], -1e9, 0.0)  # visible keys -1e9, hidden ones 0
+    m[1, :, 2] = np.where(vis[2], -2e9, -1e9)   # visible keys -2e9, hidden ones -1e9
+    got = run_vjp_jit(q, k, v, dout, jnp.asarray(m), None, causal=True, rate=0.0, implementation=implementation)
+    top = np.where(vis, m, -np.inf).max(-1, keepdims=True)
+    shifted = jnp.asarray(m - np.where(top < -256, top, 0.0))
+    want = reference_vjp_f64(q, k, v, dout, shifted, None, causal=True, rate=0.0)
+    check_against_reference(got, want, F32, sq, sk, d)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_nan_rows_stay_nan(implementation, causal):
     """As in plain JAX: a NaN in a query row makes its output row NaN (it was a row of

@@ -251,6 +251,23 @@ def test_additive_mask_gets_its_gradient():
     assert_close(ds, want_ds, F32, reduction=7, grad=True, what="dscores")
 
 
+def test_causal_rows_whose_visible_keys_hold_large_values():
+    """Under the causal rule, mask rows whose visible keys all hold large negative values
+    (while a hidden key does not) are their scores' softmax, as in float64: the op shifts
+    such a row by its visible keys' maximum (masks._near). Before, their f32 scores lost
+    the scores' values to the mask's rounding (a uniform row)."""
+    b, h, sq, sk = 2, 3, 7, 9
+    scores, dy = normal(91, (b, h, sq, sk)), normal(92, (b, h, sq, sk))
+    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    m = np.zeros((b, h, sq, sk), np.float32)
+    m[0, 1, :4] = np.where(vis[:4], -1e9, 0.0)
+    m[1, :, 2] = np.where(vis[2], -2e9, -1e9)
+    got = fused_vjp_jit(scores, dy, jnp.asarray(m), None, scale=0.5, causal=True, rate=0.0)
+    want = oracle(scores, dy, scale=0.5, mask=m, causal=True, keep=None, rate=0.0)
+    assert_close(got[0], want[0], F32, reduction=sk, what="y vs float64")
+    assert_close(got[1], want[1], F32, reduction=sk, grad=True, what="dscores vs float64")
+
+
 def test_vmap_over_leading_axis_and_masks_matches_loop():
     shape = (3, 2, 4, 130)
     scores, dy = normal(41, shape, BF16), normal(42, shape, BF16)

@@ -75,7 +75,7 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
     k, v = repeat_kv(q, k, v)
     cdt = _F64 if q.dtype == _F64 else _F32
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else float(scale)
-    mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True)
+    mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True, causal=causal)
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(cdt), k.astype(cdt), precision=hi) * scale
     if kind == _masks.ADDITIVE:
@@ -536,7 +536,8 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         whose softmax backward writes it (a one-time log line says so; the scores, in the
         inputs' dtype, and the probabilities are then in memory). A row whose mask values
         are all below -256 is shifted up by its maximum (its softmax is the same; its f32
-        log-sum-exp would not hold the row's scores: `masks._near`).
+        log-sum-exp would not hold the row's scores: `masks._near`); with `causal` and a
+        mask with a row per query, a row whose visible keys' values are all below -256.
       causal: query i attends to keys j <= i + (Sk - Sq), i.e. the causal diagonal is
         aligned to the bottom-right corner, so that with Sq < Sk the queries are the last
         Sq positions of the key sequence (decoding with a cache). With Sq > Sk the first
@@ -609,7 +610,7 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _masks.check_scale(op, scale)
     rate = _dropout.check_rate(op, dropout_rate, "dropout_rate")
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
-    mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True)
+    mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True, causal=causal)
     source = None if packed is None or isinstance(packed, tuple) else packed
     # An array: its platform, dtype and head dim.
     data = q if packed is None else packed[0] if source is None else source.data

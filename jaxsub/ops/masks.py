@@ -38,13 +38,15 @@ _DUMMY = np.zeros((1, 1, 1, 1), np.bool_)
 _FAR = 256.0
 
 
-def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_padding_ok: bool):
+def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_padding_ok: bool,
+              causal: bool = False):
     """Returns (mask4d, kind) for a probability tensor of shape leading + (sq, sk), viewed
     as [B, H, Sq, Sk] with B = prod(leading[:-1]) and H = leading[-1] (1 when absent).
 
     `key_padding_ok`: a 2-D mask [B, Sk] is a key-padding mask (attention's q/k/v form,
     leading == (B, H)) rather than a mask over the last two axes; where B == Sq > 1 a 2-D
     additive mask could be either, and raises (a boolean one is key padding).
+    `causal`: the scores are under the causal rule too (`_near`).
     """
     if mask is None:
         return _DUMMY, NONE
@@ -83,10 +85,10 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
             mask = jnp.broadcast_to(mask, tuple(b_dims_f) + tuple(mask.shape[len(b_dims_f):]))
         bm = math.prod(b_dims_f)
     mask = mask.reshape(bm, h_m, shape[-2], shape[-1])
-    return (_near(mask) if kind == ADDITIVE else mask), kind
+    return (_near(mask, causal and shape[-2] == sq) if kind == ADDITIVE else mask), kind
 
 
-def _near(mask):
+def _near(mask, causal_rows: bool = False):
     """The additive mask with each row whose values are all below -_FAR (finite) shifted
     up by its maximum; every other row unchanged. A softmax row does not change when a
     constant is added to it, but its log-sum-exp does: for a row masked out by a large
@@ -94,9 +96,18 @@ def _near(mask):
     attention kernels save is -1e9 + log(Sk) rounded to a multiple of 64, so the backward,
     which recomputes p = exp(s - lse), took every p there as 1 and returned gradients Sk
     times too large. Shifted, such a row's scores are those of the row unmasked (as a
-    float64 program computes them). The maximum is taken over the mask's own keys, so a
-    row that `causal=True` alone hides from its large values is not shifted."""
-    top = jax.lax.stop_gradient(jnp.max(mask, axis=-1, keepdims=True))
+    float64 program computes them). The maximum is taken over the mask's own keys; with
+    `causal_rows` (a mask with a row per query, under the causal rule) over the keys each
+    query sees, so that a row whose visible keys are all below -_FAR is shifted though a
+    key the causal rule hides is not (its gradients were off by up to the visible keys'
+    count). A mask broadcast over the queries under the causal rule is not: its shift
+    would differ per query, and applying it would expand the mask to [.., Sq, Sk]."""
+    if causal_rows:
+        sq, sk = mask.shape[-2:]
+        mask_seen = jnp.where(causal_visible(sq, sk), mask, -jnp.inf)
+        top = jax.lax.stop_gradient(jnp.max(mask_seen, axis=-1, keepdims=True))
+    else:
+        top = jax.lax.stop_gradient(jnp.max(mask, axis=-1, keepdims=True))
     return mask - jnp.where(jnp.isfinite(top) & (top < -_FAR), top, 0.0)
 
 

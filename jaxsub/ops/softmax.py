@@ -152,7 +152,8 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
         scores cotangent, scale · dS, divided by scale and summed over the mask's
         broadcast dims (at scale 0, and for float16 below scale 1/16, XLA computes dS
         again, [B, H, Sq, Sk] f32, with a one-time log line). A row whose mask values are
-        all below -256 is shifted up by its maximum (the same softmax: `masks._near`).
+        all below -256 is shifted up by its maximum (the same softmax: `masks._near`);
+        with `causal` and a mask with a row per query, a row whose visible keys' values are.
       causal: query i sees keys j <= i + (Sk - Sq), i.e. bottom-right aligned, so with
         Sq < Sk the last query sees every key (decoding with a cache). Combines with mask.
       rate: dropout probability, a static float in [0, 1).
@@ -180,7 +181,7 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
     rate = _dropout.check_rate(_OP, rate)
     *leading, sq, sk = scores.shape
     b, h = math.prod(leading[:-1]), (leading[-1] if leading else 1)
-    mask4, kind = _masks.normalize(_OP, mask, tuple(leading), sq, sk, key_padding_ok=False)
+    mask4, kind = _masks.normalize(_OP, mask, tuple(leading), sq, sk, key_padding_ok=False, causal=causal)
     seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
     return softmax_4d(scores.reshape(b, h, sq, sk), mask4, seed, scale, causal, kind, rate).reshape(scores.shape)
 
