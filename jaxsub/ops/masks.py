@@ -102,12 +102,8 @@ def _near(mask, causal_rows: bool = False):
     key the causal rule hides is not (its gradients were off by up to the visible keys'
     count). A mask broadcast over the queries under the causal rule is not: its shift
     would differ per query, and applying it would expand the mask to [.., Sq, Sk]."""
-    if causal_rows:
-        sq, sk = mask.shape[-2:]
-        mask_seen = jnp.where(causal_visible(sq, sk), mask, -jnp.inf)
-        top = jax.lax.stop_gradient(jnp.max(mask_seen, axis=-1, keepdims=True))
-    else:
-        top = jax.lax.stop_gradient(jnp.max(mask, axis=-1, keepdims=True))
+    seen = jnp.where(causal_visible(*mask.shape[-2:]), mask, -jnp.inf) if causal_rows else mask
+    top = jax.lax.stop_gradient(jnp.max(seen, axis=-1, keepdims=True))
     return mask - jnp.where(jnp.isfinite(top) & (top < -_FAR), top, 0.0)
 
 

@@ -153,7 +153,8 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
         broadcast dims (at scale 0, and for float16 below scale 1/16, XLA computes dS
         again, [B, H, Sq, Sk] f32, with a one-time log line). A row whose mask values are
         all below -256 is shifted up by its maximum (the same softmax: `masks._near`);
-        with `causal` and a mask with a row per query, a row whose visible keys' values are.
+        with `causal` and a mask with a row per query, a row whose visible keys' values are
+        all below -256 (by their maximum).
       causal: query i sees keys j <= i + (Sk - Sq), i.e. bottom-right aligned, so with
         Sq < Sk the last query sees every key (decoding with a cache). Combines with mask.
       rate: dropout probability, a static float in [0, 1).
