@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, fwd_min_blocks<D>()) attention_fwd_k
   FwdSmem<T, D>& sm = *reinterpret_cast<FwdSmem<T, D>*>(smem_raw);
   constexpr int kRow = D + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
-  const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
+  const int64_t bh = tile_block(a).bh, bb = bh / a.h, hh = bh % a.h;
   const int64_t q0 = fwd_query_tile(a) * kTile + warp * 16;  // warp's first query row
   const int64_t row_stride = a.kv_row;  // k and v's (q's: load_q_frags)
   const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   constexpr int kRow = D + kPad, kDsRow = kTile + kPad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
-  const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t kblock = tile_block(a).rank * kTile;  // rank 0: seen by the most queries (causal)
   const int64_t k0 = kblock + warp * 16;  // warp's first key
   const int64_t out_row = a.h * D;        // dout and dq_acc: plain [B, Sq, H, D]
   // Queries before the block's first visible one are never needed.

@@ -349,11 +349,26 @@ __device__ __forceinline__ void load_q_frags(uint32_t (&qf)[D / 16][4], const At
       qf[kc][r] = i < a.sq ? ld32(qg + i * a.qkv_row + col) : 0u;
     }
 }
-// The query tile of forward block blockIdx.x. Under the causal rule a tile's work grows
-// with its index, so the blocks launched first take the last (heaviest) tiles and the
-// grid ends on light ones.
+// A tile kernel's block (grid: tiles along x, heads along y; blocks start in that order,
+// x fastest): its tile rank and its head (b * H + h; the backward's: the k/v head). Under
+// the causal rule a tile's work follows its rank, the same in every head (rank 0 heaviest:
+// below), so the blocks are taken tile-major: every head's heaviest tiles start first,
+// where head-major order left the last heads' heaviest tiles to the grid's last wave.
+// Otherwise head-major: a head's tiles run together, sharing its k and v in L2 (and the
+// cluster backward's clusters are a head's key blocks along x).
+struct TileBlock {
+  int64_t rank, bh;
+};
+__device__ __forceinline__ TileBlock tile_block(const AttnArgs& a) {
+  if (!a.causal) return {blockIdx.x, a.bh0 + blockIdx.y};
+  const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * blockIdx.y;
+  return {lin / gridDim.y, a.bh0 + lin % gridDim.y};
+}
+// The query tile of a forward block. Under the causal rule a tile's work grows with its
+// index, so rank 0 takes the last (heaviest) tile and the grid ends on light ones.
 __device__ __forceinline__ int64_t fwd_query_tile(const AttnArgs& a) {
-  return a.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t r = tile_block(a).rank;
+  return a.causal ? gridDim.x - 1 - r : r;
 }
 // Key tiles of 64 the forward block needs: keys beyond its last visible one are never
 // needed (causal).

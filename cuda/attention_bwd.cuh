@@ -142,7 +142,7 @@ struct BwdHeads {
   }
 };
 __device__ __forceinline__ BwdHeads bwd_heads(const AttnArgs& a, int tiles) {
-  const int64_t hkv = a.h / a.group, bhk = a.bh0 + blockIdx.y;
+  const int64_t hkv = a.h / a.group, bhk = tile_block(a).bh;
   BwdHeads r;
   r.bb = bhk / hkv, r.kvh = bhk % hkv, r.first = r.kvh * a.group;
   r.tiles = tiles, r.iters = tiles * static_cast<int>(a.group);
@@ -162,7 +162,7 @@ __device__ __forceinline__ bool bwd_head_changes_vis(const AttnArgs& a, BwdStep 
   return kMode == kKeyMask && a.group > 1 && a.hm != 1 && u > 0 && s.t == 0;
 }
 
-// The first query the backward block blockIdx.x (keys kblock ..) needs, a multiple of 64
+// The first query the backward block of keys kblock .. needs, a multiple of 64
 // (causal: queries before its first visible key see none of its keys).
 __device__ __forceinline__ int64_t bwd_query_begin(const AttnArgs& a, int64_t kblock) {
   if (!a.causal) return 0;

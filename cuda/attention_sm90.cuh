@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, sm90_fwd_min_blocks<D>()) attention_
   auto v_stage = [&](int st) { return smem + st * 2 * kTileBytes + kTileBytes; };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
-  const int64_t bh = a.bh0 + blockIdx.y, bb = bh / a.h, hh = bh % a.h;
+  const int64_t bh = tile_block(a).bh, bb = bh / a.h, hh = bh % a.h;
   const int64_t q0 = fwd_query_tile(a) * kTile + warp * 16;  // warp's first query row
   const int64_t row_stride = a.kv_row;  // k and v's (q's: load_q_frags)
   const T* qg = static_cast<const T*>(a.q) + bb * a.q_batch + hh * D;
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, sm90_bwd_min_blocks<D>()) attention_
   auto addr = [](const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane / 4, tq = lane % 4;
-  const int64_t kblock = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t kblock = tile_block(a).rank * kTile;  // rank 0: seen by the most queries (causal)
   const int64_t k0 = kblock + warp * 16;  // warp's first key
   const int64_t out_row = a.h * D;        // dout and dq_acc: plain [B, Sq, H, D]
   const int64_t q_begin = bwd_query_begin(a, kblock);
