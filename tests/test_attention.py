@@ -57,6 +57,10 @@ def make_mask(kind, seed, b, h, sq, sk):
         m = rng.random((1, h, 1, sk)) < 0.7
         m[..., 0] = True
         return jnp.asarray(m)
+    if kind == "leftpad":  # [B, 1, 1, Sk] additive: example 0's first third of keys -1e9
+        m = np.zeros((b, 1, 1, sk), np.float32)
+        m[0, ..., :sk // 3] = -1e9
+        return jnp.asarray(m)
     if kind == "additive":  # [H, Sq, Sk] with some -inf
         m = rng.standard_normal((h, sq, sk)).astype(np.float32)
         m[rng.random((h, sq, sk)) < 0.2] = -np.inf
@@ -233,6 +237,54 @@ def test_additive_rows_whose_visible_keys_hold_large_values(implementation):
     shifted = jnp.asarray(m - np.where(top < -256, top, 0.0))
     want = reference_vjp_f64(q, k, v, dout, shifted, None, causal=True, rate=0.0)
     check_against_reference(got, want, F32, sq, sk, d)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_additive_mask_broadcast_over_queries_whose_first_queries_see_large_values(implementation):
+    """A mask broadcast over the queries ([B, 1, 1, Sk]: a left-padded batch's `(1 - valid)
+    * -1e9`) under the causal rule: a padded example's first queries see only padded keys.
+    Each such query's row is shifted by its visible keys' maximum (masks.by_query expands
+    the mask to a row per query); before, those rows' gradients were up to their visible
+    keys' count too large. Example 1's keys hold -2e9 then -1e9 (shifted by -1e9 over
+    every key, its first query still sees only large values); example 2 is padding only
+    and example 3 has none (neither needs a row per query). Against the float64 reference
+    of the mask expanded and shifted in numpy."""
+    b, sq, sk, h, d = 4, 7, 9, 2, 8
+    q, k, v, dout = qkv(27, b, sq, sk, h, d, F32)
+    m = np.zeros((b, 1, 1, sk), np.float32)
+    m[0, ..., :4] = -1e9
+    m[1, ..., :3], m[1, ..., 3:] = -2e9, -1e9
+    m[2] = -1e9
+    got = run_vjp_jit(q, k, v, dout, jnp.asarray(m), None, causal=True, rate=0.0, implementation=implementation)
+    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    rows = np.broadcast_to(m, (b, 1, sq, sk))
+    top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
+    shifted = jnp.asarray(rows - np.where(top < -256, top, 0.0))
+    want = reference_vjp_f64(q, k, v, dout, shifted, None, causal=True, rate=0.0)
+    check_against_reference(got, want, F32, sq, sk, d)
+    # Without a query that needs it, the mask stays broadcast: the same numbers as before.
+    fine = jnp.asarray(m[2:])
+    got = run_vjp_jit(q[2:], k[2:], v[2:], dout[2:], fine, None, causal=True, rate=0.0, implementation=implementation)
+    want = reference_vjp_f64(q[2:], k[2:], v[2:], dout[2:], fine, None, causal=True, rate=0.0)
+    check_against_reference(got, want, F32, sq, sk, d)
+
+
+def test_needs_query_rows_is_whether_some_query_shift_is_not_zero():
+    """masks.by_query decides by two reductions what query_shift's scan gives: on random
+    masks over 0, -1, -300, -1e9, -2e9, -inf, NaN and 5 at small odd sizes."""
+    from jaxsub.ops import masks
+    rng = np.random.default_rng(28)
+    values = np.array([0.0, -1.0, -300.0, -1e9, -2e9, -np.inf, np.nan, 5.0], np.float32)
+    seen = set()
+    for sq, sk in [(1, 1), (1, 5), (3, 9), (9, 3), (7, 7), (11, 2), (2, 11), (6, 10)]:
+        rows = np.stack([rng.choice(values, size=sk, p=rng.dirichlet(np.ones(len(values)))) for _ in range(400)])
+        m = jnp.asarray(rows[:, None, None, :])  # one mask row per example
+        want = np.asarray(masks.query_shift(m, sq, sk) != 0).any(axis=(1, 2, 3))
+        got = np.asarray(jax.vmap(lambda r: masks.needs_query_rows(r[None, None, None], sq, sk))(m[:, 0, 0]))
+        bad = np.flatnonzero(got != want)
+        assert bad.size == 0, (sq, sk, rows[bad[:3]])
+        seen |= set(want.tolist())
+    assert seen == {False, True}
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -690,7 +742,8 @@ class TestCuda:
         (128, 1, "bool4d", False), (130, 130, "additive", True), (65, 200, None, True),
         (200, 65, None, True),  # Sq > Sk, causal: the first 135 queries see no key
         (7, 130, "headkeys", False), (130, 65, "batch", True),  # key masks: [1, H, 1, Sk], [B, 1, 1, 1]
-        (257, 700, None, True)])  # causal tiles the first row already sees take the unmasked rule
+        (257, 700, None, True),  # causal tiles the first row already sees take the unmasked rule
+        (130, 130, "leftpad", True)])  # its first queries see only -1e9: a row per query (masks.by_query)
     def test_fused_odd_sizes_match_cpu(self, sq, sk, mask_kind, causal, d, fwd_kernel):
         dtype = F16 if d == 32 or (d == 64 and sq % 2) else BF16
         self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused", dtype=dtype,

@@ -268,6 +268,21 @@ def test_causal_rows_whose_visible_keys_hold_large_values():
     assert_close(got[1], want[1], F32, reduction=sk, grad=True, what="dscores vs float64")
 
 
+def test_causal_queries_of_a_broadcast_mask_that_see_large_values():
+    """A mask broadcast over the queries ([B, 1, 1, Sk], left padding by -1e9) under the
+    causal rule: the first queries of example 0 see only padded keys. Their rows are their
+    scores' softmax, as in float64 (masks.by_query shifts each query's row); before, the
+    mask's rounding made them uniform and their gradients too large."""
+    b, h, sq, sk = 2, 3, 7, 9
+    scores, dy = normal(93, (b, h, sq, sk)), normal(94, (b, h, sq, sk))
+    m = np.zeros((b, 1, 1, sk), np.float32)
+    m[0, ..., :4] = -1e9
+    got = fused_vjp_jit(scores, dy, jnp.asarray(m), None, scale=0.5, causal=True, rate=0.0)
+    want = oracle(scores, dy, scale=0.5, mask=m, causal=True, keep=None, rate=0.0)
+    assert_close(got[0], want[0], F32, reduction=sk, what="y vs float64")
+    assert_close(got[1], want[1], F32, reduction=sk, grad=True, what="dscores vs float64")
+
+
 def test_vmap_over_leading_axis_and_masks_matches_loop():
     shape = (3, 2, 4, 130)
     scores, dy = normal(41, shape, BF16), normal(42, shape, BF16)

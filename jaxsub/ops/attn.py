@@ -76,6 +76,8 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
     cdt = _F64 if q.dtype == _F64 else _F32
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else float(scale)
     mask4d, kind = _masks.normalize(_OP, mask, (b, h), sq, sk, key_padding_ok=True, causal=causal)
+    if kind == _masks.ADDITIVE and causal and mask4d.shape[-2] == 1:
+        mask4d = mask4d - _masks.query_shift(mask4d, sq, sk)  # `by_query`'s rows, always
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(cdt), k.astype(cdt), precision=hi) * scale
     if kind == _masks.ADDITIVE:
@@ -536,8 +538,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
         whose softmax backward writes it (a one-time log line says so; the scores, in the
         inputs' dtype, and the probabilities are then in memory). A row whose mask values
         are all below -256 is shifted up by its maximum (its softmax is the same; its f32
-        log-sum-exp would not hold the row's scores: `masks._near`); with `causal` and a
-        mask with a row per query, a row whose visible keys' values are all below -256.
+        log-sum-exp would not hold the row's scores: `masks._near`); with `causal`, each
+        query's row whose visible keys' values are all below -256 (a mask broadcast over
+        the queries is then expanded to a row per query, only where some query needs it:
+        `masks.by_query`).
       causal: query i attends to keys j <= i + (Sk - Sq), i.e. the causal diagonal is
         aligned to the bottom-right corner, so that with Sq < Sk the queries are the last
         Sq positions of the key sequence (decoding with a cache). With Sq > Sk the first
@@ -628,6 +632,12 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
                              f"{implementation!r}; expected 'fused' or 'unfused'")
         if implementation is None:
             implementation = _default_implementation(data, mask4d, kind)
+    return _masks.by_query(mask4d, kind, sq, sk, causal, functools.partial(
+        _attention_call, op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, implementation))
+
+
+def _attention_call(op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, implementation, mask4d):
+    """`_attention` on the mask as `masks.by_query` gives it, its implementation chosen."""
     if implementation == "fused":
         reason = _fused_unsupported(data)
         if reason is None:

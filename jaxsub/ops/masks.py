@@ -100,11 +100,46 @@ def _near(mask, causal_rows: bool = False):
     `causal_rows` (a mask with a row per query, under the causal rule) over the keys each
     query sees, so that a row whose visible keys are all below -_FAR is shifted though a
     key the causal rule hides is not (its gradients were off by up to the visible keys'
-    count). A mask broadcast over the queries under the causal rule is not: its shift
-    would differ per query, and applying it would expand the mask to [.., Sq, Sk]."""
+    count). A mask broadcast over the queries under the causal rule is shifted here by its
+    maximum over every key; each query's own shift is `by_query`'s."""
     seen = jnp.where(causal_visible(*mask.shape[-2:]), mask, -jnp.inf) if causal_rows else mask
     top = jax.lax.stop_gradient(jnp.max(seen, axis=-1, keepdims=True))
     return mask - jnp.where(jnp.isfinite(top) & (top < -_FAR), top, 0.0)
+
+
+def query_shift(mask, sq: int, sk: int):
+    """[.., Sq, 1] for an additive mask broadcast over the queries ([.., 1, Sk]) under the
+    causal rule: the maximum of the keys query i sees (j <= i + Sk - Sq, a prefix) where it
+    is finite and below -_FAR, else 0; no gradient."""
+    last = np.arange(sq) + (sk - sq)  # query i's last visible key
+    top = jnp.take(jax.lax.cummax(mask, axis=mask.ndim - 1), np.clip(last, 0, sk - 1), axis=-1)
+    top = jnp.swapaxes(jnp.where(last >= 0, top, 0.0), -1, -2)
+    return jax.lax.stop_gradient(jnp.where(jnp.isfinite(top) & (top < -_FAR), top, 0.0))
+
+
+def by_query(mask, kind: int, sq: int, sk: int, causal: bool, call):
+    """call(mask): the rest of an op after `normalize`. Under the causal rule an additive
+    mask broadcast over the queries has one row for queries that see different keys: a
+    query whose visible keys all hold values below -_FAR (the first queries of a
+    left-padded example under `(1 - valid) * -1e9`) needs its own shift (`_near`), and one
+    shift per mask row cannot serve every query. Where some query needs one (decided on
+    the device), `call` gets the mask expanded to a row per query, each row shifted by its
+    query's `query_shift`; otherwise the mask as it is, so the expanded mask costs memory
+    only where it changes a number."""
+    if kind != ADDITIVE or not causal or mask.shape[-2] != 1 or sq == 1:
+        return call(mask)
+    return jax.lax.cond(needs_query_rows(mask, sq, sk), lambda m: call(m - query_shift(m, sq, sk)), call, mask)
+
+
+def needs_query_rows(mask, sq: int, sk: int):
+    """Whether some query's `query_shift` is not 0, in two reductions (one fusion, where
+    `by_query` runs it on every call): the visible keys of query i are a prefix ending at key
+    i + Sk - Sq, and its shift is not 0 where that prefix holds a finite value (from key
+    `first_finite` on) and only values below -_FAR (before key `first_near`)."""
+    keys = jnp.arange(sk)
+    first_near = jnp.min(jnp.where(mask < -_FAR, sk, keys), axis=-1)
+    first_finite = jnp.min(jnp.where(mask > -jnp.inf, keys, sk), axis=-1)
+    return jnp.any(jnp.maximum(first_finite, max(0, sk - sq)) < first_near)
 
 
 def causal_visible(sq: int, sk: int):

@@ -153,8 +153,9 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
         broadcast dims (at scale 0, and for float16 below scale 1/16, XLA computes dS
         again, [B, H, Sq, Sk] f32, with a one-time log line). A row whose mask values are
         all below -256 is shifted up by its maximum (the same softmax: `masks._near`);
-        with `causal` and a mask with a row per query, a row whose visible keys' values are
-        all below -256 (by their maximum).
+        with `causal`, each query's row whose visible keys' values are all below -256 (by
+        their maximum; a mask broadcast over the queries is then expanded to a row per
+        query, only where some query needs it: `masks.by_query`).
       causal: query i sees keys j <= i + (Sk - Sq), i.e. bottom-right aligned, so with
         Sq < Sk the last query sees every key (decoding with a cache). Combines with mask.
       rate: dropout probability, a static float in [0, 1).
@@ -184,7 +185,9 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
     b, h = math.prod(leading[:-1]), (leading[-1] if leading else 1)
     mask4, kind = _masks.normalize(_OP, mask, tuple(leading), sq, sk, key_padding_ok=False, causal=causal)
     seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
-    return softmax_4d(scores.reshape(b, h, sq, sk), mask4, seed, scale, causal, kind, rate).reshape(scores.shape)
+    scores4 = scores.reshape(b, h, sq, sk)
+    return _masks.by_query(mask4, kind, sq, sk, causal,
+                           lambda m: softmax_4d(scores4, m, seed, scale, causal, kind, rate)).reshape(scores.shape)
 
 
 def softmax_4d(scores, mask4d, seed, scale, causal, kind, rate, op=_OP):
