@@ -132,10 +132,11 @@ def by_query(mask, kind: int, sq: int, sk: int, causal: bool, call):
 
 
 def needs_query_rows(mask, sq: int, sk: int):
-    """Whether some query's `query_shift` is not 0, in two reductions (one fusion, where
-    `by_query` runs it on every call): the visible keys of query i are a prefix ending at key
-    i + Sk - Sq, and its shift is not 0 where that prefix holds a finite value (from key
-    `first_finite` on) and only values below -_FAR (before key `first_near`)."""
+    """Whether some query's `query_shift` is not 0, by two reductions over the keys
+    (`by_query` runs it on every call, the scan only where it is true): the visible keys
+    of query i are a prefix ending at key i + Sk - Sq, and its shift is not 0 where that
+    prefix holds a finite value (from key `first_finite` on) and only values below -_FAR
+    (before key `first_near`)."""
     keys = jnp.arange(sk)
     first_near = jnp.min(jnp.where(mask < -_FAR, sk, keys), axis=-1)
     first_finite = jnp.min(jnp.where(mask > -jnp.inf, keys, sk), axis=-1)
