@@ -116,6 +116,29 @@ def test_attention_mask_gradient_with_grouped_heads(implementation, fallback_log
     expect_route(fallback_log, "attention", implementation)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_attention_mask_gradient_where_first_queries_see_only_large_values(implementation, fallback_log):
+    """A learned [B, 1, 1, Sk] bias under the causal rule whose first keys of example 0 hold
+    -1e9 (example 1: -2e9 then -1e9), so its first queries see only values below -256: the op
+    runs on the mask expanded to a row per query (masks.by_query) and the mask's gradient
+    sums over the queries, as the float64 reference's (whose rows are shifted the same way)."""
+    b, s, h, d, rate = 2, 11, 2, 8, 0.1
+    q, k, v, dout, _, key = case_inputs(21, b, s, s, h, d, F32, "hqk")
+    m = np.array(normal(np.random.default_rng(22), (b, 1, 1, s)))
+    m[0, ..., :4] = -1e9
+    m[1, ..., :2], m[1, ..., 2:5] = -2e9, -1e9
+    mask = jnp.asarray(m)
+
+    def f(q, k, v, m):
+        return jaxsub.ops.attention(q, k, v, mask=m, causal=True, dropout_rate=rate, key=key,
+                                    implementation=implementation)
+
+    got = jax.jit(lambda *a: jax.vjp(f, *a)[1](dout))(q, k, v, mask)
+    want = reference_grads(q, k, v, dout, mask, keep_mask(key, (b, h, s, s), rate), causal=True, rate=rate)
+    check_grads_against(got, want, F32, s)
+    expect_route(fallback_log, "attention", implementation)
+
+
 def expect_route(log, op, implementation):
     """The mask's gradient from the softmax backward's dS: the fused path says it runs the
     unfused structure, and nothing computes dS again (`masks.mask_cotangent`)."""
