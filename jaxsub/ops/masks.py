@@ -103,8 +103,13 @@ def _near(mask, causal_rows: bool = False):
     count). A mask broadcast over the queries under the causal rule is shifted here by its
     maximum over every key; each query's own shift is `by_query`'s."""
     seen = jnp.where(causal_visible(*mask.shape[-2:]), mask, -jnp.inf) if causal_rows else mask
-    top = jax.lax.stop_gradient(jnp.max(seen, axis=-1, keepdims=True))
-    return mask - jnp.where(jnp.isfinite(top) & (top < -_FAR), top, 0.0)
+    return mask - _far_shift(jnp.max(seen, axis=-1, keepdims=True))
+
+
+def _far_shift(top):
+    """The shift of rows whose maximum is `top`: top where finite and below -_FAR, else 0;
+    no gradient (a constant added to a softmax row)."""
+    return jax.lax.stop_gradient(jnp.where(jnp.isfinite(top) & (top < -_FAR), top, 0.0))
 
 
 def query_shift(mask, sq: int, sk: int):
@@ -113,8 +118,7 @@ def query_shift(mask, sq: int, sk: int):
     is finite and below -_FAR, else 0; no gradient."""
     last = np.arange(sq) + (sk - sq)  # query i's last visible key
     top = jnp.take(jax.lax.cummax(mask, axis=mask.ndim - 1), np.clip(last, 0, sk - 1), axis=-1)
-    top = jnp.swapaxes(jnp.where(last >= 0, top, 0.0), -1, -2)
-    return jax.lax.stop_gradient(jnp.where(jnp.isfinite(top) & (top < -_FAR), top, 0.0))
+    return _far_shift(jnp.swapaxes(jnp.where(last >= 0, top, 0.0), -1, -2))
 
 
 def by_query(mask, kind: int, sq: int, sk: int, causal: bool, call):
