@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_blocks<D>()) attention_bwd_k
     const uint32_t kbits = bwd_keep_bits(a, sm.keep[warp], quad, tq);
     {
       uint32_t pdf[4][4];  // kept Pᵀ (unscaled) as A fragments, 16 queries each
-      bwd_probs<T, kMode>(a, rc, [&](int n, int e) -> float& { return p[n][e]; }, nlse2, kvis, kbits, qb, k0, scale_log2,
-                          quad, tq, pdf);
+      bwd_probs<T, kMode>(a, rc, [&](int n, int e) -> float& { return p[n][e]; }, nlse2, kvis, kbits, qb, k0,
+                          scale_log2, quad, tq, pdf);
       add_keys_by_d<T, D>(dv, pdf, dos + trans_off);
     }
     {

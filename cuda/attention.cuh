@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -167,8 +168,10 @@ __device__ __forceinline__ float score(const AttnArgs& a, const RowCtx& rc, floa
 // kKeyMask: a boolean mask that does not depend on the query ([Bm, Hm, 1, Skm]: key
 // padding), its bits read once per key (key_bits16, key_visible), plus the causal rule;
 // kCausal: the causal rule and the bounds, no mask tensor (only the tiles on the diagonal
-// test each element: fwd_softmax_tile, bwd_probs).
-enum MaskMode : int { kNoMask = 0, kAnyMask = 1, kKeyMask = 2, kCausal = 3 };
+// test each element: fwd_softmax_tile, bwd_probs); kKeyBias: an additive mask that does
+// not depend on the query ([Bm, Hm, 1, Skm]: a key bias, such as BERT's (1 - valid) * -1e4),
+// its values read where the scores take them (key_bias2, bwd_key_bias), plus the causal rule.
+enum MaskMode : int { kNoMask = 0, kAnyMask = 1, kKeyMask = 2, kCausal = 3, kKeyBias = 4 };
 
 // Under a key mask: whether key j is visible (false past Sk).
 __device__ __forceinline__ bool key_visible(const AttnArgs& a, const RowCtx& rc, int64_t j) {
@@ -189,6 +192,21 @@ __device__ __forceinline__ uint32_t key_bits16(const AttnArgs& a, const RowCtx& 
   uint32_t bits = 0;
   for (int t = 0; t < 16; ++t) bits |= static_cast<uint32_t>(key_visible(a, rc, j0 + t)) << t;
   return bits;
+}
+
+// Under a key bias: the values of keys j and j + 1 in log2 units (0 past Sk, where the
+// bounds hide the key), one 8-byte load when in bounds and aligned. Read where the scores
+// use them: sixteen values held across the tile left the wgmma forward at D 64 spilling.
+__device__ __forceinline__ float2 key_bias2(const AttnArgs& a, const RowCtx& rc, int64_t j) {
+  const float* row = static_cast<const float*>(a.mask) + rc.mask_head * a.skm;  // sqm == 1
+  float2 v;
+  if (a.skm != 1 && j + 2 <= a.sk && (reinterpret_cast<uintptr_t>(row + j) & 7) == 0) {
+    v = *reinterpret_cast<const float2*>(row + j);
+  } else {
+    v.x = j < a.sk ? row[a.skm == 1 ? 0 : j] : 0.f;
+    v.y = j + 1 < a.sk ? row[a.skm == 1 ? 0 : j + 1] : 0.f;
+  }
+  return make_float2(v.x * kLog2e, v.y * kLog2e);
 }
 
 // The score of raw s at (i, j) in log2 units under rule kMode; `visible` is key j's bit
@@ -421,36 +439,43 @@ __device__ __forceinline__ void fwd_softmax_tile_as(const AttnArgs& a, const Row
                                                     float (&m)[2], float (&l)[2], const K& keep, int64_t qrow,
                                                     int64_t kb, int tq, uint32_t (&pf)[4][4]) {
   constexpr bool plain = kPlain;
-  // Under a key mask, this thread's 16 keys (shared by its two rows) are read once.
+  // Under a key mask, this thread's 16 keys (shared by its two rows) are read once; under a
+  // key bias, each pair as its scores take it (key_bias2).
   const uint32_t vis = kMode == kKeyMask ? key_bits16(a, rc, kb + tq * 16) : 0xffffu;
   const float sc = plain ? a.scale * kLog2e : 1.f;
-  // kKeyMask and kCausal test in tile coordinates, 32-bit: key c = 16 tq + 2 n + e % 2 of
-  // the tile sees row qrow + 8 (e / 2) when c - 8 (e / 2) <= lim (always without the
-  // causal rule), and is in bounds when c < kend (kKeyMask: in vis). Rows past Sq are
+  // kKeyMask, kKeyBias and kCausal test in tile coordinates, 32-bit: key c = 16 tq + 2 n +
+  // e % 2 of the tile sees row qrow + 8 (e / 2) when c - 8 (e / 2) <= lim (always without
+  // the causal rule), and is in bounds when c < kend (kKeyMask: in vis). Rows past Sq are
   // never stored, so they need no test.
-  constexpr bool kLocal = kMode == kKeyMask || kMode == kCausal;
+  constexpr bool kLocal = kMode == kKeyMask || kMode == kCausal || kMode == kKeyBias;
   int lim = 2 * kTile, kend = kTile;
   if constexpr (kLocal && !plain) {
     auto clamp = [](int64_t x) { return static_cast<int>(x < -kTile ? -kTile : x > 2 * kTile ? 2 * kTile : x); };
     if (kMode == kCausal || a.causal) lim = clamp(qrow - kb + a.sk - a.sq);
-    if (kMode == kCausal) kend = clamp(a.sk - kb);
+    if (kMode == kCausal || kMode == kKeyBias) kend = clamp(a.sk - kb);
   }
   const float sl = a.scale * kLog2e;
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int n = 0; n < 8; ++n)
+  for (int n = 0; n < 8; ++n) {
+    float2 kbias = {0.f, 0.f};
+    if constexpr (kMode == kKeyBias) kbias = key_bias2(a, rc, kb + tq * 16 + n * 2);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if constexpr (!plain && kLocal) {
         const int c = tq * 16 + n * 2 + (e & 1);
         const bool in = ((vis >> (n * 2 + (e & 1))) & 1u) && c - (e >> 1) * 8 <= lim && c < kend;
-        S(n, e) = in ? S(n, e) * sl : -INFINITY;
+        if constexpr (kMode == kKeyBias)
+          S(n, e) = in ? fmaf(S(n, e), sl, e & 1 ? kbias.y : kbias.x) : -INFINITY;
+        else
+          S(n, e) = in ? S(n, e) * sl : -INFINITY;
       } else if constexpr (!plain) {
         const int64_t i = qrow + (e >> 1) * 8, j = kb + tq * 16 + n * 2 + (e & 1);
         S(n, e) = score_log2<kMode>(a, rc, S(n, e), i, j, (vis >> (n * 2 + (e & 1))) & 1u);
       }
       mx[e >> 1] = max_nan(mx[e >> 1], S(n, e));
     }
+  }
   float alpha[2], nbase[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -562,6 +587,10 @@ void set_attrs(AttnArgs& a, float scale, bool causal, uint32_t threshold, float 
 // past 48 KB once per kernel).
 int mask_mode(const AttnArgs& a) {
   if (a.mask_kind == kMaskBool && a.sqm == 1) return kKeyMask;
+  if (a.mask_kind == kMaskAdditive && a.sqm == 1) {
+    const char* off = std::getenv("JAXSUB_KEY_BIAS");  // read per call: =0 keeps kAnyMask (A/B, tests)
+    if (!(off && off[0] == '0')) return kKeyBias;
+  }
   if (a.mask_kind == kMaskNone) return a.causal ? kCausal : kNoMask;
   return kAnyMask;
 }
@@ -570,6 +599,7 @@ template <typename F>
 ffi::Error by_mask_mode(const AttnArgs& a, F&& f) {
   switch (mask_mode(a)) {
     case kKeyMask: return f(std::integral_constant<int, kKeyMask>{});
+    case kKeyBias: return f(std::integral_constant<int, kKeyBias>{});
     case kAnyMask: return f(std::integral_constant<int, kAnyMask>{});
     case kCausal: return f(std::integral_constant<int, kCausal>{});
     default: return f(std::integral_constant<int, kNoMask>{});

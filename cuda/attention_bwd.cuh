@@ -66,10 +66,21 @@ __device__ __forceinline__ uint32_t bwd_keep_bits(const AttnArgs& a, const uint1
     }
   return kbits;
 }
+// Under a key bias, the values of a thread's keys j and j + 8 in log2 units (0 past Sk and
+// under the other rules).
+template <int kMode>
+__device__ __forceinline__ void bwd_key_bias(const AttnArgs& a, const RowCtx& rc, int64_t j, float (&b2)[2]) {
+  const float* row = static_cast<const float*>(a.mask) + rc.mask_head * a.skm;  // sqm == 1
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int64_t x = j + 8 * t;
+    b2[t] = kMode == kKeyBias && x < a.sk ? row[a.skm == 1 ? 0 : x] * kLog2e : 0.f;
+  }
+}
 // Probabilities in place of the raw scores P(n, e) (from -lse in log2 units per query,
-// nlse2; kvis: the visibility of the thread's two keys), and the kept ones (unscaled) as
-// A fragments of Pᵀ, 16 queries each.
-// Under kCausal (and kKeyMask with the causal rule) the rule is kNoMask's plus the causal
+// nlse2; kvis: the visibility of the thread's two keys; under kKeyBias their bias is added),
+// and the kept ones (unscaled) as A fragments of Pᵀ, 16 queries each.
+// Under kCausal (and kKeyMask, kKeyBias with the causal rule) the rule is kNoMask's plus the causal
 // test in tile coordinates: key jl of the warp sees query il of the tile when jl - il <=
 // lim = qb - k0 + Sk - Sq (always, off the diagonal: lim >= 15); kvis holds the keys'
 // bounds and mask bits. 32-bit and one compare per element; a 64-bit test per element
@@ -79,8 +90,10 @@ template <typename T, int kMode, typename PF>
 __device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, PF&& P, const float* nlse2,
                                           uint32_t kvis, uint32_t kbits, int64_t qb, int64_t k0, float scale_log2,
                                           int quad, int tq, uint32_t (&pdf)[4][4]) {
+  float kb2[2];  // read per tile: held across the loop, they left the wgmma backward at D 64 spilling
+  bwd_key_bias<kMode>(a, rc, k0 + quad, kb2);
   int lim = kTile;
-  if (kMode == kCausal || (kMode == kKeyMask && a.causal)) {
+  if (kMode == kCausal || ((kMode == kKeyMask || kMode == kKeyBias) && a.causal)) {
     const int64_t l = qb - k0 + a.sk - a.sq;
     lim = l < -kTile ? -kTile : l > kTile ? kTile : static_cast<int>(l);
   }
@@ -95,7 +108,8 @@ __device__ __forceinline__ void bwd_probs(const AttnArgs& a, const RowCtx& rc, P
         // No per-element branch: the key's bit is its bounds; a query past Sq has
         // nlse2 = -inf. (Under kKeyMask this took 16% off bert-pad's fwd+bwd against
         // score_log2; attention v4 had measured a form of it 7% slower: bench/NOTES.md.)
-        x = ((kvis >> (e >> 1)) & 1u) && jl - il <= lim ? fmaf(P(n, e), scale_log2, nlse2[il]) : -INFINITY;
+        const float base = kMode == kKeyBias ? nlse2[il] + kb2[e >> 1] : nlse2[il];
+        x = ((kvis >> (e >> 1)) & 1u) && jl - il <= lim ? fmaf(P(n, e), scale_log2, base) : -INFINITY;
       } else {
         x = score_log2<kMode>(a, rc, P(n, e), qb + il, k0 + jl, (kvis >> (e >> 1)) & 1u) + nlse2[il];
       }

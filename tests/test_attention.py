@@ -61,6 +61,13 @@ def make_mask(kind, seed, b, h, sq, sk):
         m = np.zeros((b, 1, 1, sk), np.float32)
         m[0, ..., :sk // 3] = -1e9
         return jnp.asarray(m)
+    if kind in ("keybias", "headbias"):  # [B, 1, 1, Sk] / [1, H, 1, Sk] additive: a key bias
+        shape = (b, 1, 1, sk) if kind == "keybias" else (1, h, 1, sk)
+        m = rng.standard_normal(shape).astype(np.float32)
+        m[rng.random(shape) < 0.2] = -np.inf
+        m[rng.random(shape) < 0.2] = -1e4
+        m[..., 0] = 0.5
+        return jnp.asarray(m)
     if kind == "additive":  # [H, Sq, Sk] with some -inf
         m = rng.standard_normal((h, sq, sk)).astype(np.float32)
         m[rng.random((h, sq, sk)) < 0.2] = -np.inf
@@ -713,7 +720,8 @@ class TestCuda:
         (6, 3, 64, 130, 200, False, "headkeys", 0.1),  # a key mask per q head: each head's own bits
         (4, 1, 64, 200, 130, True, "padding", 0.0),    # multi-query
         (6, 2, 128, 77, 300, True, None, 0.1),
-        (6, 2, 32, 100, 100, False, "additive", 0.1)])
+        (6, 2, 32, 100, 100, False, "additive", 0.1),
+        (6, 3, 64, 130, 200, True, "headbias", 0.1)])  # a key bias per q head: read again per head
     def test_grouped_query_kernels_match_cpu(self, h, h_kv, d, sq, sk, causal, mask_kind, rate, fwd_kernel,
                                              gqa_backward):
         """The kernels read k and v with their own heads: the forward each q head's k/v head,
@@ -743,7 +751,8 @@ class TestCuda:
         (200, 65, None, True),  # Sq > Sk, causal: the first 135 queries see no key
         (7, 130, "headkeys", False), (130, 65, "batch", True),  # key masks: [1, H, 1, Sk], [B, 1, 1, 1]
         (257, 700, None, True),  # causal tiles the first row already sees take the unmasked rule
-        (130, 130, "leftpad", True)])  # its first queries see only -1e9: a row per query (masks.by_query)
+        (130, 130, "leftpad", True),  # its first queries see only -1e9: a row per query (masks.by_query)
+        (7, 130, "keybias", True), (130, 65, "keybias", False), (77, 200, "headbias", True)])  # kKeyBias
     def test_fused_odd_sizes_match_cpu(self, sq, sk, mask_kind, causal, d, fwd_kernel):
         dtype = F16 if d == 32 or (d == 64 and sq % 2) else BF16
         self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused", dtype=dtype,

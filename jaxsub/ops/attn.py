@@ -425,7 +425,9 @@ def _default_implementation(q, mask4d, kind) -> str:
     [1, H, Sq, Sk]) takes the kernels' general score rule, one f32 load per score, and a
     backward that runs serialized: "unfused" (H100, T5-like B32 S512 H12 D64, dropout
     0.1, bias [1, 12, 512, 512] constant: fused fwd+bwd 1 829 µs, unfused with the bias
-    differentiated 1 459, plain XLA 2 589; bench/NOTES.md, fifty-third session)."""
+    differentiated 1 459, plain XLA 2 589; bench/NOTES.md, fifty-third session). One that
+    does not ([B, 1, 1, Sk], [1, H, 1, Sk]) takes the kernels' key-bias rule, one load per
+    key, at about the boolean key mask's time (sixtieth session)."""
     d = q.shape[-1]
     fast = (_platform(q) == "gpu" and _fused_unsupported(q) is None
             and (d <= 64 or (d == 128 and _ffi.attention_sm90())))
