@@ -65,6 +65,7 @@ struct AttnArgs {
   bool causal;
   uint32_t threshold;
   float keep_scale;
+  bool dropout_bcast = false;  // one keep mask [Sq, Sk] for every (b, h) (drop_index)
 };
 
 // The forward's key order inside a 64-key tile (attention.cu): the score mma's column c
@@ -194,19 +195,25 @@ __device__ __forceinline__ uint32_t key_bits16(const AttnArgs& a, const RowCtx& 
   return bits;
 }
 
-// Under a key bias: the values of keys j and j + 1 in log2 units (0 past Sk, where the
-// bounds hide the key), one 8-byte load when in bounds and aligned. Read where the scores
-// use them: sixteen values held across the tile left the wgmma forward at D 64 spilling.
+// Under a key bias: the mask row of the query's (batch, head) (sqm == 1), and key j's value
+// in it in log2 units (0 past Sk, where the bounds hide the key; Skm == 1 broadcasts).
+__device__ __forceinline__ const float* key_bias_row(const AttnArgs& a, const RowCtx& rc) {
+  return static_cast<const float*>(a.mask) + rc.mask_head * a.skm;
+}
+__device__ __forceinline__ float key_bias1(const AttnArgs& a, const float* row, int64_t j) {
+  return j < a.sk ? row[a.skm == 1 ? 0 : j] * kLog2e : 0.f;
+}
+
+// Under a key bias: the values of keys j and j + 1 in log2 units, one 8-byte load when in
+// bounds and aligned. Read where the scores use them: sixteen values held across the tile
+// left the wgmma forward at D 64 spilling.
 __device__ __forceinline__ float2 key_bias2(const AttnArgs& a, const RowCtx& rc, int64_t j) {
-  const float* row = static_cast<const float*>(a.mask) + rc.mask_head * a.skm;  // sqm == 1
-  float2 v;
+  const float* row = key_bias_row(a, rc);
   if (a.skm != 1 && j + 2 <= a.sk && (reinterpret_cast<uintptr_t>(row + j) & 7) == 0) {
-    v = *reinterpret_cast<const float2*>(row + j);
-  } else {
-    v.x = j < a.sk ? row[a.skm == 1 ? 0 : j] : 0.f;
-    v.y = j + 1 < a.sk ? row[a.skm == 1 ? 0 : j + 1] : 0.f;
+    const float2 v = *reinterpret_cast<const float2*>(row + j);
+    return make_float2(v.x * kLog2e, v.y * kLog2e);
   }
-  return make_float2(v.x * kLog2e, v.y * kLog2e);
+  return make_float2(key_bias1(a, row, j), key_bias1(a, row, j + 1));
 }
 
 // The score of raw s at (i, j) in log2 units under rule kMode; `visible` is key j's bit
@@ -237,13 +244,19 @@ __device__ __forceinline__ uint32_t bits16(const U32x4& w0, const U32x4& w1, uin
   return bits;
 }
 
+// The keep decisions' element index of probability (bh, i, j) (philox.h): row major over
+// [B * H, Sq, Sk], or over [Sq, Sk] under dropout_bcast (one mask for every batch and head).
+__device__ __forceinline__ uint64_t drop_index(const AttnArgs& a, int64_t bh, int64_t i, int64_t j) {
+  return static_cast<uint64_t>(((a.dropout_bcast ? 0 : bh) * a.sq + i) * a.sk + j);
+}
+
 // Keep bits of 16 consecutive keys j0 .. j0 + 15 of query i (bit t: key j0 + t), from the
-// Philox lanes of the logical [B, H, Sq, Sk] element index (philox.h); 0 outside the
-// tensor. Two Philox calls when the 16 keys are two aligned groups of eight.
+// Philox lanes of their drop_index; 0 outside the tensor. Two Philox calls when the 16
+// keys are two aligned groups of eight.
 __device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t i,
                                            int64_t j0) {
   if (i >= a.sq) return 0u;
-  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
+  const uint64_t idx = drop_index(a, bh, i, j0);
   uint32_t bits = 0;
   if ((idx & 7) == 0 && j0 + 16 <= a.sk) {
     bits = bits16(dropout_words(seed, idx >> 3), dropout_words(seed, (idx >> 3) + 1), a.threshold);
@@ -259,7 +272,7 @@ __device__ __forceinline__ uint32_t keep16(const AttnArgs& a, const Seed& seed, 
 // one key schedule (philox4x32_10_n). False, and w untouched, otherwise.
 __device__ __forceinline__ bool pair_words(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t i, int di,
                                            int64_t j0, U32x4 (&w)[4]) {
-  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
+  const uint64_t idx = drop_index(a, bh, i, j0);
   const uint64_t step = static_cast<uint64_t>(di) * static_cast<uint64_t>(a.sk);
   if (!(i + di < a.sq && (idx & 7) == 0 && (step & 7) == 0 && j0 + 16 <= a.sk)) return false;
 #pragma unroll
@@ -315,7 +328,7 @@ __device__ __forceinline__ void masks16(const U32x4& w0, const U32x4& w1, uint32
 // KeepMasks' row of query i and keys j0 .. j0 + 15 (the decisions of keep16).
 __device__ __forceinline__ void keep_masks16(const AttnArgs& a, const Seed& seed, int64_t bh, int64_t i,
                                              int64_t j0, uint32_t (&mask)[8]) {
-  const uint64_t idx = static_cast<uint64_t>((bh * a.sq + i) * a.sk + j0);
+  const uint64_t idx = drop_index(a, bh, i, j0);
   if (i < a.sq && (idx & 7) == 0 && j0 + 16 <= a.sk) {
     masks16(dropout_words(seed, idx >> 3), dropout_words(seed, (idx >> 3) + 1), a.threshold, mask);
   } else {
@@ -578,8 +591,9 @@ ffi::Error read_packed_shapes(const char* op, const ffi::AnyBuffer& qkv, int32_t
   return read_mask_and_dim(op, mask, mask_kind, d, a);
 }
 
-void set_attrs(AttnArgs& a, float scale, bool causal, uint32_t threshold, float keep_scale) {
+void set_attrs(AttnArgs& a, float scale, bool causal, uint32_t threshold, float keep_scale, bool dropout_bcast) {
   a.scale = scale, a.causal = causal, a.threshold = threshold, a.keep_scale = keep_scale;
+  a.dropout_bcast = dropout_bcast;
 }
 
 // The score rule a call's kernels are instantiated for (MaskMode, above);

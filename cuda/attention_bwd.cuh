@@ -70,12 +70,9 @@ __device__ __forceinline__ uint32_t bwd_keep_bits(const AttnArgs& a, const uint1
 // under the other rules).
 template <int kMode>
 __device__ __forceinline__ void bwd_key_bias(const AttnArgs& a, const RowCtx& rc, int64_t j, float (&b2)[2]) {
-  const float* row = static_cast<const float*>(a.mask) + rc.mask_head * a.skm;  // sqm == 1
+  const float* row = key_bias_row(a, rc);
 #pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    const int64_t x = j + 8 * t;
-    b2[t] = kMode == kKeyBias && x < a.sk ? row[a.skm == 1 ? 0 : x] * kLog2e : 0.f;
-  }
+  for (int t = 0; t < 2; ++t) b2[t] = kMode == kKeyBias ? key_bias1(a, row, j + 8 * t) : 0.f;
 }
 // Probabilities in place of the raw scores P(n, e) (from -lse in log2 units per query,
 // nlse2; kvis: the visibility of the thread's two keys; under kKeyBias their bias is added),

@@ -66,6 +66,7 @@ struct RowCtx {
   Seed seed;
   uint32_t threshold;
   float keep_scale;
+  bool dropout_bcast;  // one keep mask [Sq, Sk] for every (b, h)
 };
 
 // Offsets of query i / key j of head h in the q / k, v views, and of query i in out.
@@ -106,11 +107,14 @@ float row_scores(const RowCtx& c, const T* q, const T* k, int64_t b, int64_t h, 
   return mx;
 }
 
-// Keep decision of probability (b, h, i, j): one Philox call per eight consecutive j.
+// Keep decision of probability (b, h, i, j), element ((b * H + h) * Sq + i) * Sk + j of the
+// keep index (i * Sk + j under dropout_bcast): one Philox call per eight consecutive j.
 class RowKeep {
  public:
   RowKeep(const RowCtx& c, int64_t b, int64_t h, int64_t i)
-      : seed_(c.seed), threshold_(c.threshold), base_(static_cast<uint64_t>(((b * c.d.h + h) * c.d.sq + i) * c.d.sk)) {}
+      : seed_(c.seed),
+        threshold_(c.threshold),
+        base_(static_cast<uint64_t>(((c.dropout_bcast ? 0 : b * c.d.h + h) * c.d.sq + i) * c.d.sk)) {}
 
   bool operator()(int64_t j) {
     if (threshold_ == 0) return true;
@@ -234,14 +238,15 @@ void attention_bwd(const RowCtx& c, const T* dout, const T* q, const T* k, const
 // seed: u32[2] -> out: T[B, Sq, H, D]; lse: f32[B, H, Sq].
 ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
                            ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                           float keep_scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+                           float keep_scale, bool dropout_bcast, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> lse) {
   Dims d;
   MaskView m;
   if (auto e = qkv_dims(kFwd, q, k, v, seed, d); e.failure()) return e;
   if (auto e = attention_mask(kFwd, mask, mask_kind, d, m); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "out", *out, q.element_type(), q.element_count()); e.failure()) return e;
   if (auto e = check_buffer(kFwd, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale, dropout_bcast};
   return dispatch_float<HostTypes>(q.element_type(), kFwd, [&](auto tt) {
     using T = typename decltype(tt)::type;
     attention_fwd<T>(c, data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse));
@@ -256,7 +261,7 @@ ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::AnyBuffer seed,
                            float scale, bool causal, int32_t mask_kind, uint32_t threshold, float keep_scale,
-                           ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                           bool dropout_bcast, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
                            ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
   Dims d;
@@ -271,7 +276,7 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer
   if (auto e = check_buffer(kBwd, "dq", *dq, t, nq); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dk", *dk, t, nk); e.failure()) return e;
   if (auto e = check_buffer(kBwd, "dv", *dv, t, nk); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale, dropout_bcast};
   return dispatch_float<HostTypes>(t, kBwd, [&](auto tt) {
     using T = typename decltype(tt)::type;
     attention_bwd<T>(c, data<T>(dout), data<T>(q), data<T>(k), data<T>(v), data<T>(out), data<float>(lse), d,
@@ -305,7 +310,7 @@ void packed_column_sums(const T* grad, int64_t poff, const Dims& g, void* const 
 ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::AnyBuffer seed,
                                float scale, bool causal, int32_t mask_kind, uint32_t threshold, float keep_scale,
-                               ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
+                               bool dropout_bcast, ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
                                ffi::Result<ffi::AnyBuffer> /*dbias workspace*/,
                                ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
                                ffi::Result<ffi::AnyBuffer> /*dq workspace*/) {
@@ -326,7 +331,7 @@ ffi::Error AttentionBwdDqkvCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBu
   if (auto e = dbias_parts(op, *dbias, t, d.h * d.d, nullptr, dbias_out); e.failure()) return e;
   const int64_t hd = d.h * d.d;
   const Dims g{d.b, d.sq, d.sk, d.h, d.d, 3 * hd, d.sq * 3 * hd, d.sq * 3 * hd, 3 * hd, 1};  // [B, S, 3, H, D]
-  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale, dropout_bcast};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     T* dq = data<T>(dqkv);
@@ -353,7 +358,8 @@ ffi::Error packed_dims(const char* op, const ffi::AnyBuffer& qkv, int32_t axis, 
 
 // qkv; mask; seed -> out: T[B, S, H, D]; lse: f32[B, H, S].
 ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal,
-                              int32_t mask_kind, uint32_t threshold, float keep_scale, int32_t qkv_axis,
+                              int32_t mask_kind, uint32_t threshold, float keep_scale, bool dropout_bcast,
+                              int32_t qkv_axis,
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
   const char* op = "attention_qkv_fwd";
   Dims d;
@@ -363,7 +369,7 @@ ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyB
   if (auto e = attention_mask(op, mask, mask_kind, d, m); e.failure()) return e;
   if (auto e = check_buffer(op, "out", *out, qkv.element_type(), d.b * d.sq * d.h * d.d); e.failure()) return e;
   if (auto e = check_buffer(op, "lse", *lse, ffi::DataType::F32, d.b * d.h * d.sq); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale, dropout_bcast};
   return dispatch_float<HostTypes>(qkv.element_type(), op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const T* q = data<T>(qkv);
@@ -377,7 +383,7 @@ ffi::Error AttentionQkvFwdCpu(ffi::AnyBuffer qkv, ffi::AnyBuffer mask, ffi::AnyB
 //   then none, or the k and v bias gradients (dbias_parts).
 ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                               ffi::AnyBuffer mask, ffi::AnyBuffer seed, float scale, bool causal, int32_t mask_kind,
-                              uint32_t threshold, float keep_scale, int32_t qkv_axis,
+                              uint32_t threshold, float keep_scale, bool dropout_bcast, int32_t qkv_axis,
                               ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
                               ffi::Result<ffi::AnyBuffer> /*dbias workspace*/,
                               ffi::Result<ffi::AnyBuffer> /*delta workspace*/,
@@ -396,7 +402,7 @@ ffi::Error AttentionQkvBwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer qkv, ffi::AnyB
   if (auto e = check_buffer(op, "dqkv", *dqkv, t, qkv.element_count()); e.failure()) return e;
   void* dbias_out[3];
   if (auto e = dbias_parts(op, *dbias, t, d.h * d.d, &dbias_kv, dbias_out); e.failure()) return e;
-  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale};
+  const RowCtx c{d, scale, causal, m, cpu_seed(seed), threshold, keep_scale, dropout_bcast};
   return dispatch_float<HostTypes>(t, op, [&](auto tt) {
     using T = typename decltype(tt)::type;
     const T* q = data<T>(qkv);

@@ -37,8 +37,9 @@ void set_bwd_buffers(AttnArgs& a, const ffi::AnyBuffer& dout, const ffi::AnyBuff
 // q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; mask: [Bm, Hm, Sqm, Skm]; seed: [2]
 //   -> out: [B, Sq, H, D]; lse: [B, H, Sq].
 ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                        float keep_scale, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
-                        ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+                        float keep_scale, bool dropout_bcast, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> lse) {
   const char* op = "attention_fwd";
   AttnArgs a{};
   int d = 0;
@@ -46,17 +47,18 @@ ffi::Error AttentionFwd(cudaStream_t stream, float scale, bool causal, int32_t m
   a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data(), a.mask = mask.untyped_data();
   a.seed_offset = seed.element_count() == 4;
   a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
-  set_attrs(a, scale, causal, threshold, keep_scale);
+  set_attrs(a, scale, causal, threshold, keep_scale, dropout_bcast);
   return run_fwd(op, stream, q.element_type(), d, a);
 }
 
 // dout, q: [B, Sq, H, D]; k, v: [B, Sk, H, D]; out: [B, Sq, H, D]; lse: [B, H, Sq]; mask; seed
 //   -> dq: [B, Sq, H, D]; dk, dv: [B, Sk, H, D]; delta: [B, H, Sq] f32; dq_acc: [B, Sq, H, D] f32.
 ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                        float keep_scale, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
-                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
+                        float keep_scale, bool dropout_bcast, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask,
+                        ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
+                        ffi::Result<ffi::AnyBuffer> dq_acc) {
   const char* op = "attention_bwd";
   AttnArgs a{};
   int d = 0;
@@ -64,7 +66,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
   a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data();
   a.o = dq->untyped_data(), a.dk = dk->untyped_data(), a.dv = dv->untyped_data();
   set_bwd_buffers(a, dout, out, lse, mask, seed, delta, dq_acc);
-  set_attrs(a, scale, causal, threshold, keep_scale);
+  set_attrs(a, scale, causal, threshold, keep_scale, dropout_bcast);
   if (a.b * a.h == 0 || a.sq * a.sk == 0) {
     // No score at all: every gradient is zero (empty outputs need no writes).
     if (dq->element_count()) cudaMemsetAsync(dq->untyped_data(), 0, dq->size_bytes(), stream);
@@ -80,9 +82,9 @@ ffi::Error AttentionBwd(cudaStream_t stream, float scale, bool causal, int32_t m
 // dout, q, k, v: [B, S, H, D]; out; lse; mask; seed -> dqkv: [B, S, 3, H, D]; dbias (set_dbias) and its workspace;
 // delta; dq_acc.
 ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                            float keep_scale, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask,
-                            ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dqkv,
+                            float keep_scale, bool dropout_bcast, ffi::AnyBuffer dout, ffi::AnyBuffer q,
+                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                            ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dqkv,
                             ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dbias_ws,
                             ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc) {
   const char* op = "attention_bwd_dqkv";
@@ -105,14 +107,14 @@ ffi::Error AttentionBwdDqkv(cudaStream_t stream, float scale, bool causal, int32
   a.q = q.untyped_data(), a.k = k.untyped_data(), a.v = v.untyped_data();
   a.o = dbase, a.dk = dbase + kbytes, a.dv = dbase + 2 * kbytes;
   set_bwd_buffers(a, dout, out, lse, mask, seed, delta, dq_acc);
-  set_attrs(a, scale, causal, threshold, keep_scale);
+  set_attrs(a, scale, causal, threshold, keep_scale, dropout_bcast);
   return run_bwd(op, stream, q.element_type(), d, a);
 }
 
 // qkv: [B, S, 3, H, D] or [3, B, S, H, D] (qkv_axis); mask; seed -> out: [B, S, H, D]; lse: [B, H, S].
 ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                           float keep_scale, int32_t qkv_axis, ffi::AnyBuffer qkv, ffi::AnyBuffer mask,
-                           ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out,
+                           float keep_scale, bool dropout_bcast, int32_t qkv_axis, ffi::AnyBuffer qkv,
+                           ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> lse) {
   const char* op = "attention_qkv_fwd";
   AttnArgs a{};
@@ -124,7 +126,7 @@ ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_
   a.q = base, a.k = base + kbytes, a.v = base + 2 * kbytes, a.mask = mask.untyped_data();
   a.seed_offset = seed.element_count() == 4;
   a.seed = seed.typed_data(), a.o = out->untyped_data(), a.lse = data<float>(lse);
-  set_attrs(a, scale, causal, threshold, keep_scale);
+  set_attrs(a, scale, causal, threshold, keep_scale, dropout_bcast);
   return run_fwd(op, stream, qkv.element_type(), d, a);
 }
 
@@ -132,11 +134,12 @@ ffi::Error AttentionQkvFwd(cudaStream_t stream, float scale, bool causal, int32_
 //   -> dqkv: qkv's shape; dbias and its workspace (set_dbias); delta: [B, H, S] f32; dq_acc: [B, S, H, D] f32;
 //   then none, or the k and v bias gradients (set_dbias).
 ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_t mask_kind, uint32_t threshold,
-                           float keep_scale, int32_t qkv_axis, ffi::AnyBuffer dout, ffi::AnyBuffer qkv,
-                           ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask, ffi::Buffer<ffi::U32> seed,
-                           ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> dbias,
-                           ffi::Result<ffi::AnyBuffer> dbias_ws, ffi::Result<ffi::AnyBuffer> delta,
-                           ffi::Result<ffi::AnyBuffer> dq_acc, ffi::RemainingRets dbias_kv) {
+                           float keep_scale, bool dropout_bcast, int32_t qkv_axis, ffi::AnyBuffer dout,
+                           ffi::AnyBuffer qkv, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer mask,
+                           ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dqkv,
+                           ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dbias_ws,
+                           ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_acc,
+                           ffi::RemainingRets dbias_kv) {
   const char* op = "attention_qkv_bwd";
   AttnArgs a{};
   int d = 0;
@@ -153,7 +156,7 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, float scale, bool causal, int32_
   a.q = base, a.k = base + kbytes, a.v = base + 2 * kbytes;
   a.o = dbase, a.dk = dbase + kbytes, a.dv = dbase + 2 * kbytes;
   set_bwd_buffers(a, dout, out, lse, mask, seed, delta, dq_acc);
-  set_attrs(a, scale, causal, threshold, keep_scale);
+  set_attrs(a, scale, causal, threshold, keep_scale, dropout_bcast);
   return run_bwd(op, stream, qkv.element_type(), d, a);
 }
 

@@ -414,8 +414,9 @@ inline bool device_is_sm90() {
 }
 #endif  // __CUDACC__
 
-// The FFI attributes every attention-family target binds, in ABI.md's order (CUDA and CPU
-// bindings alike; the packed targets add qkv_axis).
+// The FFI attributes every attention target binds, in ABI.md's order (CUDA and CPU bindings
+// alike; the packed targets add qkv_axis). dropout_bcast: one keep mask [Sq, Sk] shared by
+// every batch and head (the keep decisions index [Sq, Sk], not [B, H, Sq, Sk]).
 template <typename Binding>
 auto attention_attrs(Binding b) {
   return std::move(b)
@@ -423,7 +424,8 @@ auto attention_attrs(Binding b) {
       .template Attr<bool>("causal")
       .template Attr<int32_t>("mask_kind")
       .template Attr<uint32_t>("threshold")
-      .template Attr<float>("keep_scale");
+      .template Attr<float>("keep_scale")
+      .template Attr<bool>("dropout_bcast");
 }
 
 }  // namespace jaxsub

@@ -21,11 +21,13 @@ is summed over the devices (one all-reduce). Marks:
   bias and C operand); only the first device of the sum adds it.
 - `@` before an operand: the dropout seed (u32[2] or [4], cuda/ABI.md). With dropout on,
   `keep` names the letters of the tensor whose elements the keep decisions index (row
-  major: `"... n"` for the row ops, `"b h q k"` for attention); only its outermost letter
-  of size > 1 may then be sliced, so that each device's elements are one contiguous range
+  major: `"... n"` for the row ops, `"b h q k"` for attention, `"q k"` for attention whose
+  one mask is shared by every batch and head); of those, only the outermost letter of
+  size > 1 may then be sliced, so that each device's elements are one contiguous range
   of that index, and each device's seed gets the range's start, in 8-element Philox
   blocks, as words 2-3: the kernels add it to their counters, and every device draws the
-  decisions the whole tensor has there.
+  decisions the whole tensor has there. A letter outside `keep` (b and h under a shared
+  mask) slices freely: every slice draws the same decisions.
 - `_`: a dimension of its own, never sharded.
 - `b~` (any letter with `~`): a dimension of its own cut into as many slices as b: a
   workspace with rows per b (its size a multiple of b's), or grouped-query attention's k/v
@@ -121,7 +123,7 @@ class _Rule:
                 self.keep += [(f"r{i}", self.sizes.get(f"r{i}", 1)) for i in range(rows or 0)] if w == ROWS \
                     else [(w, self.sizes.get(w, 1))]
             outer = next((w for w, size in self.keep if size > 1), None)
-            shard_letters &= {outer}
+            shard_letters = {w for w in shard_letters if w == outer or all(w != k for k, _ in self.keep)}
         self.shard = [w for w in self.sizes if w in shard_letters]
         # Letters tied to a parent with a size dividing the parent's (grouped-query heads),
         # one size per parent: in the Shardy rule the parent is the compound (p_kv p_g) of
@@ -163,13 +165,19 @@ class _Rule:
                     continue
                 got[w] = axes
                 used |= set(axes)
-        if self.keep is not None and got and self.block_elements(mesh, got) % 8:
+        keyed = self.keyed(got)
+        if keyed and self.block_elements(mesh, keyed) % 8:
             return {}  # a slice's first element would fall inside a Philox block
         return got
 
-    def block_elements(self, mesh, got) -> int:
+    def keyed(self, got) -> tuple[str, tuple[str, ...]] | None:
+        """(letter, mesh axes) of the keep index's sliced letter (its outermost), or None."""
+        names = {w for w, _ in self.keep or ()}
+        return next(((w, axes) for w, axes in got.items() if w in names), None)
+
+    def block_elements(self, mesh, keyed) -> int:
         """Elements of the keep index space per slice of its sliced outermost letter."""
-        (w, axes), = got.items()
+        _, axes = keyed
         return math.prod(size for _, size in self.keep) // math.prod(mesh.shape[a] for a in axes)
 
     def axes(self, got, w) -> tuple[str, ...]:
@@ -251,11 +259,12 @@ def sharded_call(call, rule: str, shard: str, args, out_types, keep: str | None 
                 return lower_local(*local)
 
         def lower_local(*local):
-            if got and bound.keep is not None:
-                (axes,) = got.values()
+            keyed = bound.keyed(got)
+            if keyed is not None:
+                axes = keyed[1]
                 n = math.prod(mesh.shape[a] for a in axes)
-                local = [_offset_seed(a, axes, n, bound.block_elements(mesh, got) // 8) if bound.marks[i] == SEED else a
-                         for i, a in enumerate(local)]
+                local = [_offset_seed(a, axes, n, bound.block_elements(mesh, keyed) // 8) if bound.marks[i] == SEED
+                         else a for i, a in enumerate(local)]
             if first_axes:
                 first = jax.lax.axis_index(first_axes) == 0
                 local = [jax.numpy.where(first, a, 0).astype(a.dtype) if bound.marks[i] == ADDEND and a.size else a

@@ -76,15 +76,15 @@ def make_mask(kind, seed, b, h, sq, sk):
     raise AssertionError(kind)
 
 
-def run_vjp(q, k, v, dout, mask, key, *, causal, rate, implementation, scale=None):
+def run_vjp(q, k, v, dout, mask, key, *, causal, rate, implementation, scale=None, broadcast=False):
     f = lambda q, k, v: op(q, k, v, mask=mask, causal=causal, scale=scale, dropout_rate=rate, key=key,
-                           implementation=implementation)
+                           implementation=implementation, broadcast_dropout=broadcast)
     out, vjp = jax.vjp(f, q, k, v)
     return (out, *vjp(dout))
 
 
 # Jitted once: eager vjp compiles op by op, which would dominate the suite's time.
-run_vjp_jit = jax.jit(run_vjp, static_argnames=("causal", "rate", "implementation", "scale"))
+run_vjp_jit = jax.jit(run_vjp, static_argnames=("causal", "rate", "implementation", "scale", "broadcast"))
 
 
 def _reference_vjp(q, k, v, dout, mask, keep, *, causal, rate, scale):
@@ -435,38 +435,66 @@ def test_fused_and_unfused_agree_with_dropout(dtype):
         assert_close(f, u, dtype, reduction=sk, grad=name != "out", what=name)
 
 
-def assert_kept_probabilities_are_dropout_mask(q, k, key, rate, implementation):
+def assert_kept_probabilities_are_dropout_mask(q, k, key, rate, implementation, broadcast=False):
     """Asserts that the forward and the backward keep exactly `dropout_mask`'s elements
-    ([B, H, Sq, Sk]); returns the step's lowered HLO. With v's first Sk columns the
-    identity (D >= Sk), out[b, i, h, j] is the dropped-out probability (b, h, i, j); with
-    dout's first Sq columns the identity (D >= Sq), dv[b, j, h, i] is that probability
-    times the keep scale. So the zeros of each are the elements that pass dropped."""
+    ([B, H, Sq, Sk], or with `broadcast` [1, 1, Sq, Sk] for every batch and head); returns
+    the step's lowered HLO. With v's first Sk columns the identity (D >= Sk), out[b, i, h,
+    j] is the dropped-out probability (b, h, i, j); with dout's first Sq columns the
+    identity (D >= Sq), dv[b, j, h, i] is that probability times the keep scale. So the
+    zeros of each are the elements that pass dropped."""
     (b, sq, h, d), sk = q.shape, k.shape[1]
     v = jnp.broadcast_to(jnp.eye(sk, d, dtype=q.dtype)[None, :, None, :], (b, sk, h, d))
     dout = jnp.broadcast_to(jnp.eye(sq, d, dtype=q.dtype)[None, :, None, :], (b, sq, h, d))
 
     def step(q, k, v, dout):
-        out, vjp = jax.vjp(lambda q, k, v: op(q, k, v, dropout_rate=rate, key=key, implementation=implementation),
-                           q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: op(q, k, v, dropout_rate=rate, key=key, implementation=implementation,
+                                              broadcast_dropout=broadcast), q, k, v)
         return out, vjp(dout)[2]
 
     run = jax.jit(step)
     out, dv = (np.asarray(x.astype(F32)) for x in run(q, k, v, dout))
     kept_fwd = np.transpose(out[..., :sk], (0, 2, 1, 3)) != 0
     kept_bwd = np.transpose(dv[..., :sq], (0, 2, 3, 1)) != 0
-    mask = np.asarray(jaxsub.ops.dropout_mask(key, (b, h, sq, sk), rate))
+    shape = (1, 1, sq, sk) if broadcast else (b, h, sq, sk)
+    mask = np.broadcast_to(np.asarray(jaxsub.ops.dropout_mask(key, shape, rate)), (b, h, sq, sk))
     assert mask.any() and (~mask).any()
     np.testing.assert_array_equal(kept_fwd, mask, err_msg="forward")
     np.testing.assert_array_equal(kept_bwd, mask, err_msg="backward")
     return run.lower(q, k, v, dout).as_text()
 
 
+@pytest.mark.parametrize("broadcast", [False, True])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_dropped_probabilities_are_dropout_mask(implementation):
+def test_dropped_probabilities_are_dropout_mask(implementation, broadcast):
     b, sq, sk, h, rate = 2, 7, 16, 3, 0.4
     q, k, _, _ = qkv(61, b, sq, sk, h, sk, F32)
     key = jax.random.key(62)
-    assert_kept_probabilities_are_dropout_mask(q, k, key, rate, implementation)
+    assert_kept_probabilities_are_dropout_mask(q, k, key, rate, implementation, broadcast)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("sq,sk,h,h_kv,mask_kind,causal", [(7, 13, 3, 3, "padding", True),
+                                                          (13, 9, 4, 2, "keybias", False)])
+def test_broadcast_dropout_matches_f64_reference(implementation, sq, sk, h, h_kv, mask_kind, causal):
+    """broadcast_dropout: one [Sq, Sk] keep mask for every batch and head (Flax's
+    `broadcast_dropout=True`), the f64 reference given that mask broadcast; grouped-query
+    heads included."""
+    b, d, rate = 2, 8, 0.3
+    q, k, v, dout = qkv(sq * 100 + sk, b, sq, sk, h, d, F32)
+    k, v = k[:, :, :h_kv], v[:, :, :h_kv]
+    mask = make_mask(mask_kind, 5, b, h, sq, sk)
+    key = jax.random.key(sq + sk)
+    f = jax.jit(lambda q, k, v, dout: jax.vjp(lambda q, k, v: op(
+        q, k, v, mask=mask, causal=causal, dropout_rate=rate, key=key, implementation=implementation,
+        broadcast_dropout=True), q, k, v)[1](dout))
+    out = jax.jit(lambda q, k, v: op(q, k, v, mask=mask, causal=causal, dropout_rate=rate, key=key,
+                                     implementation=implementation, broadcast_dropout=True))(q, k, v)
+    keep = jaxsub.ops.dropout_mask(key, (1, 1, sq, sk), rate)
+    want = reference_vjp_f64(q, k, v, dout, mask, keep, causal=causal, rate=rate)
+    check_against_reference((out, *f(q, k, v, dout)), want, F32, sq, sk, d)
+    # Not the per-element mask's result.
+    other = op(q, k, v, mask=mask, causal=causal, dropout_rate=rate, key=key, implementation=implementation)
+    assert np.abs(np.asarray(other) - np.asarray(out)).max() > 0.1
 
 
 def test_same_key_same_output_new_key_different():
@@ -683,14 +711,14 @@ class TestCuda:
 
     @staticmethod
     def _cuda_vs_cpu(b, sq, sk, h, d, *, causal, rate, implementation, dtype=BF16, mask_kind=None, seed=121,
-                     h_kv=None):
+                     h_kv=None, broadcast=False):
         q, k, v, dout = qkv(seed, b, sq, sk, h, d, dtype)
         k, v = k[:, :, :h_kv], v[:, :, :h_kv]  # grouped-query attention where h_kv < h
         groups = h // k.shape[2]  # dk and dv sum over the group's queries
         mask = make_mask(mask_kind, seed + 1, b, h, sq, sk)
         key = jax.random.key(seed + 2)
         run = jax.jit(lambda q, k, v, dout, mask, key: run_vjp(q, k, v, dout, mask, key, causal=causal, rate=rate,
-                                                              implementation=implementation))
+                                                              implementation=implementation, broadcast=broadcast))
         args = (q, k, v, dout, mask, key)
         if implementation == "fused":
             hlo = run.lower(*args).as_text()
@@ -758,14 +786,27 @@ class TestCuda:
         self._cuda_vs_cpu(2, sq, sk, 3, d, causal=causal, rate=0.1, implementation="fused", dtype=dtype,
                           mask_kind=mask_kind, seed=sq * 1000 + sk + d)
 
+    @pytest.mark.parametrize("broadcast", [False, True])
     @pytest.mark.parametrize("sq,sk", [(37, 45), (64, 64), (13, 7), (64, 33)])
-    def test_dropped_probabilities_are_dropout_mask(self, sq, sk, fwd_kernel):
+    def test_dropped_probabilities_are_dropout_mask(self, sq, sk, broadcast, fwd_kernel):
         """The forward and the backward kernels drop exactly `dropout_mask`'s elements (the
-        backward regenerates the same decisions), at D = 64."""
+        backward regenerates the same decisions), at D = 64; with broadcast_dropout, the
+        [1, 1, Sq, Sk] mask's in every batch and head."""
         b, h, d, rate = 2, 3, 64, 0.4
         q, k, _, _ = qkv(171 + sq, b, sq, sk, h, d, BF16)
-        hlo = assert_kept_probabilities_are_dropout_mask(q, k, jax.random.key(172 + sk), rate, "fused")
+        hlo = assert_kept_probabilities_are_dropout_mask(q, k, jax.random.key(172 + sk), rate, "fused", broadcast)
         assert "jaxsub_attention_fwd" in hlo and "jaxsub_attention_bwd" in hlo, "fused kernel did not run"
+
+    @pytest.mark.parametrize("b,sq,sk,h,h_kv,d,causal,mask_kind", [
+        (8, 512, 512, 16, 16, 64, False, "keybias"),  # BERT-large with Flax's broadcast_dropout
+        (2, 130, 77, 3, 3, 128, True, "padding"), (2, 77, 200, 6, 2, 64, True, None),
+        (2, 100, 100, 3, 3, 32, False, "additive")])
+    def test_broadcast_dropout_matches_cpu(self, b, sq, sk, h, h_kv, d, causal, mask_kind, fwd_kernel):
+        """One [Sq, Sk] keep mask for every batch and head (drop_index without (b, h)):
+        against the CPU handlers, wgmma and mma.sync kernels, grouped-query heads."""
+        self._cuda_vs_cpu(b, sq, sk, h, d, causal=causal, rate=0.1, implementation="fused",
+                          dtype=F16 if d == 32 else BF16, mask_kind=mask_kind, h_kv=h_kv, seed=sq + sk + d,
+                          broadcast=True)
 
     def test_bert_large_dropout_matches_cpu_mma_kernels(self, monkeypatch):
         # test_bert_large_dropout_matches_cpu runs the default (sm90 where built) kernels.

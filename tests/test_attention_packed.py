@@ -31,22 +31,22 @@ def split(qkv, axis):
     return tuple(jax.lax.index_in_dim(qkv, i, axis, keepdims=False) for i in range(3))
 
 
-def packed_vjp(qkv, dout, mask, key, *, axis, causal, rate, implementation):
+def packed_vjp(qkv, dout, mask, key, *, axis, causal, rate, implementation, broadcast=False):
     f = lambda qkv: op(qkv, axis=axis, mask=mask, causal=causal, dropout_rate=rate, key=key,
-                       implementation=implementation)
+                       implementation=implementation, broadcast_dropout=broadcast)
     out, vjp = jax.vjp(f, qkv)
     return out, vjp(dout)[0]
 
 
-def sliced_vjp(qkv, dout, mask, key, *, axis, causal, rate, implementation):
+def sliced_vjp(qkv, dout, mask, key, *, axis, causal, rate, implementation, broadcast=False):
     """attention on the slices of qkv; the gradient with respect to qkv."""
     f = lambda qkv: jaxsub.ops.attention(*split(qkv, axis), mask=mask, causal=causal, dropout_rate=rate, key=key,
-                                         implementation=implementation)
+                                         implementation=implementation, broadcast_dropout=broadcast)
     out, vjp = jax.vjp(f, qkv)
     return out, vjp(dout)[0]
 
 
-_STATIC = ("axis", "causal", "rate", "implementation")
+_STATIC = ("axis", "causal", "rate", "implementation", "broadcast")
 packed_vjp_jit = jax.jit(packed_vjp, static_argnames=_STATIC)
 sliced_vjp_jit = jax.jit(sliced_vjp, static_argnames=_STATIC)
 
@@ -59,6 +59,18 @@ CASES = [
     (130, 3, 8, F32, "bool4d", False, 0.2),
     (7, 3, 8, BF16, "headkeys", True, 0.1),
 ]
+
+
+@pytest.mark.parametrize("axis", [2, 0])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_packed_broadcast_dropout_equals_attention_on_the_slices(implementation, axis):
+    """One mask for every batch and head (broadcast_dropout), as `attention` draws it."""
+    qkv, dout = packed_inputs(9, 2, 13, 3, 8, F32, axis)
+    kw = dict(axis=axis, causal=True, rate=0.3, implementation=implementation, broadcast=True)
+    mask, key = make_mask("padding", 10, 2, 3, 13, 13), jax.random.key(11)
+    got, want = packed_vjp_jit(qkv, dout, mask, key, **kw), sliced_vjp_jit(qkv, dout, mask, key, **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.parametrize("s,h,d,dtype,mask_kind,causal,rate", CASES,
@@ -139,12 +151,12 @@ class TestCuda:
     against the separate-tensor CUDA kernels. "fused" must run the packed kernels."""
 
     @staticmethod
-    def _cuda_vs_cpu(b, s, h, d, axis, *, causal, rate, dtype=BF16, mask_kind=None, seed=141):
+    def _cuda_vs_cpu(b, s, h, d, axis, *, causal, rate, dtype=BF16, mask_kind=None, seed=141, broadcast=False):
         qkv, dout = packed_inputs(seed, b, s, h, d, dtype, axis)
         mask = make_mask(mask_kind, seed + 1, b, h, s, s)
         key = jax.random.key(seed + 2)
         run = jax.jit(lambda qkv, dout, mask, key: packed_vjp(qkv, dout, mask, key, axis=axis, causal=causal,
-                                                              rate=rate, implementation="fused"))
+                                                              rate=rate, implementation="fused", broadcast=broadcast))
         args = (qkv, dout, mask, key)
         hlo = run.lower(*args).as_text()
         assert "jaxsub_attention_qkv_fwd" in hlo and "jaxsub_attention_qkv_bwd" in hlo, "packed kernel did not run"
@@ -166,6 +178,10 @@ class TestCuda:
     def test_odd_sizes_match_cpu(self, s, mask_kind, causal, axis, d):
         self._cuda_vs_cpu(2, s, 3, d, axis, causal=causal, rate=0.1, dtype=F16 if d == 32 else BF16,
                           mask_kind=mask_kind, seed=s * 10 + d)
+
+    @pytest.mark.parametrize("axis", [2, 0])
+    def test_broadcast_dropout_matches_cpu(self, axis):
+        self._cuda_vs_cpu(2, 200, 3, 64, axis, causal=True, rate=0.1, mask_kind="padding", broadcast=True)
 
     @pytest.mark.parametrize("axis", [2, 0])
     def test_packed_equals_separate_kernels(self, axis):

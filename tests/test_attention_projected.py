@@ -45,7 +45,7 @@ def vjp(f, x, ws, bs, dout, **kw):
     return out, pull(dout)
 
 
-_STATIC = ("causal", "dropout_rate", "implementation")
+_STATIC = ("causal", "dropout_rate", "implementation", "broadcast_dropout")
 projected_vjp = jax.jit(lambda *a, **kw: vjp(op, *a, **kw), static_argnames=_STATIC)
 reference_vjp = jax.jit(lambda *a, **kw: vjp(on_projections, *a, **kw), static_argnames=_STATIC)
 
@@ -88,6 +88,23 @@ def test_equals_attention_on_the_projections(implementation, s, e, h, d, dtype, 
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_broadcast_dropout(implementation):
+    """One mask for every batch and head: the projected and the dense-packed ops equal the
+    ops they stand for with it."""
+    b, s, e, h, d = 2, 9, 12, 3, 4
+    x, ws, bs, dout = inputs(5, b, s, e, h, d, F32)
+    kw = dict(mask=make_mask("padding", 6, b, h, s, s), key=jax.random.key(7), causal=True, dropout_rate=0.3,
+              implementation=implementation, broadcast_dropout=True)
+    assert_vjps_close(projected_vjp(x, ws, bs, dout, **kw), reference_vjp(x, ws, bs, dout, **kw), F32, s, e)
+    x, kernel, bias, dout, dx_other = dense_inputs(8, b, s, e, h, d, F32)
+    kw.update(axes=1, with_input=True)
+    got = dense_op_vjp(x, kernel, bias, dout, dx_other, **kw)
+    assert_dense_vjps_close(got, dense_ref_vjp(x, kernel, bias, dout, dx_other, **kw), F32, s, e, True)
+    other = dense_op_vjp(x, kernel, bias, dout, dx_other, **{**kw, "broadcast_dropout": False})
+    assert np.abs(np.asarray(other[0][0]) - np.asarray(got[0][0])).max() > 0.1
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_without_biases(implementation):
     x, ws, _, dout = inputs(3, 2, 7, 12, 3, 4, F32, bias=False)
     kw = dict(dropout_rate=0.1, key=jax.random.key(1), implementation=implementation)
@@ -96,14 +113,14 @@ def test_without_biases(implementation):
     assert_vjps_close(got, want, F32, 7, 12)
 
 
-def _bwd_pair(seed, b, s, h, d, dtype, mask_kind, causal, rate):
+def _bwd_pair(seed, b, s, h, d, dtype, mask_kind, causal, rate, bcast=False):
     """(dqkv from jaxsub_attention_bwd_dqkv, (dq, dk, dv) from jaxsub_attention_bwd) on one
     forward's out and lse, as jitted functions of the inputs."""
     rng = np.random.default_rng(seed)
     q, k, v, dout = (normal(rng, (b, s, h, d), dtype) for _ in range(4))
     mask4d, kind = _masks.normalize("t", make_mask(mask_kind, seed, b, h, s, s), (b, h), s, s, key_padding_ok=True)
     seed_words = _dropout.seed_from_key("t", jax.random.key(seed)) if rate else _dropout.NO_SEED
-    static = (1.0 / np.sqrt(d), causal, kind, rate)
+    static = (1.0 / np.sqrt(d), causal, kind, rate, bcast)
 
     def both(q, k, v, dout, mask4d, seed_words):
         out, lse = attn._fwd_call(q, k, v, mask4d, seed_words, *static)
@@ -224,11 +241,13 @@ class TestCuda(CudaAgainstCpu):
         got = run(*jax.device_put(args, jax.devices()[0]))
         assert_vjps_close(got, want, dtype, s, e, what="cuda vs cpu")
 
-    @pytest.mark.parametrize("s,d,causal", [(512, 64, False), (128, 64, False), (130, 128, True), (77, 32, False)])
-    def test_packed_gradient_kernel_equals_separate(self, s, d, causal):
+    @pytest.mark.parametrize("s,d,causal,bcast", [(512, 64, False, False), (128, 64, False, False),
+                                                  (130, 128, True, False), (77, 32, False, False),
+                                                  (130, 64, True, True)])
+    def test_packed_gradient_kernel_equals_separate(self, s, d, causal, bcast):
         # Same kernels, other gradient strides: dk and dv bitwise equal; dq adds f32 atomics
         # in a nondeterministic order (outside the cluster path), so within tolerance.
-        run, args = _bwd_pair(s + d, 4, s, 4, d, BF16, "padding", causal, 0.1)
+        run, args = _bwd_pair(s + d, 4, s, 4, d, BF16, "padding", causal, 0.1, bcast)
         dqkv, (dq, dk, dv) = run(*args)
         assert_close(dqkv[:, :, 0], dq, BF16, reduction=s, grad=True, what="dq")
         for name, i, g in (("dk", 1, dk), ("dv", 2, dv)):
@@ -358,7 +377,7 @@ def test_packed_backward_takes_two_more_results_or_none(extra):
     qkv, dout = normal(rng, (b, s, 3, h, d), F32), normal(rng, (b, s, h, d), F32)
     mask4d, kind = _masks.normalize("t", None, (b, h), s, s, key_padding_ok=True)
     seed = _dropout.seed_from_key("t", jax.random.key(3))
-    static = (1.0 / np.sqrt(d), False, kind, 0.0)
+    static = (1.0 / np.sqrt(d), False, kind, 0.0, False)
     out, lse = attn._fwd_packed_call(qkv, 2, jnp.asarray(mask4d), seed, *static)
     hd = jax.ShapeDtypeStruct((h, d), F32)
     types = (jax.ShapeDtypeStruct(qkv.shape, F32), hd, jax.ShapeDtypeStruct((b, 3, h, d), F32),
@@ -366,7 +385,7 @@ def test_packed_backward_takes_two_more_results_or_none(extra):
     with pytest.raises(Exception, match="attention_qkv_bwd.*two more"):
         jax.block_until_ready(jaxsub._ffi.call("jaxsub_attention_qkv_bwd", types, dout, qkv, out, lse,
                                                jnp.asarray(mask4d), seed, qkv_axis=np.int32(2),
-                                               **_masks.attrs(*static)))
+                                               **attn._attrs(*static)))
 
 
 @pytest.mark.parametrize("axis", [2, 0])
@@ -378,7 +397,7 @@ def test_packed_backward_bias_result_is_the_gradient_column_sums(axis):
     qkv, dout = normal(rng, shape, F32), normal(rng, (b, s, h, d), F32)
     mask4d, kind = _masks.normalize("t", None, (b, h), s, s, key_padding_ok=True)
     seed = _dropout.seed_from_key("t", jax.random.key(3))
-    static = (1.0 / np.sqrt(d), False, kind, 0.1)
+    static = (1.0 / np.sqrt(d), False, kind, 0.1, False)
     out, lse = attn._fwd_packed_call(qkv, axis, jnp.asarray(mask4d), seed, *static)
     dqkv, dbias = attn._bwd_packed_call(dout, qkv, axis, out, lse, jnp.asarray(mask4d), seed, *static, bias_grad=True)
     sums = np.asarray(dqkv, np.float64).sum(axis=(0, 1) if axis == 2 else (1, 2))

@@ -10,6 +10,7 @@ explain()'s report. With dropout,
 the result is compared with jaxsub.ops.attention for the key the user's code used.
 """
 
+import functools
 from unittest import mock
 
 import flax.linen as nn
@@ -1210,11 +1211,69 @@ def test_flax_linen_dropout():
     assert np.mean(np.asarray(out != other)) > 0.5
 
 
-def test_flax_linen_broadcast_dropout_is_a_near_miss():
+def test_flax_linen_broadcast_dropout():
+    """Flax's default, one [1, 1, Sq, Sk] dropout mask for every batch and head, becomes the
+    op's broadcast_dropout (it was a near-miss that kept only the softmax fused)."""
     f, args = _linen_dropout(broadcast=True)
     report = jaxsub.explain(f, *args)
-    assert any("broadcast over the probabilities" in m.detail for m in report.near_misses), str(report)
-    assert report.totals == {"softmax_dropout": 1}
+    assert report.totals == {"attention": 1} and not report.near_misses, str(report)
+    assert "broadcast_dropout" in str(report)
+    opt = jaxsub.optimize(f)
+    assert _count(opt, *args) == 1
+    out = jax.jit(opt)(*args)
+    np.testing.assert_array_equal(out, jax.jit(opt)(*args))
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def flax_attention(q, k, v, key, broadcast=True):
+    return nn.dot_product_attention(q, k, v, dropout_rng=key, dropout_rate=RATE, deterministic=False,
+                                    broadcast_dropout=broadcast)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_flax_dot_product_attention_dropout_uses_the_users_key(broadcast):
+    """nn.dot_product_attention with its dropout key: the op with that key and the same
+    mask structure (shared by every batch and head, or one per element)."""
+    q, k, v = _qkv()
+    key = jax.random.key(3)
+    f = functools.partial(flax_attention, broadcast=broadcast)
+    opt = jaxsub.optimize(f)
+    assert _count(opt, q, k, v, key) == 1
+    want = ops.attention(q, k, v, dropout_rate=RATE, key=key, broadcast_dropout=broadcast)
+    assert_close(jax.jit(opt)(q, k, v, key), want, reduction=S * D)
+    other = ops.attention(q, k, v, dropout_rate=RATE, key=key, broadcast_dropout=not broadcast)
+    assert np.abs(np.asarray(want, np.float32) - np.asarray(other, np.float32)).max() > 0.1
+
+
+def test_dropout_with_a_two_dimensional_mask_is_broadcast_dropout():
+    """A [Sq, Sk] mask that jnp.where broadcasts (a broadcast_in_dim to the probabilities'
+    rank) is the same shared mask."""
+    def f(q, k, v, key):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / float(np.sqrt(D)), -1)
+        p = jnp.where(jax.random.bernoulli(key, 1.0 - RATE, p.shape[2:]), p / (1.0 - RATE), 0.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    q, k, v = _qkv()
+    key = jax.random.key(5)
+    opt = jaxsub.optimize(f)
+    assert _count(opt, q, k, v, key) == 1
+    assert "broadcast_dropout" in str(jaxsub.explain(f, q, k, v, key))
+    want = ops.attention(q, k, v, dropout_rate=RATE, key=key, broadcast_dropout=True)
+    assert_close(jax.jit(opt)(q, k, v, key), want, reduction=S * D)
+
+
+def test_dropout_broadcast_over_the_batch_only_is_a_near_miss():
+    """A mask [1, H, Sq, Sk] (shared by the batch, not by the heads) is neither of the op's
+    two draws: the attention is left to XLA and explain says why."""
+    def f(q, k, v, key):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / float(np.sqrt(D)), -1)
+        keep = jax.random.bernoulli(key, 1.0 - RATE, (1, *p.shape[1:]))
+        return jnp.einsum("bhqk,bkhd->bqhd", p * keep / (1.0 - RATE), v)
+
+    args = (*_qkv(), jax.random.key(1))
+    report = jaxsub.explain(f, *args)
+    assert any("other than over every batch and head axis" in m.detail for m in report.near_misses), str(report)
+    assert "attention" not in report.totals
     assert_close(jaxsub.optimize(f)(*args), f(*args), reduction=S * D)
 
 

@@ -113,6 +113,10 @@ _PARTITIONED = textwrap.dedent("""
         ("attention_projected dropout", grads(lambda x, ws, bs: jaxsub.ops.attention_projected(
              x, ws, bs, dropout_rate=0.1, key=key, implementation="fused"), 3), (xp, ws, bs), (P("data"), P(), P()),
          "f32[4,12,4,8]", 1),
+        # One mask for every batch and head: b and h slice together, with no seed offset.
+        ("attention broadcast dropout", grads(lambda q, m: jaxsub.ops.attention(
+             q, q, q, mask=m, dropout_rate=0.1, key=key, implementation="fused", broadcast_dropout=True), 1),
+         (q, pad), (P("data", None, "model"), P("data")), "f32[4,12,2,16]", 0),
     ]
     for name, f, args, specs, first, reduces in cases:
         sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
@@ -437,7 +441,14 @@ def test_rule_with_dropout_slices_the_outermost_letter_of_the_keep_decisions():
     assert r.assign(mesh, [named("data"), None]) == {}  # a slice of 60 elements: not whole Philox blocks
     r = _rule("... n, @ -> ... n", "...", [(4, 3, 6), (2,)], [(4, 3, 6)], keep="... n")
     assert r.assign(mesh, [named("data"), None]) == {"r0": ("data",)}
-    assert r.block_elements(mesh, {"r0": ("data",)}) == 72
+    assert r.keyed({"r0": ("data",)}) == ("r0", ("data",))
+    assert r.block_elements(mesh, ("r0", ("data",))) == 72
+    # One mask shared by every batch and head (keep "q q"): b and h slice freely, with no
+    # seed offset (no keep letter sliced); q, outermost in the keep index, may slice too.
+    r = _rule("b q h d, @ -> b q h d", "b h q", [(4, 32, 2, 8), (2,)], [(4, 32, 2, 8)], keep="q q")
+    assert sorted(r.shard) == ["b", "h", "q"]
+    assert r.keyed({"b": ("data",), "h": ("model",)}) is None
+    assert r.keyed({"b": ("data",), "q": ("model",)}) == ("q", ("model",))
 
 
 def test_offset_seed_adds_64_bits_exactly():

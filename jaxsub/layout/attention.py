@@ -5,7 +5,7 @@ The user's code fixes the layouts around a matched attention (the rewrite relays
 [B,S,H,D] for `jaxsub.ops.attention` whatever they were), so what is left to choose per
 call is the algorithm and kernel configuration: impl=unfused or impl=fused (where the
 fused kernel runs for this platform, dtype and head dim). The signature
-(`jaxsub.ops.attn.signature`: shapes, dtype, causal, mask, dropout rate) is the problem.
+(`jaxsub.ops.attn.signature`: shapes, dtype, causal, mask, dropout rate and form) is the problem.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class AttentionProblem(Problem):
             q, k, v = diff
             mask, key = aux
             return ops.attention(q, k, v, mask=mask, causal=g["causal"], dropout_rate=rate,
-                                 key=key if rate > 0 else None, implementation=impl)
+                                 key=key if rate > 0 else None, implementation=impl,
+                                 broadcast_dropout=g.get("broadcast_dropout", False))
 
         def make(seed):
             rng = np.random.default_rng(seed)

@@ -20,7 +20,9 @@ self-attention fused with the q/k/v projection that computes its input; they run
 
 Both drop exactly the same probabilities: element (b, h, i, j) of the logical
 [B, H, Sq, Sk] tensor is kept or dropped by `dropout_mask(key, (B, H, Sq, Sk), rate)`,
-so `reference_attention(..., keep=that_mask)` reproduces either.
+so `reference_attention(..., keep=that_mask)` reproduces either. With
+`broadcast_dropout=True` one mask, `dropout_mask(key, (1, 1, Sq, Sk), rate)`, is shared by
+every batch and head (Flax's `broadcast_dropout`; the kernels' `dropout_bcast`).
 
 Layout of this module: reference, ffi_call wrappers, custom_vjp, public function.
 """
@@ -67,8 +69,9 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
     """Pure-JAX attention: f32 compute (f64 when the inputs are f64), output in q.dtype.
 
     q: [B, Sq, H, D]; k, v: [B, Sk, H_kv, D] (H_kv dividing H, as in `attention`); `mask`
-    as in `attention`; `keep` is the boolean keep-mask [B, H, Sq, Sk] (None = no dropout),
-    kept probabilities scaled by 1 / (1 - rate). Rows with no visible key give zeros (and zero gradients), not NaN.
+    as in `attention`; `keep` is the boolean keep-mask, [B, H, Sq, Sk] or broadcastable to it
+    (None = no dropout), kept probabilities scaled by 1 / (1 - rate). Rows with no visible
+    key give zeros (and zero gradients), not NaN.
     """
     b, sq, h, d = q.shape
     sk = k.shape[1]
@@ -107,7 +110,18 @@ def _kv_heads(q, k) -> str:
     return "h" if k.shape[2] == q.shape[2] else "h~"
 
 
-def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
+def _keep(rate, bcast, letters):
+    """The calls' `keep` (jaxsub/_partition.py): "b h q k"'s letters, or without the batch
+    and head letters under broadcast dropout (b and h then slice with no seed offset)."""
+    return _dropout.keep(rate, " ".join(letters.split()[2:]) if bcast else letters)
+
+
+def _attrs(scale, causal, kind, rate, bcast):
+    """The attributes every attention target takes (cuda/ABI.md)."""
+    return dict(**_masks.attrs(scale, causal, kind, rate), dropout_bcast=bool(bcast))
+
+
+def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast):
     b, sq, h, _ = q.shape
     g = _kv_heads(q, k)
     return _ffi.call(
@@ -115,12 +129,12 @@ def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate):
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)),
         q, k, v, mask4d, seed,
         rule=f"b q h d, b k {g} d, b k {g} e, b h q k, @ -> b q h e, b h q", shard="b h",
-        keep=_dropout.keep(rate, "b h q k"),
-        **_masks.attrs(scale, causal, kind, rate),
+        keep=_keep(rate, bcast, "b h q k"),
+        **_attrs(scale, causal, kind, rate, bcast),
     )
 
 
-def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
+def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast):
     b, sq, h, _ = q.shape
     g = _kv_heads(q, k)
     dq, dk, dv, _, _ = _ffi.call(
@@ -135,7 +149,7 @@ def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate):
         dout, q, k, v, out, lse, mask4d, seed,
         rule=f"b q h e, b q h d, b k {g} d, b k {g} e, b q h e, b h q, b h q k, @ "
              f"-> b q h d, b k {g} d, b k {g} e, !b h q, !b q h d",
-        shard="b h", keep=_dropout.keep(rate, "b h q k"), **_masks.attrs(scale, causal, kind, rate),
+        shard="b h", keep=_keep(rate, bcast, "b h q k"), **_attrs(scale, causal, kind, rate, bcast),
     )
     return dq, dk, dv
 
@@ -170,7 +184,7 @@ def _dbias_kv(bias_grad, h, d, dtype):
     return (jax.ShapeDtypeStruct((h, d), dtype),) * 2 if bias_grad == "split" else ()
 
 
-def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=False):
+def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast, bias_grad=False):
     b, s, h, d = q.shape
     dqkv, dbias, _, _, _ = _ffi.call(
         "jaxsub_attention_bwd_dqkv",
@@ -183,24 +197,24 @@ def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, r
         dout, q, k, v, out, lse, mask4d, seed,
         rule=f"b s h d, b s h d, b s h d, b s h d, b s h d, b h s, b h q k, @ "
              f"-> b s _ h d, {_dbias_rule(bias_grad)}, !b h s, !b s h d",
-        shard="b h", keep=_dropout.keep(rate, "b h s s"), **_masks.attrs(scale, causal, kind, rate),
+        shard="b h", keep=_keep(rate, bcast, "b h s s"), **_attrs(scale, causal, kind, rate, bcast),
     )
     return (dqkv, dbias) if bias_grad else dqkv
 
 
-def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate):
+def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, bcast):
     b, s, h, d = _packed_dims(qkv.shape, axis)
     return _ffi.call(
         "jaxsub_attention_qkv_fwd",
         (jax.ShapeDtypeStruct((b, s, h, d), qkv.dtype), jax.ShapeDtypeStruct((b, h, s), _F32)),
         qkv, mask4d, seed,
         rule=f"{_packed_rule(axis)}, b h q k, @ -> b s h d, b h s", shard="b h",
-        keep=_dropout.keep(rate, "b h s s"),
-        qkv_axis=np.int32(axis), **_masks.attrs(scale, causal, kind, rate),
+        keep=_keep(rate, bcast, "b h s s"),
+        qkv_axis=np.int32(axis), **_attrs(scale, causal, kind, rate, bcast),
     )
 
 
-def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bias_grad=False):
+def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bcast, bias_grad=False):
     """dqkv, and with bias_grad the bias gradient: one [3, H, D] array, or with "split" the
     three [H, D] arrays (q, k, v)."""
     b, s, h, d = _packed_dims(qkv.shape, axis)
@@ -217,8 +231,8 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
         rule=f"b s h d, {_packed_rule(axis)}, b s h d, b h s, b h q k, @ "
              f"-> {_packed_rule(axis)}, {_dbias_rule(bias_grad)}, !b h s, !b s h d"
              f"{', h d, h d' if bias_grad == 'split' else ''}",
-        shard="b h", keep=_dropout.keep(rate, "b h s s"), qkv_axis=np.int32(axis),
-        **_masks.attrs(scale, causal, kind, rate),
+        shard="b h", keep=_keep(rate, bcast, "b h s s"), qkv_axis=np.int32(axis),
+        **_attrs(scale, causal, kind, rate, bcast),
     )
     if bias_grad == "split":
         dbias = (dbias, *dbias_kv)
@@ -229,7 +243,7 @@ def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kin
 # custom_vjp for the fused path. The mask and the seed are primals (they may be traced:
 # jit, vmap over masks or keys); the seed gets no cotangent, an additive mask one only
 # where the program differentiates it (masks.py: symbolic zeros); scale, causal, the mask
-# kind and the rate are static attributes.
+# kind, the rate and whether the dropout mask is broadcast (bcast) are static attributes.
 
 
 @jax.tree_util.register_pytree_node_class
@@ -276,19 +290,19 @@ def packed_slices(qkv, axis):
     return tuple(jax.lax.index_in_dim(qkv, i, axis, keepdims=False) for i in range(3))
 
 
-@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _fused(q, k, v, mask4d, seed, scale, causal, kind, rate):
-    return _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)[0]
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _fused(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast):
+    return _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)[0]
 
 
-def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate):
+def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast):
     grad_mask = _masks.differentiated(kind, mask4d)
     q, k, v, mask4d, seed = _masks.primals(q, k, v, mask4d, seed)
     if grad_mask:
         return switched(_OP, lambda q, k, v, m: _unfused(q, *repeat_kv(q, k, v), m, seed, kind, causal, scale,
-                                                         rate, op=_OP),
+                                                         rate, op=_OP, bcast=bcast),
                         q, k, v, mask4d)
-    out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
+    out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)
     return out, (q, k, v, out, lse, mask4d, seed)
 
 
@@ -308,15 +322,15 @@ def _bwd_repeats_kv(q, k) -> bool:
     return h_kv != q.shape[2] and b * h_kv * -(-sk // 64) < GROUPED_BWD_MIN_BLOCKS
 
 
-def _fused_bwd(scale, causal, kind, rate, res, dout):
+def _fused_bwd(scale, causal, kind, rate, bcast, res, dout):
     dout = _masks.cotangent(dout)
     if isinstance(res, Switched):
         return res.backward(dout)
     q, k, v, out, lse, mask4d, seed = res
     if not _bwd_repeats_kv(q, k):
-        dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate)
+        dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast)
         return dq, dk, dv, None, None
-    dq, dk, dv = _bwd_call(dout, q, *repeat_kv(q, k, v), out, lse, mask4d, seed, scale, causal, kind, rate)
+    dq, dk, dv = _bwd_call(dout, q, *repeat_kv(q, k, v), out, lse, mask4d, seed, scale, causal, kind, rate, bcast)
     b, sk, h_kv, d = k.shape
     group_sum = lambda g, like: g.astype(_F32).reshape(b, sk, h_kv, -1, d).sum(3).astype(like.dtype)
     return dq, group_sum(dk, k), group_sum(dv, v), None, None
@@ -325,29 +339,30 @@ def _fused_bwd(scale, causal, kind, rate, res, dout):
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
-@functools.partial(_ffi.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _fused_packed(qkv, mask4d, seed, axis, scale, causal, kind, rate):
-    return _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)[0]
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _fused_packed(qkv, mask4d, seed, axis, scale, causal, kind, rate, bcast):
+    return _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, bcast)[0]
 
 
-def _fused_packed_fwd(qkv, mask4d, seed, axis, scale, causal, kind, rate):
+def _fused_packed_fwd(qkv, mask4d, seed, axis, scale, causal, kind, rate, bcast):
     grad_mask = _masks.differentiated(kind, mask4d)
     qkv, mask4d, seed = _masks.primals(qkv, mask4d, seed)
     if grad_mask:
         return switched("attention_packed",
                         lambda qkv, m: _unfused(*packed_slices(qkv, axis), m, seed, kind, causal, scale, rate,
-                                                op="attention_packed"),
+                                                op="attention_packed", bcast=bcast),
                         qkv, mask4d)
-    out, lse = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate)
+    out, lse = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, bcast)
     return out, (qkv, out, lse, mask4d, seed)
 
 
-def _fused_packed_bwd(axis, scale, causal, kind, rate, res, dout):
+def _fused_packed_bwd(axis, scale, causal, kind, rate, bcast, res, dout):
     dout = _masks.cotangent(dout)
     if isinstance(res, Switched):
         return res.backward(dout)
     qkv, out, lse, mask4d, seed = res
-    return _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate), None, None
+    return (_bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bcast),
+            None, None)
 
 
 _fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd, symbolic_zeros=True)
@@ -357,7 +372,7 @@ _fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd, symbolic_zeros=True)
 # Public function.
 
 
-def _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate, *, op):
+def _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate, *, op, bcast=False):
     # Both GEMMs in the input dtype: the GPU accumulates in f32 and rounds once, as an f32
     # result cast back would, but autodiff then keeps every cotangent in that dtype too.
     # (With an f32 result, the backward turned dS into f32 [B, H, Sq, Sk] tensors and ran
@@ -377,15 +392,23 @@ def _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate, *, op):
             k = (k.astype(jnp.float32) * k_factor).astype(k.dtype)
         scale = 1.0
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-    p = _softmax.softmax_4d(scores, mask4d, seed, scale, causal, kind, rate, op=op)
+    if not bcast:
+        p = _softmax.softmax_4d(scores, mask4d, seed, scale, causal, kind, rate, op=op)
+    else:
+        # The softmax kernel draws a mask per (b, h): the shared one is applied after it, in
+        # f32 and rounded once, as the kernels scale the kept probabilities.
+        p = _softmax.softmax_4d(scores, mask4d, _dropout.NO_SEED, scale, causal, kind, 0.0, op=op)
+        keep = _dropout.seed_mask(seed, (1, 1, *scores.shape[2:]), rate)
+        p = jnp.where(keep, p.astype(_F32) * _dropout.keep_scale(rate), 0.0).astype(p.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def unfused_source(source, mask4d, seed, kind, causal, scale, rate, *, op):
+def unfused_source(source, mask4d, seed, kind, causal, scale, rate, *, op, bcast=False):
     """The unfused path on a source of q, k and v (`_attention`'s `source`); `op` names
     the public function in log lines."""
     qkv, axis, extra = source.product()
-    return source.result(_unfused(*packed_slices(qkv, axis), mask4d, seed, kind, causal, scale, rate, op=op), extra)
+    return source.result(_unfused(*packed_slices(qkv, axis), mask4d, seed, kind, causal, scale, rate, op=op,
+                                  bcast=bcast), extra)
 
 
 _platform = _ffi.platform_of  # where q lives (a module attribute: tests replace it)
@@ -449,14 +472,17 @@ def slow_fused_mask(kind: str, mask_shape) -> bool:
     return kind == "additive" and len(mask_shape) == 4 and mask_shape[2] > 1
 
 
-def signature(q, k, mask4d, kind, causal, rate) -> tuple:
+def signature(q, k, mask4d, kind, causal, rate, bcast=False) -> tuple:
     """What the choice of implementation may depend on: the key under which
-    `jaxsub.ops.config.lookup("attention", ...)` is asked (and the layout cache stores)."""
+    `jaxsub.ops.config.lookup("attention", ...)` is asked (and the layout cache stores).
+    Broadcast dropout adds ("broadcast_dropout", True); keys without it are those from
+    before it existed."""
     b, sq, h, d = q.shape
     mask_shape = tuple(int(n) for n in np.shape(mask4d)) if kind != _masks.NONE else ()
     return (("batch", b), ("seq_q", sq), ("seq_k", k.shape[1]), ("heads", h), ("head_dim", d),
             ("dtype", jnp.dtype(q.dtype).name), ("causal", bool(causal)), ("mask", _KIND_NAMES[kind]),
-            ("mask_shape", mask_shape), ("dropout_rate", float(rate)))
+            ("mask_shape", mask_shape), ("dropout_rate", float(rate)),
+            *((("broadcast_dropout", True),) if bcast else ()))
 
 
 def _packed_dims(shape, axis):
@@ -514,7 +540,7 @@ def repeat_kv(q, k, v):
 
 
 def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0, key=None,
-              implementation=None):
+              implementation=None, broadcast_dropout=False):
     """Scaled dot-product attention with optional mask, causal masking and dropout.
 
     Args:
@@ -551,6 +577,10 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
       scale: static float multiplying Q Kᵀ; default 1 / sqrt(D).
       dropout_rate: static float in [0, 1), dropout on the attention probabilities.
       key: a JAX PRNG key, required when dropout_rate > 0 (may be traced).
+      broadcast_dropout: static bool. False (the default): each probability (b, h, i, j)
+        is dropped on its own. True: one [Sq, Sk] dropout mask shared by every batch
+        element and head, as Flax's `broadcast_dropout=True` (the default of
+        `nn.MultiHeadDotProductAttention` and `nn.dot_product_attention`) draws it.
       implementation: "fused" (one kernel per direction, no [B, H, Sq, Sk] tensor in
         memory), "unfused" (score GEMM, fused softmax-dropout, GEMM), or None: the
         choice of the enclosing `jaxsub.ops.config.use` block (what `jaxsub.optimize`'s
@@ -565,14 +595,16 @@ def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
     Returns:
       [B, Sq, H, D] in q's dtype. A query with no visible key gets zeros and zero
       gradients. Probability (b, h, i, j) is dropped exactly where
-      `dropout_mask(key, (B, H, Sq, Sk), dropout_rate)` is False, in both implementations.
+      `dropout_mask(key, (B, H, Sq, Sk), dropout_rate)` is False (with broadcast_dropout,
+      where `dropout_mask(key, (1, 1, Sq, Sk), dropout_rate)[0, 0, i, j]` is), in both
+      implementations.
     """
     q, k, v = _check_inputs(q, k, v)
-    return _attention(_OP, q, k, v, None, mask, causal, scale, dropout_rate, key, implementation)
+    return _attention(_OP, q, k, v, None, mask, causal, scale, dropout_rate, key, implementation, broadcast_dropout)
 
 
 def attention_packed(qkv, *, axis=2, mask=None, causal=False, scale=None, dropout_rate=0.0, key=None,
-                     implementation=None):
+                     implementation=None, broadcast_dropout=False):
     """Self-attention on queries, keys and values packed in one array.
 
     The same function as `attention(q, k, v, ...)` with q, k, v the three slices of `qkv`
@@ -586,7 +618,8 @@ def attention_packed(qkv, *, axis=2, mask=None, causal=False, scale=None, dropou
       qkv: [B, S, 3, H, D] (axis=2, the default) or [3, B, S, H, D] (axis=0); float32,
         bfloat16 or float16.
       axis: 2 or 0 (or -3, -5): where the q / k / v index is.
-      mask, causal, scale, dropout_rate, key, implementation: as in `attention` (Sq = Sk = S).
+      mask, causal, scale, dropout_rate, key, implementation, broadcast_dropout: as in
+        `attention` (Sq = Sk = S).
 
     Returns:
       [B, S, H, D] in qkv's dtype.
@@ -594,14 +627,20 @@ def attention_packed(qkv, *, axis=2, mask=None, causal=False, scale=None, dropou
     qkv, axis = _check_packed(qkv, axis)
     like = jax.ShapeDtypeStruct(_packed_dims(qkv.shape, axis), qkv.dtype)  # q's, k's and v's shape
     return _attention("attention_packed", like, like, like, (qkv, axis), mask, causal, scale, dropout_rate, key,
-                      implementation)
+                      implementation, broadcast_dropout)
 
 
-def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, implementation):
+def check_broadcast(op: str, broadcast_dropout) -> bool:
+    if not isinstance(broadcast_dropout, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{op}: `broadcast_dropout` must be a Python bool, got {broadcast_dropout!r}")
+    return bool(broadcast_dropout)
+
+
+def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, implementation, broadcast_dropout=False):
     """`attention` after the q, k, v checks. `packed`: None (q, k, v are arrays), (qkv,
     axis) when q, k, v are its slices, or a source of q, k, v computed from other arrays
     (jaxsub.ops.projected: `.data`, an array for the platform, dtype and head dim;
-    `.fused(mask4d, seed, scale, causal, kind, rate)`, the fused path;
+    `.fused(mask4d, seed, scale, causal, kind, rate, bcast)`, the fused path;
     `.product()`, (qkv, axis, extra) for the others; `.result(out, extra)`, the op's
     result). q, k, v are then shapes only: the fused path reads qkv in place (or computes
     it itself), and only the other paths slice it (eagerly, slices nobody reads would
@@ -615,6 +654,7 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     sk = k.shape[1]
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _masks.check_scale(op, scale)
     rate = _dropout.check_rate(op, dropout_rate, "dropout_rate")
+    bcast = check_broadcast(op, broadcast_dropout) and rate > 0.0
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
     mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True, causal=causal)
     source = None if packed is None or isinstance(packed, tuple) else packed
@@ -628,34 +668,35 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
         _ffi.fallback(op, "zero-size input")
         return result(jnp.zeros(q.shape, q.dtype))
     if implementation is None:
-        implementation = _config.lookup(_OP, signature(q, k, mask4d, kind, causal, rate)).get("impl")
+        implementation = _config.lookup(_OP, signature(q, k, mask4d, kind, causal, rate, bcast)).get("impl")
         if implementation not in _IMPLEMENTATIONS:
             raise ValueError(f"jaxsub.{op}: the configuration in effect selects implementation "
                              f"{implementation!r}; expected 'fused' or 'unfused'")
         if implementation is None:
             implementation = _default_implementation(data, mask4d, kind)
     return _masks.by_query(mask4d, kind, sq, sk, causal, functools.partial(
-        _attention_call, op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, implementation))
+        _attention_call, op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, bcast, implementation))
 
 
-def _attention_call(op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, implementation, mask4d):
+def _attention_call(op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, bcast, implementation,
+                    mask4d):
     """`_attention` on the mask as `masks.by_query` gives it, its implementation chosen."""
     if implementation == "fused":
         reason = _fused_unsupported(data)
         if reason is None:
             if source is not None:
-                return source.fused(jnp.asarray(mask4d), seed, scale, causal, kind, rate)
+                return source.fused(jnp.asarray(mask4d), seed, scale, causal, kind, rate, bcast)
             if packed is not None:
-                return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate)
+                return _fused_packed(packed[0], jnp.asarray(mask4d), seed, packed[1], scale, causal, kind, rate, bcast)
             if k.shape[2] != q.shape[2] and k.shape[2] % jax.device_count():
                 # k's heads divide by the devices or are repeated to q's: otherwise Shardy
                 # can give the backward's k an indivisible sharding (q's heads sliced by more
                 # devices than H_kv; found by a fuzzer).
                 k, v = repeat_kv(q, k, v)
-            return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate)
+            return _fused(q, k, v, jnp.asarray(mask4d), seed, scale, causal, kind, rate, bcast)
         _ffi.fallback(op, reason, instead="the unfused path")
     if source is not None:
-        return unfused_source(source, mask4d, seed, kind, causal, scale, rate, op=op)
+        return unfused_source(source, mask4d, seed, kind, causal, scale, rate, op=op, bcast=bcast)
     if packed is not None:
         q, k, v = packed_slices(*packed)
-    return _unfused(q, *repeat_kv(q, k, v), mask4d, seed, kind, causal, scale, rate, op=op)
+    return _unfused(q, *repeat_kv(q, k, v), mask4d, seed, kind, causal, scale, rate, op=op, bcast=bcast)

@@ -59,32 +59,32 @@ def _stacked_projection(x, weights, biases):
     return qkv if biases is None else _bias.bias_add(qkv, jnp.stack(biases))
 
 
-@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _fused_projected(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _fused_projected(x, weights, biases, mask4d, seed, scale, causal, kind, rate, bcast):
     q, k, v = _projections(x, weights, biases)
-    return _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)[0]
+    return _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)[0]
 
 
-def _fused_projected_fwd(x, weights, biases, mask4d, seed, scale, causal, kind, rate):
+def _fused_projected_fwd(x, weights, biases, mask4d, seed, scale, causal, kind, rate, bcast):
     grad_mask = _masks.differentiated(kind, mask4d)
     x, weights, biases, mask4d, seed = _masks.primals(x, weights, biases, mask4d, seed)
     if grad_mask:
         return _attn.switched("attention_projected", lambda x, w, b, m: _attn.unfused_source(
-            _Projected(x, w, b), m, seed, kind, causal, scale, rate, op="attention_projected"), x, weights, biases,
-            mask4d)
+            _Projected(x, w, b), m, seed, kind, causal, scale, rate, op="attention_projected", bcast=bcast),
+            x, weights, biases, mask4d)
     q, k, v = _projections(x, weights, biases)
-    out, lse = _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate)
+    out, lse = _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)
     return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed)
 
 
-def _fused_projected_bwd(scale, causal, kind, rate, res, dout):
+def _fused_projected_bwd(scale, causal, kind, rate, bcast, res, dout):
     dout = _masks.cotangent(dout)
     if isinstance(res, _attn.Switched):
         return res.backward(dout)
     x, weights, biases, q, k, v, out, lse, mask4d, seed = res
     # The bias gradient: dqkv's column sums, taken by the backward itself.
-    got = _attn._bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate,
-                         bias_grad=biases is not None)
+    got = _attn._bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast,
+                               bias_grad=biases is not None)
     dqkv, db = got if biases is not None else (got, None)
     # The stacked product's gradients: one GEMM for dx, one for the three weights.
     dx = jax.lax.dot_general(dqkv, jnp.stack(weights, axis=1), (((2, 3, 4), (1, 2, 3)), ((), ())))
@@ -108,33 +108,33 @@ _fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd, symbolic_zer
 # not as slices of one, which XLA would copy out one kernel each.
 # `three` (static) says which form `bias` has, so that the backward returns its gradient in
 # that form without keeping the bias as a residual.
-@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
-def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
-    return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)[0]
+@functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
+def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, bcast, three):
+    return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, bcast)[0]
 
 
-def _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate):
+def _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, bcast):
     qkv = _gemm.forward(x, kernel, _stacked(bias), axes)
-    out, lse = _attn._fwd_packed_call(qkv, 2, mask4d, seed, scale, causal, kind, rate)
+    out, lse = _attn._fwd_packed_call(qkv, 2, mask4d, seed, scale, causal, kind, rate, bcast)
     return ((out, x) if shared else out), (x, kernel, qkv, out, lse, mask4d, seed)
 
 
-def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, three):
+def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, bcast, three):
     grad_mask = _masks.differentiated(kind, mask4d)
     x, kernel, bias, mask4d, seed = _masks.primals(x, kernel, bias, mask4d, seed)
     if grad_mask:
         return _attn.switched("dense_attention_packed", lambda x, w, b, m: _attn.unfused_source(
-            _DensePacked(x, w, b, axes, shared), m, seed, kind, causal, scale, rate, op="dense_attention_packed"),
-            x, kernel, bias, mask4d)
-    return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate)
+            _DensePacked(x, w, b, axes, shared), m, seed, kind, causal, scale, rate, op="dense_attention_packed",
+            bcast=bcast), x, kernel, bias, mask4d)
+    return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, bcast)
 
 
-def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, three, res, ct):
+def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, bcast, three, res, ct):
     if isinstance(res, _attn.Switched):
         return res.backward(_masks.cotangent(ct))
     x, kernel, qkv, out, lse, mask4d, seed = res
     dout, dx_other = _masks.cotangent(ct) if shared else (_masks.cotangent(ct), None)
-    dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate,
+    dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate, bcast,
                                       bias_grad="split" if three else True)
     dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
     return dx, dkernel, db, None, None
@@ -204,8 +204,8 @@ class _Projected:
     def data(self):
         return self.weights[0]
 
-    def fused(self, mask4d, seed, scale, causal, kind, rate):
-        return _fused_projected(self.x, self.weights, self.biases, mask4d, seed, scale, causal, kind, rate)
+    def fused(self, mask4d, seed, scale, causal, kind, rate, bcast):
+        return _fused_projected(self.x, self.weights, self.biases, mask4d, seed, scale, causal, kind, rate, bcast)
 
     def product(self):
         return _stacked_projection(self.x, self.weights, self.biases), 2, None
@@ -215,7 +215,7 @@ class _Projected:
 
 
 def attention_projected(x, weights, biases=None, *, mask=None, causal=False, scale=None, dropout_rate=0.0,
-                        key=None, implementation=None):
+                        key=None, implementation=None, broadcast_dropout=False):
     """Self-attention on three projections of one input.
 
     The same function as ``attention(x·W_q + b_q, x·W_k + b_k, x·W_v + b_v, ...)`` (each
@@ -232,15 +232,16 @@ def attention_projected(x, weights, biases=None, *, mask=None, causal=False, sca
       x: [B, S, E]; float32, bfloat16 or float16.
       weights: three arrays (W_q, W_k, W_v), each [E, H, D], x's dtype.
       biases: None, or three arrays (b_q, b_k, b_v), each [H, D], x's dtype.
-      mask, causal, scale, dropout_rate, key, implementation: as in `attention` (Sq = Sk = S).
+      mask, causal, scale, dropout_rate, key, implementation, broadcast_dropout: as in
+        `attention` (Sq = Sk = S).
 
     Returns:
       [B, S, H, D] in x's dtype.
     """
     x, weights, biases = _check_projected(x, weights, biases)
     like = jax.ShapeDtypeStruct((*x.shape[:2], *weights[0].shape[1:]), x.dtype)  # q's, k's and v's shape
-    return _attn._attention("attention_projected", like, like, like, _Projected(x, weights, biases), mask, causal, scale,
-                      dropout_rate, key, implementation)
+    return _attn._attention("attention_projected", like, like, like, _Projected(x, weights, biases), mask, causal,
+                            scale, dropout_rate, key, implementation, broadcast_dropout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,9 +258,9 @@ class _DensePacked:
     def data(self):
         return self.kernel
 
-    def fused(self, mask4d, seed, scale, causal, kind, rate):
+    def fused(self, mask4d, seed, scale, causal, kind, rate, bcast):
         return _fused_dense(self.x, self.kernel, self.bias, mask4d, seed, self.axes, self.shared, scale, causal, kind,
-                            rate, isinstance(self.bias, tuple))
+                            rate, bcast, isinstance(self.bias, tuple))
 
     def product(self):
         """(qkv, its axis, x handed on or None) for the paths that attend to qkv itself."""
@@ -273,7 +274,7 @@ class _DensePacked:
 
 
 def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=None, causal=False, scale=None,
-                           dropout_rate=0.0, key=None, implementation=None):
+                           dropout_rate=0.0, key=None, implementation=None, broadcast_dropout=False):
     """``attention_packed(ops.dense(x, kernel, bias, axes=axes), axis=2, ...)``: self-attention
     on one packed q/k/v projection with a bias (a post-LN layer's first two stages).
 
@@ -291,7 +292,8 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
       axes: how many of x's trailing dims are contracted (static int >= 1).
       with_input: also return x, as `ops.gemm.dense_and_input` does, so that the gradient of
         x's other uses is added into dx by the dx product.
-      mask, causal, scale, dropout_rate, key, implementation: as in `attention`.
+      mask, causal, scale, dropout_rate, key, implementation, broadcast_dropout: as in
+        `attention`.
 
     Returns:
       [B, S, H, D] in x's dtype; with `with_input`, (that, x).
@@ -317,11 +319,13 @@ def dense_attention_packed(x, kernel, bias, *, axes=1, with_input=False, mask=No
     if os.environ.get("JAXSUB_QKV_BIAS_FROM_ATTENTION") == "0":  # the two ops apart (for comparisons)
         qkv, _, again = packed.product()
         return packed.result(_attn.attention_packed(qkv, axis=2, mask=mask, causal=causal, scale=scale,
-                                                    dropout_rate=dropout_rate, key=key,
-                                                    implementation=implementation), again)
+                                                    dropout_rate=dropout_rate, key=key, implementation=implementation,
+                                                    broadcast_dropout=broadcast_dropout), again)
     if not _gemm.supported(x, kernel):
         y = _gemm.reference_dense(x, kernel, _stacked(bias), axes=axes)
         return packed.result(_attn.attention_packed(y, axis=2, mask=mask, causal=causal, scale=scale,
-                                              dropout_rate=dropout_rate, key=key, implementation=implementation))
+                                                    dropout_rate=dropout_rate, key=key, implementation=implementation,
+                                                    broadcast_dropout=broadcast_dropout))
     like = jax.ShapeDtypeStruct((*x.shape[:2], *kernel.shape[axes + 1:]), x.dtype)  # q's, k's and v's shape
-    return _attn._attention(op, like, like, like, packed, mask, causal, scale, dropout_rate, key, implementation)
+    return _attn._attention(op, like, like, like, packed, mask, causal, scale, dropout_rate, key, implementation,
+                            broadcast_dropout)

@@ -20,8 +20,11 @@ form, rewrite.constants) and equals jaxsub's bottom-right lower triangle (boolea
 additive: 0 on it and a big negative elsewhere) becomes `causal=True`; any other mask is
 passed as is.
 Dropout on the probabilities (see match_dropout) becomes `dropout_rate` with the key that
-fed bernoulli; a dropout mask broadcast over batch/heads (flax's default
-`broadcast_dropout=True`) is a near-miss, since the kernel drops elements independently.
+fed bernoulli; a mask that varies over the queries and keys only, broadcast over every
+batch and head axis (flax's default `broadcast_dropout=True`), becomes
+`broadcast_dropout=True` (one [Sq, Sk] mask shared by all of them, as the op draws it). A
+mask broadcast some other way (over some batch axes only, or over the queries) is a
+near-miss.
 
 The softmax itself is recognized by match_softmax.
 """
@@ -204,10 +207,12 @@ class _Attn:
         g, anchor = self.g, self.anchor
         post = []
         ref = _strip_layout(g, anchor.ins[self.pi], post)
-        drop = match_dropout.parse(g, ref)
+        drop = match_dropout.parse(g, ref, broadcast=True)
         if drop is not None and drop.h.shape == ref.shape:
             self.drop = drop
+            anchor_side = len(post)
             ref = _strip_layout(g, drop.h, post)
+            self.drop_at = len(post) - anchor_side  # the post nodes before the dropout (chain)
         elif drop is None:
             bern = _broadcast_dropout(g, ref)
             if bern is not None:
@@ -216,8 +221,9 @@ class _Attn:
                              f"scale on them (after the product with v, or none); the fused op scales the kept "
                              f"probabilities")
                 else:
-                    wrong = (f"dropout mask {shapes(bern.outs[0])} is broadcast over the probabilities {shapes(ref)}; "
-                             f"the fused op drops every element independently")
+                    wrong = (f"dropout mask {shapes(bern.outs[0])} is broadcast over the probabilities {shapes(ref)} "
+                             f"in a way the fused op does not draw: it drops each element on its own, or shares "
+                             f"one mask over queries and keys by every batch and head (broadcast_dropout)")
                 why = match_dropout.batched_key(bern) or wrong
                 self.near_miss = why, ("drop", id(bern))
                 return False
@@ -354,8 +360,12 @@ class _Attn:
         if query == "R":
             self.operands.reverse()
         self.prob_labels = ren(labels)
-        for node in self.post:
+        for i, node in enumerate(self.post):
+            if self.drop is not None and i == self.drop_at and not self.drop_labels(self.prob_labels):
+                return False
             self.prob_labels = L.forward(node, self.prob_labels)
+        if self.drop is not None and self.drop_at == len(self.post) and not self.drop_labels(self.prob_labels):
+            return False
         q, k = self.operands
         self.q, qf, qn = _unscaled(g, q[0])
         self.k, kf, kn = _unscaled(g, k[0])
@@ -363,6 +373,21 @@ class _Attn:
         self.scale = factor * qf * kf
         self.take([n for n in (qn, kn) if n is not None and g.uses[n.outs[0]] == 1], "scaled q/k")
         return self.q.dtype == self.k.dtype
+
+    def drop_labels(self, labels):
+        """Whether the dropout's mask, at h's `labels`, is one the op draws: h's own shape, or
+        varying over the queries and keys only (broadcast_dropout); else a near-miss."""
+        drop = self.drop
+        if not drop.broadcast:
+            return True
+        if all((n == 1) == (l not in ("q", "k") and h > 1)
+               for n, l, h in zip(drop.mask_shape, labels, drop.h.shape) if h > 1):
+            return True
+        self.near_miss = (f"dropout mask {shapes(drop.bernoulli.outs[0])} is broadcast over the probabilities "
+                          f"{shapes(drop.h)} other than over every batch and head axis (flax's broadcast_dropout): "
+                          f"the fused op drops each element on its own, or shares one [Sq, Sk] mask by every "
+                          f"batch and head", ("drop", id(drop.bernoulli)))
+        return False
 
     def pv(self):
         anchor, sizes = self.anchor, self.sizes
@@ -527,7 +552,8 @@ def match_attention(g, anchor, options):
         attention as one ops.dense_attention_packed; with `shared`, the result is (the
         output, x handed on)."""
         kw = dict(mask=mask(read), causal=causal, scale=scale, dropout_rate=rate,
-                  key=read(drop.key) if drop is not None else None)
+                  key=read(drop.key) if drop is not None else None,
+                  broadcast_dropout=drop is not None and drop.broadcast)
         shared = dense is not None and dense[4]
         if dense is not None:
             x, w, bias, axes, _ = dense
@@ -584,7 +610,8 @@ def _describe(att, causal, rate):
         parts.append("causal")
     for m in att.masks:
         parts.append(("boolean" if m.boolean else "additive") + f" mask {shapes(m.ref)}")
-    parts.append(f"dropout rate={rate:g}{att.drop.note}" if rate else "no dropout")
+    shared = " (one [Sq, Sk] mask for every batch and head: broadcast_dropout)" if rate and att.drop.broadcast else ""
+    parts.append(f"dropout rate={rate:g}{shared}{att.drop.note}" if rate else "no dropout")
     fills = [m.fill for m in att.masks if m.boolean] + ([att.causal_fill] if causal else [])
     if att.sm.zero_rows and len(fills) == 1:
         fills = []  # softmax(where=mask) gives hidden rows 0 as the fused op does

@@ -6,8 +6,11 @@ u >= 1 - p (what bernoulli computes):
   select_n(mask, 0, h / p)        jnp.where(mask, h / p, 0) and flax.linen.Dropout
   h * mask / p, h / p * mask      with the mask converted to h's dtype
   h * (mask / p)                  flax.linen attention's dropout
-Division by p may also be multiplication by 1 / p. The mask must have h's shape
-(flax's `broadcast_dims` masks are left alone).
+Division by p may also be multiplication by 1 / p. The mask must have h's shape; with
+`parse(..., broadcast=True)` (attention only) it may also be broadcast to h's shape, of h's
+rank with 1 on some axes or through one broadcast_in_dim (flax's `broadcast_dropout=True`
+mask [1, 1, Sq, Sk]): `Dropout.mask_shape` says which, and the caller decides whether the
+fused op can draw it.
 
 The fused kernels draw their own mask from the *same key* that fed `bernoulli`, so every
 call site keeps its own key (after the user's `split`/`fold_in`), the keep probability
@@ -41,6 +44,12 @@ class Dropout:
     bernoulli: G.Node
     scale: float = 0.0        # the user's scale as the program holds it (1 / p rounded)
     scale_dtype: object = None
+    mask_shape: tuple = ()    # the mask's shape at h's rank (h's shape unless broadcast)
+
+    @property
+    def broadcast(self) -> bool:
+        """Whether one mask element serves several of h's (a size-1 axis where h's is larger)."""
+        return tuple(self.mask_shape) != tuple(self.h.shape)
 
     @property
     def note(self) -> str:
@@ -99,6 +108,26 @@ def _bernoulli(g: G.Graph, mask):
     return (call, p, nodes) if ok else None
 
 
+def _mask_operand(g: G.Graph, ref, shape, broadcast):
+    """(ref, its shape at the rank of `shape`, the broadcast node or None) for a mask
+    operand of an elementwise op whose result has `shape`: ref as it is where its shape is
+    `shape` (or, with `broadcast`, broadcasts to it at its rank), or with `broadcast` the
+    operand of the broadcast_in_dim that makes ref; None otherwise."""
+    def fits(m):
+        return len(m) == len(shape) and (tuple(m) == tuple(shape) or (broadcast and all(
+            a in (1, b) for a, b in zip(m, shape))))
+
+    node = g.op(ref, "broadcast_in_dim") if broadcast and tuple(ref.shape) == tuple(shape) else None
+    if node is not None:
+        src, dims = node.ins[0], node.params["broadcast_dimensions"]
+        at = [1] * len(shape)
+        for i, d in enumerate(dims):
+            at[d] = src.shape[i]
+        if fits(at):
+            return src, tuple(at), node
+    return (ref, tuple(ref.shape), None) if fits(ref.shape) else None
+
+
 def _scaled(g: G.Graph, ref, p):
     """(h, node, scale, dtype) when ref = h / p or h * (1 / p), with the constant p or 1 / p
     as `ref`'s dtype (or a narrower one it was converted from) stores it."""
@@ -117,30 +146,36 @@ def _scaled(g: G.Graph, ref, p):
     return None
 
 
-def _masked(g: G.Graph, ref, shape):
-    """(value, mask, nodes) when ref = value * convert(mask) with a boolean mask."""
+def _masked(g: G.Graph, ref, shape, broadcast):
+    """(value, mask, nodes, the mask's shape at ref's rank) when ref = value * convert(mask)
+    with a boolean mask (broadcast: _mask_operand)."""
     node = g.op(ref, "mul")
     if node is None:
         return None
     for v, m in (node.ins, node.ins[::-1]):
-        conv = g.op(m, "convert_element_type")
-        if conv is not None and conv.ins[0].dtype == bool and conv.ins[0].shape == shape:
-            return v, conv.ins[0], [node, conv]
+        if v.shape != shape:
+            continue
+        op = _mask_operand(g, m, shape, broadcast)
+        conv = g.op(op[0], "convert_element_type") if op is not None else None
+        if conv is not None and conv.ins[0].dtype == bool and conv.ins[0].shape == op[0].shape:
+            return v, conv.ins[0], [node, *([op[2]] if op[2] else []), conv], op[1]
     return None
 
 
-def _mask_over_p(g: G.Graph, ref, shape):
-    """(the call taking the key, p, nodes, _scaled's answer) when ref = convert(mask) / p (or
-    * 1 / p)."""
-    node = g.op(ref, "div", "mul")
+def _mask_over_p(g: G.Graph, ref, shape, broadcast):
+    """(the call taking the key, p, nodes, _scaled's answer, the mask's shape at the rank of
+    `shape`) when ref = convert(mask) / p (or * 1 / p), or a broadcast of it (broadcast:
+    _mask_operand)."""
+    op = _mask_operand(g, ref, shape, broadcast)
+    node = g.op(op[0], "div", "mul") if op is not None else None
     if node is None:
         return None
     for m in node.ins:
         conv = g.op(m, "convert_element_type")
-        found = _bernoulli(g, conv.ins[0]) if conv is not None and conv.ins[0].shape == shape else None
-        scaled = _scaled(g, ref, found[1]) if found is not None else None
+        found = _bernoulli(g, conv.ins[0]) if conv is not None and conv.ins[0].shape == op[0].shape else None
+        scaled = _scaled(g, op[0], found[1]) if found is not None else None
         if scaled is not None and scaled[0] is m:
-            return found[0], found[1], [node, conv, *found[2]], scaled
+            return found[0], found[1], [*([op[2]] if op[2] else []), node, conv, *found[2]], scaled, op[1]
     return None
 
 
@@ -164,52 +199,55 @@ def drawn_mask(g: G.Graph, ref):
     return None
 
 
-def parse(g: G.Graph, ref):
-    """The Dropout whose output is `ref`, or None."""
+def parse(g: G.Graph, ref, broadcast: bool = False):
+    """The Dropout whose output is `ref`, or None. With `broadcast`, its mask may also be
+    broadcast to ref's shape (module docstring)."""
     node = g.producer.get(ref)
     if node is None:
         return None
     shape = ref.shape
     if node.prim == "select_n" and len(node.ins) == 3:
-        mask, zero, kept = node.ins
-        found = _bernoulli(g, mask)
-        if found is None or mask.shape != shape or g.scalar(zero) != 0.0:
+        op = _mask_operand(g, node.ins[0], shape, broadcast)
+        zero, kept = node.ins[1:]
+        found = _bernoulli(g, op[0]) if op is not None else None
+        if found is None or g.scalar(zero) != 0.0:
             return None
         bern, p, drawn = found
         scaled = _scaled(g, kept, p)
         if scaled is None:
             return None
         h, div = scaled[:2]
-        return Dropout(h, bern.ins[0], _rate(p), [node, div, *drawn], bern, *scaled[2:])
+        return Dropout(h, bern.ins[0], _rate(p), [node, *([op[2]] if op[2] else []), div, *drawn], bern,
+                       *scaled[2:], op[1])
     if node.prim == "div" or node.prim == "mul":
         # (h * mask) / p
         for inner_ref in node.ins:
-            masked = _masked(g, inner_ref, shape)
+            masked = _masked(g, inner_ref, shape, broadcast)
             if masked is None:
                 continue
-            h, mask, mnodes = masked
+            h, mask, mnodes, mshape = masked
             found = _bernoulli(g, mask)
             scaled = _scaled(g, ref, found[1]) if found is not None else None
             if scaled is None or scaled[0] is not inner_ref:
                 continue
             bern, p, drawn = found
-            return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, *drawn], bern, *scaled[2:])
+            return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, *drawn], bern, *scaled[2:], mshape)
         # h * (mask / p)
         if node.prim == "mul":
             for h, m in (node.ins, node.ins[::-1]):
-                found = _mask_over_p(g, m, shape)
-                if found is not None and h.shape == shape:
-                    bern, p, mnodes, scaled = found  # mnodes: the mask's, its drawing included
-                    return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes], bern, *scaled[2:])
+                found = _mask_over_p(g, m, shape, broadcast) if h.shape == shape else None
+                if found is not None:
+                    bern, p, mnodes, scaled, mshape = found  # mnodes: the mask's, its drawing included
+                    return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes], bern, *scaled[2:], mshape)
         # (h / p) * mask
-        masked = _masked(g, ref, shape)
+        masked = _masked(g, ref, shape, broadcast)
         if masked is not None:
-            scaled_ref, mask, mnodes = masked
+            scaled_ref, mask, mnodes, mshape = masked
             found = _bernoulli(g, mask)
             if found is not None:
                 scaled = _scaled(g, scaled_ref, found[1])
                 if scaled is not None:
                     bern, p, drawn = found
                     return Dropout(scaled[0], bern.ins[0], _rate(p), [*mnodes, scaled[1], *drawn], bern,
-                                   *scaled[2:])
+                                   *scaled[2:], mshape)
     return None
