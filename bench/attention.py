@@ -28,6 +28,9 @@ cotangent; the output and all of dq, dk, dv are returned):
 - cudnn: `jax.nn.dot_product_attention(implementation="cudnn")`, no dropout (it has
   none); key padding passed as `key_value_seq_lengths`. GPU only: where it fails (always
   on CPU) the error is recorded and the run goes on.
+- Not run unless named in `--impls`: fused_bcast and xla_bcast, the fused and the plain-XLA
+  rows with Flax's default dropout (`broadcast_dropout=True`: one [Sq, Sk] keep mask for
+  every batch and head; plain XLA draws `bernoulli` of shape [1, 1, Sq, Sk]).
 
 softmax_dropout alone: `jaxsub.ops.softmax_dropout` on scores [8, 16, 512, 512] (scale
 1/8, dropout 0.1) against plain XLA (softmax in f32, `jax.random.bernoulli` dropout, cast
@@ -209,9 +212,10 @@ def format_floors(floors: list[dict]) -> str:
 # Implementations: each `make(case, mask, lengths)` returns `apply(args, key)`.
 
 
-def xla_attention(q, k, v, *, mask, causal: bool, rate: float, key):
+def xla_attention(q, k, v, *, mask, causal: bool, rate: float, key, broadcast: bool = False):
     """Plain XLA attention as written in jnp (after Flax's dot_product_attention); k and
-    v with fewer heads (grouped-query) repeated to q's."""
+    v with fewer heads (grouped-query) repeated to q's; `broadcast`: Flax's
+    broadcast_dropout, one keep mask for every batch and head."""
     k, v = attn_module.repeat_kv(q, k, v)
     q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(_F32)
@@ -223,22 +227,22 @@ def xla_attention(q, k, v, *, mask, causal: bool, rate: float, key):
         logits = jnp.where(visible, logits, jnp.finfo(_F32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
     if rate > 0.0:
-        keep = jax.random.bernoulli(key, 1.0 - rate, weights.shape)
+        keep = jax.random.bernoulli(key, 1.0 - rate, (1, 1, *weights.shape[2:]) if broadcast else weights.shape)
         weights = weights * (keep.astype(q.dtype) / jnp.asarray(1.0 - rate, q.dtype))
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def _jaxsub(implementation: str, rate: float):
+def _jaxsub(implementation: str, rate: float, broadcast: bool = False):
     def make(case: Case, mask, lengths):
         def apply(a, key):
             return jaxsub.ops.attention(*a, mask=mask, causal=case.causal, dropout_rate=rate, key=key,
-                                        implementation=implementation)
+                                        implementation=implementation, broadcast_dropout=broadcast)
         return apply
     return make
 
 
-def _xla(case: Case, mask, lengths):
-    return lambda a, key: xla_attention(*a, mask=mask, causal=case.causal, rate=RATE, key=key)
+def _xla(case: Case, mask, lengths, broadcast: bool = False):
+    return lambda a, key: xla_attention(*a, mask=mask, causal=case.causal, rate=RATE, key=key, broadcast=broadcast)
 
 
 def _cudnn(case: Case, mask, lengths):
@@ -253,6 +257,7 @@ class Impl:
     rate: float
     make: Callable
     optional: bool = False       # an error is recorded but does not fail the run
+    default: bool = True         # run unless --impls names others
 
 
 IMPLS = {
@@ -263,8 +268,11 @@ IMPLS = {
         Impl("unfused", "jaxsub unfused", RATE, _jaxsub("unfused", RATE)),
         Impl("xla", "plain XLA", RATE, _xla),
         Impl("cudnn", "cuDNN", 0.0, _cudnn, optional=True),
+        Impl("fused_bcast", "jaxsub fused", RATE, _jaxsub("fused", RATE, broadcast=True), default=False),
+        Impl("xla_bcast", "plain XLA", RATE, functools.partial(_xla, broadcast=True), default=False),
     )
 }
+DEFAULT_IMPLS = [name for name, impl in IMPLS.items() if impl.default]
 BASELINE, CUDNN = "xla", "cudnn"
 
 
@@ -488,8 +496,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(FULL.cases)} (default: all, or none with --shape)")
     p.add_argument("--shape", type=parse_shape, action="append", default=[], metavar="B,S,H[/H_kv],D[,causal|padded]",
                    help="an extra case of that shape, q/k/v [B, S, H, D] (repeatable)")
-    p.add_argument("--impls", type=report.csv_choices(IMPLS), default=list(IMPLS),
-                   help=f"comma-separated subset of {','.join(IMPLS)} (ratios need xla and cudnn)")
+    p.add_argument("--impls", type=report.csv_choices(IMPLS), default=DEFAULT_IMPLS,
+                   help=f"comma-separated subset of {','.join(IMPLS)} (default {','.join(DEFAULT_IMPLS)}; "
+                        "ratios need xla and cudnn)")
     p.add_argument("--no-softmax", action="store_true", help="skip the softmax_dropout rows")
     p.add_argument("--floors", action="store_true", help="print the computed flops and floors and exit")
     report.add_run_arguments(p, DEFAULT_JSON, FULL.repeats, SMALL.repeats)

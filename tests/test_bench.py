@@ -75,6 +75,19 @@ def test_floor_bytes_match_abi_traffic():
         2 * big + 4096 * 4 + 8 + 3 * big + 2 * 4096 * 4 + 8)
 
 
+def test_attention_broadcast_dropout_rows(tmp_path):
+    """The rows run only when named: Flax's broadcast dropout, fused and in plain XLA."""
+    out = tmp_path / "attention.json"
+    with jax.threefry_partitionable(False):
+        code = bench_attention.main(["--small", "--cases", "bert", "--impls", "fused_bcast,xla_bcast",
+                                     "--no-softmax", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 0
+    assert {(r["pass"], r["impl"]) for r in rows} == {(p, i) for p in bench_attention.PASSES
+                                                      for i in ("fused_bcast", "xla_bcast")}
+    assert all(r["us"] > 0 for r in rows), rows
+
+
 def test_attention_small_run_writes_every_row_with_positive_times(tmp_path):
     out = tmp_path / "attention.json"
     # Partitionable threefry (the default) takes ~3x longer for XLA:CPU to compile, and the
@@ -88,7 +101,7 @@ def test_attention_small_run_writes_every_row_with_positive_times(tmp_path):
     assert result["copy_bandwidth_bytes_per_s"] > 0
     assert result["cuda_fused_attention_target"] in (True, False)
     cases = bench_attention.SMALL.cases
-    expected = {(c, p, i) for c in cases for p in bench_attention.PASSES for i in bench_attention.IMPLS}
+    expected = {(c, p, i) for c in cases for p in bench_attention.PASSES for i in bench_attention.DEFAULT_IMPLS}
     expected |= {("softmax", p, i) for p in bench_attention.PASSES for i in ("softmax_dropout", "xla")}
     rows = {(r["case"], r["pass"], r["impl"]): r for r in result["rows"]}
     assert set(rows) == expected and len(result["rows"]) == len(expected)

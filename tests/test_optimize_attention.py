@@ -1013,6 +1013,20 @@ def test_flax_nnx():
     assert APART in str(report), str(report)
 
 
+def test_flax_nnx_default_dropout_is_broadcast_dropout():
+    """nnx.MultiHeadAttention's dropout (broadcast_dropout=True by default) is fused whole."""
+    layer = nnx.MultiHeadAttention(num_heads=H, in_features=E, decode=False, dropout_rate=RATE,
+                                   rngs=nnx.Rngs(0, dropout=1))
+    graphdef, state = nnx.split(layer)
+
+    def f(state, x):
+        return nnx.merge(graphdef, state)(x, deterministic=False)
+
+    report = jaxsub.explain(f, state, _normal(0, (B, S, E)))
+    assert report.totals == {"attention": 1} and not report.near_misses, str(report)
+    assert "broadcast_dropout" in str(report) and APART in str(report), str(report)
+
+
 def test_flax_linen_projections_become_attention_projected():
     """MultiHeadDotProductAttention's three DenseGenerals (with biases) of one input:
     attention_projected, whose forward keeps the three products (each with its bias) and
