@@ -522,6 +522,7 @@ def _bad_cases():
         ("k-dtype", dict(ok, k=k.astype(BF16)), TypeError, "`k`"),
         ("v-dtype", dict(ok, v=k.astype(F16)), TypeError, "`v`"),
         ("rate-one", dict(ok, dropout_rate=1.0), ValueError, "`dropout_rate`"),
+        ("broadcast-str", dict(ok, broadcast_dropout="yes"), TypeError, "`broadcast_dropout`"),
         ("rate-negative", dict(ok, dropout_rate=-0.1), ValueError, "`dropout_rate`"),
         ("key-missing", dict(ok, key=None), ValueError, "`key`"),
         ("implementation", dict(ok, implementation="flash"), ValueError, "`implementation`"),
