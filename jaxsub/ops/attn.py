@@ -399,7 +399,7 @@ def _unfused(q, k, v, mask4d, seed, kind, causal, scale, rate, *, op, bcast=Fals
         # f32 and rounded once, as the kernels scale the kept probabilities.
         p = _softmax.softmax_4d(scores, mask4d, _dropout.NO_SEED, scale, causal, kind, 0.0, op=op)
         keep = _dropout.seed_mask(seed, (1, 1, *scores.shape[2:]), rate)
-        p = jnp.where(keep, p.astype(_F32) * _dropout.keep_scale(rate), 0.0).astype(p.dtype)
+        p = _dropout.apply_reference(p.astype(_F32), keep, rate).astype(p.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
@@ -630,12 +630,6 @@ def attention_packed(qkv, *, axis=2, mask=None, causal=False, scale=None, dropou
                       implementation, broadcast_dropout)
 
 
-def check_broadcast(op: str, broadcast_dropout) -> bool:
-    if not isinstance(broadcast_dropout, (bool, np.bool_)):
-        raise TypeError(f"jaxsub.{op}: `broadcast_dropout` must be a Python bool, got {broadcast_dropout!r}")
-    return bool(broadcast_dropout)
-
-
 def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, implementation, broadcast_dropout=False):
     """`attention` after the q, k, v checks. `packed`: None (q, k, v are arrays), (qkv,
     axis) when q, k, v are its slices, or a source of q, k, v computed from other arrays
@@ -650,11 +644,13 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"jaxsub.{op}: `causal` must be a Python bool, got {causal!r}")
     causal = bool(causal)
+    if not isinstance(broadcast_dropout, (bool, np.bool_)):
+        raise TypeError(f"jaxsub.{op}: `broadcast_dropout` must be a Python bool, got {broadcast_dropout!r}")
     b, sq, h, d = q.shape
     sk = k.shape[1]
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _masks.check_scale(op, scale)
     rate = _dropout.check_rate(op, dropout_rate, "dropout_rate")
-    bcast = check_broadcast(op, broadcast_dropout) and rate > 0.0
+    bcast = bool(broadcast_dropout) and rate > 0.0
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
     mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True, causal=causal)
     source = None if packed is None or isinstance(packed, tuple) else packed

@@ -359,12 +359,11 @@ class _Attn:
             op[1] = ren(op[1])
         if query == "R":
             self.operands.reverse()
-        self.prob_labels = ren(labels)
-        for i, node in enumerate(self.post):
-            if self.drop is not None and i == self.drop_at and not self.drop_labels(self.prob_labels):
-                return False
-            self.prob_labels = L.forward(node, self.prob_labels)
-        if self.drop is not None and self.drop_at == len(self.post) and not self.drop_labels(self.prob_labels):
+        at = [ren(labels)]  # the labels before each post node, then after the last
+        for node in self.post:
+            at.append(L.forward(node, at[-1]))
+        self.prob_labels = at[-1]
+        if self.drop is not None and not self.drop_labels(at[self.drop_at]):
             return False
         q, k = self.operands
         self.q, qf, qn = _unscaled(g, q[0])

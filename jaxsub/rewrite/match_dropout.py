@@ -44,12 +44,12 @@ class Dropout:
     bernoulli: G.Node
     scale: float = 0.0        # the user's scale as the program holds it (1 / p rounded)
     scale_dtype: object = None
-    mask_shape: tuple = ()    # the mask's shape at h's rank (h's shape unless broadcast)
+    mask_shape: tuple | None = None  # the mask's shape at h's rank (None: h's shape)
 
     @property
     def broadcast(self) -> bool:
         """Whether one mask element serves several of h's (a size-1 axis where h's is larger)."""
-        return tuple(self.mask_shape) != tuple(self.h.shape)
+        return self.mask_shape is not None and tuple(self.mask_shape) != tuple(self.h.shape)
 
     @property
     def note(self) -> str:
@@ -109,9 +109,9 @@ def _bernoulli(g: G.Graph, mask):
 
 
 def _mask_operand(g: G.Graph, ref, shape, broadcast):
-    """(ref, its shape at the rank of `shape`, the broadcast node or None) for a mask
-    operand of an elementwise op whose result has `shape`: ref as it is where its shape is
-    `shape` (or, with `broadcast`, broadcasts to it at its rank), or with `broadcast` the
+    """(ref, its shape at the rank of `shape`, the broadcast node in a list or []) for a
+    mask operand of an elementwise op whose result has `shape`: ref as it is where its shape
+    is `shape` (or, with `broadcast`, broadcasts to it at its rank), or with `broadcast` the
     operand of the broadcast_in_dim that makes ref; None otherwise."""
     def fits(m):
         return len(m) == len(shape) and (tuple(m) == tuple(shape) or (broadcast and all(
@@ -124,8 +124,8 @@ def _mask_operand(g: G.Graph, ref, shape, broadcast):
         for i, d in enumerate(dims):
             at[d] = src.shape[i]
         if fits(at):
-            return src, tuple(at), node
-    return (ref, tuple(ref.shape), None) if fits(ref.shape) else None
+            return src, tuple(at), [node]
+    return (ref, tuple(ref.shape), []) if fits(ref.shape) else None
 
 
 def _scaled(g: G.Graph, ref, p):
@@ -158,7 +158,7 @@ def _masked(g: G.Graph, ref, shape, broadcast):
         op = _mask_operand(g, m, shape, broadcast)
         conv = g.op(op[0], "convert_element_type") if op is not None else None
         if conv is not None and conv.ins[0].dtype == bool and conv.ins[0].shape == op[0].shape:
-            return v, conv.ins[0], [node, *([op[2]] if op[2] else []), conv], op[1]
+            return v, conv.ins[0], [node, *op[2], conv], op[1]
     return None
 
 
@@ -175,7 +175,7 @@ def _mask_over_p(g: G.Graph, ref, shape, broadcast):
         found = _bernoulli(g, conv.ins[0]) if conv is not None and conv.ins[0].shape == op[0].shape else None
         scaled = _scaled(g, op[0], found[1]) if found is not None else None
         if scaled is not None and scaled[0] is m:
-            return found[0], found[1], [*([op[2]] if op[2] else []), node, conv, *found[2]], scaled, op[1]
+            return found[0], found[1], [*op[2], node, conv, *found[2]], scaled, op[1]
     return None
 
 
@@ -217,8 +217,7 @@ def parse(g: G.Graph, ref, broadcast: bool = False):
         if scaled is None:
             return None
         h, div = scaled[:2]
-        return Dropout(h, bern.ins[0], _rate(p), [node, *([op[2]] if op[2] else []), div, *drawn], bern,
-                       *scaled[2:], op[1])
+        return Dropout(h, bern.ins[0], _rate(p), [node, *op[2], div, *drawn], bern, *scaled[2:], op[1])
     if node.prim == "div" or node.prim == "mul":
         # (h * mask) / p
         for inner_ref in node.ins:
