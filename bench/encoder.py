@@ -19,6 +19,10 @@ layer, the shared parameter tree and every row). Rows, all on the same parameter
   d opt-jnp   `jaxsub.optimize(jnp layer)`; e opt-flax `jaxsub.optimize(Flax layer)`;
               "fused" lists what the pass matched (jaxsub.explain).
   f jaxsub    jaxsub.flax.EncoderLayer (the stack: jaxsub.flax.Encoder(scan_layers=True)).
+  g flax-bcast  row b with Flax's default attention dropout (broadcast_dropout=True: one
+              [S, S] keep mask for every batch element and head, fewer random bits than
+              rows a-f draw); h opt-flax-bcast `jaxsub.optimize` of g's layer (compare h
+              with g). Single layers only, as b and e.
 Configs: hidden 1024, 16 heads, ffn 4096, post-LN; batch 8 x seq 512 and 96 x 128, bf16
 and fp16; and the 24-layer stack at 8 x 512 bf16 (rows a, c, d as jnp `lax.scan` over
 stacked parameters, f as the scanned Encoder).
@@ -399,7 +403,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=report.csv_choices(ROWS), default=list(ROWS),
                    help=f"comma-separated subset of {','.join(ROWS)} ({BASELINE} is always run: the baseline)")
     p.add_argument("--layouts", choices=("none", "heuristic", "auto"), default="heuristic",
-                   help="layouts= of the jaxsub rows (d, e, f): 'heuristic' (default: the byte-count "
+                   help="layouts= of the jaxsub rows (d, e, f, h): 'heuristic' (default: the byte-count "
                         "model's layouts and attention algorithm, what 'auto' uses without a GPU), 'none' "
                         "(each op's default: unfused attention), or 'auto' (times candidates on a cache "
                         "miss: minutes per shape)")
@@ -451,7 +455,7 @@ def main(argv=None) -> int:
     plot(rows, args.plot or args.json.with_suffix(".png"), timing.describe_device())
     print()
     print("rows: " + "; ".join(f"{ROWS[n].letter} {n} = {ROWS[n].label}" for n in args.rows)
-          + f" (rows d, e, f with layouts={args.layouts!r})")
+          + f" (rows d, e, f, h with layouts={args.layouts!r})")
     print(f"% floor: matmul flops at {rate_source}")
     print(format_table(rows))
     if any(c.stack for c in configs):

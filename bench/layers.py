@@ -169,12 +169,12 @@ def _jnp(attention: str, optimized: bool):
 
 
 # ---------------------------------------------------------------------------------------
-# Flax rows (b, e) and jaxsub's module (f).
+# Flax rows (b, e; g, h with Flax's default attention dropout) and jaxsub's module (f).
 
 
-def _flax(optimized: bool):
+def _flax(optimized: bool, broadcast_dropout: bool = False):
     def forward(cfg: Config, deterministic: bool):
-        layer = ReferenceEncoderLayer(**_module_fields(cfg))
+        layer = ReferenceEncoderLayer(**_module_fields(cfg), broadcast_dropout=broadcast_dropout)
 
         def f(p, x, key):
             return layer.apply({"params": p}, x, deterministic=deterministic, rngs={"dropout": key})
@@ -227,6 +227,12 @@ ROWS = {
         Impl("opt-flax", "e", "jaxsub.optimize(Flax linen layer)", _flax(optimized=True), to_flax_params,
              from_flax_params, stack=False),
         Impl("jaxsub", "f", "jaxsub.flax.EncoderLayer / Encoder(scan)", _jaxsub_module),
+        # Flax's default attention dropout (broadcast_dropout=True: one [S, S] mask shared by
+        # every batch element and head; rows b and e draw one per element, as a and d do).
+        Impl("flax-bcast", "g", "Flax linen layer, broadcast attn dropout", _flax(False, True), to_flax_params,
+             from_flax_params, stack=False),
+        Impl("opt-flax-bcast", "h", "jaxsub.optimize(Flax linen layer), broadcast attn dropout", _flax(True, True),
+             to_flax_params, from_flax_params, stack=False),
     )
 }
 BASELINE = "xla"

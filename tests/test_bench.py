@@ -412,6 +412,22 @@ def test_encoder_pre_ln_config_rows_agree_with_plain_xla(tmp_path):
         assert rows[name]["fused"] == "attn1 bdr1 bdrln1 gelu1 ln1", rows[name]["fused"]
 
 
+def test_encoder_broadcast_dropout_rows_fuse_flax_default_attention(tmp_path):
+    """Rows g and h: the Flax layer with Flax's default attention dropout (one [S, S] mask
+    for every batch element and head), plain and optimized. Both compute the plain-XLA
+    layer without dropout, and `optimize` fuses the attention with its shared mask."""
+    out = tmp_path / "encoder.json"
+    code = bench_encoder.main(["--small", "--configs", "small-b2s64-bf16", "--rows", "flax-bcast,opt-flax-bcast",
+                               "--repeats", "1", "--json", str(out), "--plot", str(tmp_path / "chart.png")])
+    result = json.loads(out.read_text())
+    rows = {r["row"]: r for r in result["rows"]}
+    assert code == 0, [(r["row"], r["check"], r["status"]) for r in result["rows"]]
+    assert {n: r["check"] for n, r in rows.items()} == {"xla": "baseline", "flax-bcast": "ok",
+                                                        "opt-flax-bcast": "ok"}
+    assert rows["opt-flax-bcast"]["fused"].startswith("attn1 "), rows["opt-flax-bcast"]["fused"]
+    assert rows["opt-flax-bcast"]["ms"] > 0 and rows["flax-bcast"]["ms"] > 0
+
+
 def test_encoder_small_run_checks_and_times_every_row(tmp_path, capsys):
     out = tmp_path / "encoder.json"
     # One config (f32: the pass fuses the whole layer) and the rows whose code paths differ

@@ -360,8 +360,13 @@ class ReferenceEncoderLayer(_LayerFields):
       mlp_in:         kernel [E, F] bias [F]
       mlp_out:        kernel [F, E] bias [E]
       mlp_norm:       scale [E] bias [E]
+
+    `broadcast_dropout` (this layer's own field) is passed to the attention: False (the
+    default here) draws one keep mask per batch element and head, as `EncoderLayer` does;
+    True is Flax's own default, one [Sq, Sk] mask shared by every batch element and head.
     """
 
+    broadcast_dropout: bool = False
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True, *, bias=None):
@@ -381,7 +386,7 @@ class ReferenceEncoderLayer(_LayerFields):
         attn_mask = nn.combine_masks(*masks) if masks else None
 
         attention = nn.MultiHeadDotProductAttention(
-            num_heads=self.num_heads, qkv_features=e, out_features=e, broadcast_dropout=False,
+            num_heads=self.num_heads, qkv_features=e, out_features=e, broadcast_dropout=self.broadcast_dropout,
             dropout_rate=self.attention_dropout_rate, deterministic=deterministic, name="attention",
             attention_fn=nn.dot_product_attention if bias is None else functools.partial(
                 nn.dot_product_attention, bias=bias), **dense)
