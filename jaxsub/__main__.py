@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     t.add_argument("--dropout", type=float, default=0.1, help="dropout after projections and GELU")
     t.add_argument("--attention-dropout", type=float, default=0.1)
+    t.add_argument("--broadcast-dropout", action="store_true",
+                   help="one attention dropout mask [S, S] for every batch element and head (Flax's default)")
     t.add_argument("--pre-layer-norm", action="store_true", help="GPT-style pre-LN layer")
     t.add_argument("--causal", action="store_true")
     t.add_argument("--padding-mask", action="store_true", help="a boolean key-padding mask [B, S]")
@@ -74,7 +76,7 @@ def tune_command(args) -> int:
             mlp_dim=4 * args.hidden if args.mlp_dim is None else args.mlp_dim, dtype=args.dtype, dropout_rate=args.dropout,
             attention_dropout_rate=args.attention_dropout, pre_layer_norm=args.pre_layer_norm, causal=args.causal,
             mask_shape=(args.batch, args.seq) if args.padding_mask else None,
-            mask_dtype="bool" if args.padding_mask else None)
+            mask_dtype="bool" if args.padding_mask else None, broadcast_dropout=args.broadcast_dropout)
         options = layout.Auto(budget_s=args.budget,
                               repeats=args.repeats, cache_dir=args.cache_dir, use_cache=not args.no_cache,
                               measure_without_gpu=True, progress=None, refresh=args.refresh,

@@ -234,6 +234,44 @@ def test_dropout_uses_the_rng(pre_layer_norm):
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["layer", "scanned_stack"])
+@pytest.mark.parametrize("layouts", ["none", "heuristic"])
+def test_broadcast_dropout_shares_the_attention_mask(layouts, stack):
+    """broadcast_dropout=True (Flax attention's default): one attention keep mask for every
+    batch element, so identical batch elements stay identical, forward and backward, where
+    per-element masks make them differ; the fused attention's custom calls are told so
+    (their `dropout_bcast` attribute). Only the attention dropout is on."""
+    x = jnp.tile(jnp.asarray(np.random.default_rng(3).standard_normal((1, S, E)), jnp.float32), (3, 1, 1))
+    fields = dict(num_heads=H, mlp_dim=F, dropout_rate=0.0, attention_dropout_rate=0.5, layouts=layouts)
+    outs = {}
+    for bcast in (True, False):
+        module = (Encoder(num_layers=2, broadcast_dropout=bcast, **fields) if stack
+                  else EncoderLayer(broadcast_dropout=bcast, **fields))
+        params = module.init(jax.random.key(1), x)["params"]
+
+        def loss(p, x):
+            y = module.apply({"params": p}, x, None, False, rngs={"dropout": jax.random.key(7)})
+            return jnp.sum(jnp.sin(y)), y
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True))
+        text = step.lower(params, x).as_text()
+        calls = [line for line in text.split("\n") if "custom_call @jaxsub_attention" in line]
+        assert all(f"dropout_bcast = {str(bcast).lower()}" in line for line in calls), calls[:1]
+        assert bool(calls) == (layouts != "none")  # "none": the unfused attention, its dropout in XLA
+        (_, y), dx = step(params, x)
+        outs[bcast] = (np.asarray(y), np.asarray(dx))
+    for a in outs[True]:
+        np.testing.assert_array_equal(a[1:], np.broadcast_to(a[:1], a[1:].shape))
+    for a in outs[False]:
+        assert not np.allclose(a[1], a[0])
+
+
+def test_broadcast_dropout_must_be_a_bool():
+    layer = EncoderLayer(num_heads=H, mlp_dim=F, broadcast_dropout="yes")
+    with pytest.raises(TypeError, match="EncoderLayer: `broadcast_dropout` must be a bool"):
+        layer.init(jax.random.key(0), jnp.zeros((B, S, E)))
+
+
 @pytest.mark.parametrize("pre_layer_norm", [False, True], ids=["post_ln", "pre_ln"])
 def test_no_dropout_mask_is_kept_for_the_backward(pre_layer_norm):
     """Every dropout of the layer draws its mask again in the backward: nothing of the

@@ -31,6 +31,15 @@ def test_heuristic_prints_the_path_with_stage_times(capsys):
     assert "tuning time" not in out and "cache:" not in out
 
 
+def test_broadcast_dropout_is_part_of_the_layer_only_when_set(capsys):
+    """--broadcast-dropout (Flax's shared attention mask) is in the layer's spec, and so in
+    its cache key; without it the spec, and every existing cache key, is as before."""
+    assert cli.main(["tune", *TINY, "--mode", "heuristic", "--broadcast-dropout"]) == 0
+    assert '"broadcast_dropout": true' in capsys.readouterr().out
+    assert cli.main(["tune", *TINY, "--mode", "heuristic"]) == 0
+    assert "broadcast_dropout" not in capsys.readouterr().out
+
+
 def test_timed_run_as_a_subprocess_with_a_zero_budget(tmp_path):
     """The real command: times each stage's default (the budget lets nothing else in)
     and still prints and stores a complete selection."""

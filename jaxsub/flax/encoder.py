@@ -19,6 +19,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsub import layout, ops, stack
 from jaxsub.ops import dropout as _dropout
@@ -155,6 +156,7 @@ class _LayerFields(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros
+    broadcast_dropout: bool = False
 
 
 def _compute_dtype(dtype, param_dtype, x):
@@ -186,6 +188,10 @@ class EncoderLayer(_LayerFields):
       param_dtype: dtype of the parameters.
       kernel_init, bias_init: initializers, applied as for `nn.Dense` (the fused QKV
         kernel is initialized as a [hidden, 3 * hidden] matrix).
+      broadcast_dropout: as `nn.MultiHeadDotProductAttention`'s: True draws one attention
+        keep mask [S, S] shared by every batch element and head (Flax's default;
+        `ops.dropout_mask(key, (1, 1, S, S), rate)`), False (default here, as BERT) one
+        per element (`ops.dropout_mask(key, (B, H, S, S), rate)`).
 
     Parameter tree (E = hidden size, H = num_heads, D = E // H, F = mlp_dim)::
 
@@ -290,6 +296,9 @@ class EncoderLayer(_LayerFields):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
                 kind = "" if isinstance(value, numbers.Real) else f" of type {type(value).__name__} (a Python number)"
                 raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a float in [0, 1){kind}, got {value!r}")
+        if not isinstance(self.broadcast_dropout, (bool, np.bool_)):
+            raise TypeError(f"jaxsub.flax.EncoderLayer: `broadcast_dropout` must be a bool, got "
+                            f"{self.broadcast_dropout!r}")
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             value = x.dtype if value is None else jnp.dtype(value)  # None: Flax's "from the input"
@@ -309,7 +318,8 @@ class EncoderLayer(_LayerFields):
             dtype=_compute_dtype(self.dtype, self.param_dtype, x).name,
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
             pre_layer_norm=self.pre_layer_norm, causal=self.causal, epsilon=self.epsilon,
-            approximate_gelu=self.approximate_gelu, mask_shape=mask_shape, mask_dtype=mask_dtype)
+            approximate_gelu=self.approximate_gelu, mask_shape=mask_shape, mask_dtype=mask_dtype,
+            broadcast_dropout=bool(self.broadcast_dropout))
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True, *, bias=None, dropout_keys=None):
@@ -360,13 +370,7 @@ class ReferenceEncoderLayer(_LayerFields):
       mlp_in:         kernel [E, F] bias [F]
       mlp_out:        kernel [F, E] bias [E]
       mlp_norm:       scale [E] bias [E]
-
-    `broadcast_dropout` (this layer's own field) is passed to the attention: False (the
-    default here) draws one keep mask per batch element and head, as `EncoderLayer` does;
-    True is Flax's own default, one [Sq, Sk] mask shared by every batch element and head.
     """
-
-    broadcast_dropout: bool = False
 
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True, *, bias=None):

@@ -110,6 +110,7 @@ class LayerSpec:
     mask_shape: tuple | None = None
     mask_dtype: str | None = None
     training: bool = True
+    broadcast_dropout: bool = False  # one [S, S] attention keep mask for every batch element and head
 
     def __post_init__(self):
         for name in ("batch", "seq", "hidden", "heads", "mlp_dim"):
@@ -136,6 +137,8 @@ class LayerSpec:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["mask_shape"] = list(self.mask_shape) if self.mask_shape is not None else None
+        if not self.broadcast_dropout:  # named only when set: the layout caches' keys stay as they were
+            del d["broadcast_dropout"]
         return d
 
 
@@ -276,6 +279,7 @@ class EncoderProblem(Problem):
         key = ext["keys"]["attn"]
         return dict(mask=ext["mask"], causal=s.causal,
                     dropout_rate=s.attention_dropout_rate if key is not None else 0.0, key=key,
+                    broadcast_dropout=s.broadcast_dropout,
                     implementation=parse_config(cand.config).get("impl", "unfused"))
 
     def _attention(self, cand, p, v, ext):
