@@ -391,6 +391,27 @@ def test_dropout_from_a_uniform_draw(spelling):
     assert_close(jaxsub.optimize(noisy)(x, b, key), noisy(x, b, key), what="uniform noise")
 
 
+@pytest.mark.parametrize("scale", ["divide", "multiply"])
+def test_dropout_selected_then_scaled(scale):
+    """jnp.where(keep, h, 0) / (1 - rate), the scale after the select (missed until a probe
+    round: only the select of h / (1 - rate) was recognized), is the fused op's dropout for
+    the user's key."""
+    x, b, key = _normal(0, (64, N)), _normal(1, (N,)), jax.random.key(8)
+
+    def scaled(y):
+        return y / (1 - RATE) if scale == "divide" else y * (1 / (1 - RATE))
+
+    def f(x, b, key):
+        keep = jax.random.bernoulli(key, 1 - RATE, x.shape)
+        return scaled(jnp.where(keep, jax.nn.gelu(x + b, approximate=False), 0))
+
+    report = jaxsub.explain(f, x, b, key)
+    assert report.totals == {"bias_gelu_dropout": 1} and f"dropout rate={RATE:g}" in str(report), str(report)
+    keep = ops.dropout_mask(key, x.shape, RATE)
+    want = jnp.where(keep, jax.nn.gelu(x + b, approximate=False) / (1 - RATE), 0)
+    assert_close(jaxsub.optimize(f)(x, b, key), want, what="value")
+
+
 def gelu_then_residual_dropout(x, b, r, key):
     """Two dropouts whose keys are the slices of one split (as a jnp layer draws them)."""
     keys = jax.random.split(key, 2)

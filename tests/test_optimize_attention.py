@@ -1259,12 +1259,20 @@ def test_flax_dot_product_attention_dropout_uses_the_users_key(broadcast):
     assert np.abs(np.asarray(want, np.float32) - np.asarray(other, np.float32)).max() > 0.1
 
 
-def test_dropout_with_a_two_dimensional_mask_is_broadcast_dropout():
+@pytest.mark.parametrize("spelling", ["where", "mul", "mul_scaled_mask", "scaled_mul", "where_then_scale"])
+def test_dropout_with_a_two_dimensional_mask_is_broadcast_dropout(spelling):
     """A [Sq, Sk] mask that jnp.where broadcasts (a broadcast_in_dim to the probabilities'
-    rank) is the same shared mask."""
+    rank) is the same shared mask; so is one that a product promotes to [1, 1, Sq, Sk]
+    (a broadcast_in_dim to that shape, after the mask's convert or its scale: missed until
+    a probe round)."""
     def f(q, k, v, key):
         p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / float(np.sqrt(D)), -1)
-        p = jnp.where(jax.random.bernoulli(key, 1.0 - RATE, p.shape[2:]), p / (1.0 - RATE), 0.0)
+        keep = jax.random.bernoulli(key, 1.0 - RATE, p.shape[2:])
+        p = {"where": lambda: jnp.where(keep, p / (1.0 - RATE), 0.0),
+             "mul": lambda: p * keep / (1.0 - RATE),
+             "mul_scaled_mask": lambda: p * (keep.astype(p.dtype) / (1.0 - RATE)),
+             "scaled_mul": lambda: p * (1.0 / (1.0 - RATE)) * keep,
+             "where_then_scale": lambda: jnp.where(keep, p, 0.0) / (1.0 - RATE)}[spelling]()
         return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
     q, k, v = _qkv()

@@ -4,6 +4,7 @@ Recognized spellings of dropout(h) with keep probability p, mask = bernoulli(key
 or a comparison of uniform(key, shape) (float32 on [0, 1)) with a constant, u < p or
 u >= 1 - p (what bernoulli computes):
   select_n(mask, 0, h / p)        jnp.where(mask, h / p, 0) and flax.linen.Dropout
+  select_n(mask, 0, h) / p        jnp.where(mask, h, 0) / p
   h * mask / p, h / p * mask      with the mask converted to h's dtype
   h * (mask / p)                  flax.linen attention's dropout
 Division by p may also be multiplication by 1 / p. The mask must have h's shape; with
@@ -112,12 +113,14 @@ def _mask_operand(g: G.Graph, ref, shape, broadcast):
     """(ref, its shape at the rank of `shape`, the broadcast node in a list or []) for a
     mask operand of an elementwise op whose result has `shape`: ref as it is where its shape
     is `shape` (or, with `broadcast`, broadcasts to it at its rank), or with `broadcast` the
-    operand of the broadcast_in_dim that makes ref; None otherwise."""
+    operand of the broadcast_in_dim that makes ref (to `shape`, or to a shape that
+    broadcasts to it: jnp's rank promotion of an [Sq, Sk] mask to [1, 1, Sq, Sk]); None
+    otherwise."""
     def fits(m):
         return len(m) == len(shape) and (tuple(m) == tuple(shape) or (broadcast and all(
             a in (1, b) for a, b in zip(m, shape))))
 
-    node = g.op(ref, "broadcast_in_dim") if broadcast and tuple(ref.shape) == tuple(shape) else None
+    node = g.op(ref, "broadcast_in_dim") if broadcast and fits(ref.shape) else None
     if node is not None:
         src, dims = node.ins[0], node.params["broadcast_dimensions"]
         at = [1] * len(shape)
@@ -219,6 +222,18 @@ def parse(g: G.Graph, ref, broadcast: bool = False):
         h, div = scaled[:2]
         return Dropout(h, bern.ins[0], _rate(p), [node, *op[2], div, *drawn], bern, *scaled[2:], op[1])
     if node.prim == "div" or node.prim == "mul":
+        # select_n(mask, 0, h) / p
+        for inner_ref in node.ins:
+            sel = g.op(inner_ref, "select_n")
+            if sel is None or len(sel.ins) != 3 or g.scalar(sel.ins[1]) != 0.0:
+                continue
+            op = _mask_operand(g, sel.ins[0], shape, broadcast)
+            found = _bernoulli(g, op[0]) if op is not None else None
+            scaled = _scaled(g, ref, found[1]) if found is not None else None
+            if scaled is None or scaled[0] is not inner_ref:
+                continue
+            bern, p, drawn = found
+            return Dropout(sel.ins[2], bern.ins[0], _rate(p), [node, sel, *op[2], *drawn], bern, *scaled[2:], op[1])
         # (h * mask) / p
         for inner_ref in node.ins:
             masked = _masked(g, inner_ref, shape, broadcast)
