@@ -412,6 +412,48 @@ def test_dropout_selected_then_scaled(scale):
     assert_close(jaxsub.optimize(f)(x, b, key), want, what="value")
 
 
+@pytest.mark.parametrize("key_form", ["typed", "raw_sliced_twice"])
+@pytest.mark.parametrize("other", ["bernoulli", "normal"])
+def test_a_key_that_also_draws_outside_the_patterns_keeps_its_dropout(key_form, other):
+    """A dropout whose key also draws a mask (or noise) that stays in XLA stays too: in JAX
+    the two draws share their bits (the same mask, for the same shape), which a fused op
+    drawing its own mask would break (found by probing). The layer norm is still fused.
+    A raw key is wrapped again at each draw, and `keys[0]` written twice slices it twice:
+    still one key."""
+    x, b, r, s, lb, _ = _bdrln_args()
+
+    def f(x, b, r, s, lb, key):
+        key_of = (lambda: jax.random.split(key)[0]) if key_form == "raw_sliced_twice" else (lambda: key)
+        y = bdrln_block(x, b, r, s, lb, key_of(), rate=RATE)
+        if other == "bernoulli":
+            return y, _bernoulli_dropout(key_of(), x + b, RATE)
+        return y, x + jax.random.normal(key_of(), x.shape)
+
+    key = jax.random.PRNGKey(5) if key_form == "raw_sliced_twice" else jax.random.key(5)
+    report = jaxsub.explain(f, x, b, r, s, lb, key)
+    assert report.totals == {"layer_norm": 1}, str(report)
+    assert "its key also draws a mask that stays in XLA" in str(report), str(report)
+    for got, want in zip(jaxsub.optimize(f)(x, b, r, s, lb, key), f(x, b, r, s, lb, key)):
+        assert_close(got, want, what="value")
+
+
+def test_dropouts_sharing_a_key_are_fused_together():
+    """Two dropouts of one key, both fused: each op draws `dropout_mask(key, shape)`, so
+    same-shaped masks stay equal, as in JAX."""
+    x, b, r = _normal(0, (64, N)), _normal(1, (N,)), _normal(2, (64, N))
+    key = jax.random.key(3)
+
+    def f(x, b, r, key):
+        h = _bernoulli_dropout(key, jax.nn.gelu(x + b, approximate=False), RATE)
+        return r + _bernoulli_dropout(key, h + b, RATE)
+
+    report = jaxsub.explain(f, x, b, r, key)
+    assert report.totals == {"bias_gelu_dropout": 1, "bias_dropout_residual": 1}, str(report)
+    keep = ops.dropout_mask(key, x.shape, RATE)
+    h = jnp.where(keep, jax.nn.gelu(x + b, approximate=False) / (1 - RATE), 0)
+    assert_close(jaxsub.optimize(f)(x, b, r, key), r + jnp.where(keep, (h + b) / (1 - RATE), 0), what="value")
+
+
 def gelu_then_residual_dropout(x, b, r, key):
     """Two dropouts whose keys are the slices of one split (as a jnp layer draws them)."""
     keys = jax.random.split(key, 2)

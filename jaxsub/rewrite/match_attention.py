@@ -520,8 +520,9 @@ def match_attention(g, anchor, options):
     else:
         return None
     drop = att.drop
-    if drop is not None and not options.rewrite_dropout:
-        return NearMiss(ATTN, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(drop.bernoulli)))
+    why = match_dropout.not_rewritten(options, drop) if drop is not None else None
+    if why is not None:
+        return NearMiss(ATTN, anchor, why, key=("drop", id(drop.bernoulli)))
     causal = att.causal()
     att.take([*att.post, *(drop.nodes if drop else []), *att.sm.nodes], "attention probabilities")
     att.take([n for n, _, _ in att.steps] + [att.qk], "attention scores")

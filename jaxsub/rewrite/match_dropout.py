@@ -34,6 +34,8 @@ from jaxsub.rewrite import graph as G
 from jaxsub.rewrite.patterns import F32, same_constant, shapes
 
 NOT_REWRITTEN = "dropout not rewritten (rewrite_dropout=False)"
+SHARED_KEY = ("dropout not rewritten: its key also draws a mask that stays in XLA (in JAX the two draws share "
+              "their bits; the fused op's own mask would not)")
 
 
 @dataclasses.dataclass
@@ -65,6 +67,41 @@ class Dropout:
 def _rate(p):
     """The drop rate of keep probability p, without the float32 literal's noise."""
     return round(1.0 - p, 7)
+
+
+def not_rewritten(options, drop) -> str | None:
+    """Why `drop` (a Dropout a matcher found) must stay the user's, else None."""
+    if not options.rewrite_dropout:
+        return NOT_REWRITTEN
+    return SHARED_KEY if id(drop.bernoulli) in options.kept_draws else None
+
+
+# Ops that make the same key again from the same operands: a raw uint32 key is wrapped again
+# at each draw, `split(key)[0]` written twice splits and slices twice.
+_KEY_VIEWS = frozenset({"random_wrap", "random_unwrap", "random_split", "random_fold_in", "slice", "squeeze",
+                        "reshape", *G.VARYING_CASTS})
+
+
+def _key_identity(g: G.Graph, ref, depth: int = 0):
+    """A value equal for two refs that hold the same key by construction: the ref itself,
+    a constant's value, or the chain of ops (_KEY_VIEWS, with their parameters) from the
+    same source."""
+    value = G.known(ref)
+    if value is not None and getattr(value, "size", 2) == 1:
+        return ("constant", repr(value))
+    node = g.producer.get(ref)
+    if node is None or node.prim not in _KEY_VIEWS or len(node.outs) != 1 or depth > 16:
+        return ref
+    return (node.prim, repr(sorted(node.params.items())), tuple(_key_identity(g, r, depth + 1) for r in node.ins))
+
+
+def draws_sharing_a_key(g: G.Graph, claimed) -> set:
+    """ids of the mask draws in `claimed` (taken by fused ops) whose key also feeds a
+    bernoulli or uniform draw that is not claimed (left to XLA, where the two draws share
+    their bits)."""
+    draws = [n for n in g.nodes if n.call_name in ("_bernoulli", "_uniform") and n.ins]
+    left = {_key_identity(g, n.ins[0]) for n in draws if n not in claimed}
+    return {id(n) for n in draws if n in claimed and _key_identity(g, n.ins[0]) in left}
 
 
 def batched_key(bern) -> str | None:

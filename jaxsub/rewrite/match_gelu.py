@@ -187,8 +187,9 @@ def match_bias_gelu_dropout(g, anchor, options):
         return None
     if not nodes:  # the GELU's input is its output: no GELU
         return None
-    if drop is not None and not options.rewrite_dropout:
-        return NearMiss(BGD, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(drop.bernoulli)))
+    why = match_dropout.not_rewritten(options, drop) if drop is not None else None
+    if why is not None:
+        return NearMiss(BGD, anchor, why, key=("drop", id(drop.bernoulli)))
     if drop is not None:
         nodes = [*drop.nodes, *nodes]
     why = private_violation(g, [anchor, *nodes] if anchor not in nodes else nodes, anchor)

@@ -362,9 +362,9 @@ def _extend(g, anchor, ln, options):
                 or c.x.dtype != ln.x.dtype or c.residual.dtype != ln.x.dtype
                 or (c.bias is not None and c.bias.dtype not in (c.x.dtype, F32))):
             continue
-        if c.drop is not None and not options.rewrite_dropout:
-            misses.append(NearMiss(BDRLN, anchor, match_dropout.NOT_REWRITTEN,
-                                   key=("drop", id(c.drop.bernoulli))))
+        why = match_dropout.not_rewritten(options, c.drop) if c.drop is not None else None
+        if why is not None:
+            misses.append(NearMiss(BDRLN, anchor, why, key=("drop", id(c.drop.bernoulli))))
             continue
         roles = {**ln.roles, **{n: "residual sum" for n in c.nodes}}
         nodes = ln.nodes + c.nodes
@@ -473,8 +473,9 @@ def match_bias_dropout_residual(g, anchor, options):
                 or c.x.dtype != out.dtype or c.residual.dtype != out.dtype or out.dtype not in ACTIVATION_DTYPES
                 or (c.bias is not None and c.bias.dtype not in (c.x.dtype, F32))):
             continue
-        if not options.rewrite_dropout:
-            return NearMiss(BDR, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(c.drop.bernoulli)))
+        why = match_dropout.not_rewritten(options, c.drop)
+        if why is not None:
+            return NearMiss(BDR, anchor, why, key=("drop", id(c.drop.bernoulli)))
         why = private_violation(g, c.nodes, anchor, {n: "residual sum" for n in c.nodes})
         if why is not None:
             return NearMiss(BDR, anchor, why, key=("bdr", id(anchor)))

@@ -398,8 +398,9 @@ def match_softmax_dropout(g, anchor, options):
     x, rank = sm.x, len(sm.x.shape)
     if rank < 2 or x.dtype not in ACTIVATION_DTYPES or sm.out.dtype != x.dtype:
         return None
-    if drop is not None and not options.rewrite_dropout:
-        return NearMiss(SOFTMAX, anchor, match_dropout.NOT_REWRITTEN, key=("drop", id(drop.bernoulli)))
+    why = match_dropout.not_rewritten(options, drop) if drop is not None else None
+    if why is not None:
+        return NearMiss(SOFTMAX, anchor, why, key=("drop", id(drop.bernoulli)))
     if sm.axis != rank - 1:
         return NearMiss(SOFTMAX, anchor, f"softmax over axis {sm.axis} of {shapes(x)}, not the last: "
                         "the kernel normalizes the last axis", key=("softmax", id(sm.nodes[0])))

@@ -26,6 +26,9 @@ F32 = jnp.dtype(jnp.float32)
 @dataclasses.dataclass(frozen=True)
 class Options:
     rewrite_dropout: bool = True
+    # ids of mask draws (match_dropout.Dropout.bernoulli) left to XLA because their key
+    # also draws a mask that stays there (`plan`, match_dropout.not_rewritten).
+    kept_draws: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -101,6 +104,28 @@ def plan(g: G.Graph, options: Options, scan_body: bool = False) -> Plan:
     """The matches in `g` and, recursively, in its nodes' bodies; then its products
     (`rewrite.scan_products.fuse`: on GPU every plain 16-bit product, in scan bodies and,
     as `scan_products.OUTSIDE` says (by default), outside them)."""
+    from jaxsub.rewrite import match_dropout  # it builds on this module
+
+    searched = options
+    while True:
+        at, claimed, misses = _search(g, searched)
+        # A fused op draws its own mask from the key; where the same key also draws a mask
+        # that stays in XLA (the same bits in JAX), both draws stay there.
+        kept = match_dropout.draws_sharing_a_key(g, claimed)
+        if kept <= searched.kept_draws:
+            break
+        searched = dataclasses.replace(searched, kept_draws=searched.kept_draws | kept)
+    sub = {n: plan(n.body, options, scan_body=n.prim == G.SCAN) for n in g.nodes if n.body is not None}
+    # A matched call (softmax's custom_jvp_call) is replaced whole, not left unsearched.
+    unsearched = [n for n in g.nodes if n.prim in G.UNSEARCHED and n not in claimed]
+    from jaxsub.rewrite import scan_products  # it builds on this module's Match
+
+    return scan_products.fuse(g, Plan(at, claimed - set(at), misses[::-1], sub, unsearched), scan=scan_body)
+
+
+def _search(g: G.Graph, options: Options):
+    """(anchor -> Match, the claimed nodes, the near-misses) of the registered matchers in
+    `g` itself: anchors from the end, the first matcher that matches unclaimed nodes wins."""
     at, claimed, misses, seen = {}, set(), [], set()
 
     def note(miss):
@@ -122,12 +147,7 @@ def plan(g: G.Graph, options: Options, scan_body: bool = False) -> Plan:
                 claimed.update(found.nodes)
                 at[node] = found
                 break
-    sub = {n: plan(n.body, options, scan_body=n.prim == G.SCAN) for n in g.nodes if n.body is not None}
-    # A matched call (softmax's custom_jvp_call) is replaced whole, not left unsearched.
-    unsearched = [n for n in g.nodes if n.prim in G.UNSEARCHED and n not in claimed]
-    from jaxsub.rewrite import scan_products  # it builds on this module's Match
-
-    return scan_products.fuse(g, Plan(at, claimed - set(at), misses[::-1], sub, unsearched), scan=scan_body)
+    return at, claimed, misses
 
 
 # ---------------------------------------------------------------------------------------
