@@ -412,6 +412,48 @@ def test_dropout_selected_then_scaled(scale):
     assert_close(jaxsub.optimize(f)(x, b, key), want, what="value")
 
 
+def _keep(key, h):
+    return jax.random.bernoulli(key, 1 - RATE, h.shape)
+
+
+_SPELLINGS = {
+    # Equinox's nn.Dropout: the keep probability computed in the program
+    "equinox": lambda h, key: (lambda q: jnp.where(jax.random.bernoulli(key, q, h.shape), h / q, 0))(
+        1 - jax.lax.stop_gradient(RATE)),
+    # a Python float scale: a weak-typed convert between the division and the product
+    "h * (keep / p)": lambda h, key: h * (_keep(key, h) / (1 - RATE)),
+    "h * where(keep, 1 / p, 0)": lambda h, key: h * jnp.where(_keep(key, h), 1 / (1 - RATE), 0),
+    "where(keep, 1 / p, 0) * h": lambda h, key: jnp.where(_keep(key, h), 1 / (1 - RATE), 0.0) * h,
+}
+_NOT_DROPOUT = {
+    "where(keep, 1 / q, 0) * h, q != p": lambda h, key: jnp.where(_keep(key, h), 1 / (1 - 2 * RATE), 0.0) * h,
+    "where(keep, 1 / p, 0.5) * h": lambda h, key: jnp.where(_keep(key, h), 1 / (1 - RATE), 0.5) * h,
+}
+
+
+@pytest.mark.parametrize("spelling", [*_SPELLINGS, *_NOT_DROPOUT])
+def test_dropout_spellings_of_other_libraries(spelling):
+    """Dropout as Equinox and hand-written code spell it (missed until a probe round) is
+    the fused op's dropout for the user's key; a scale or fill that is not dropout's stays
+    the user's."""
+    x, b, key = _normal(0, (64, N)), _normal(1, (N,)), jax.random.key(8)
+    drop = {**_SPELLINGS, **_NOT_DROPOUT}[spelling]
+
+    def f(x, b, key):
+        return drop(jax.nn.gelu(x + b, approximate=False), key)
+
+    report = jaxsub.explain(f, x, b, key)
+    assert report.totals == {"bias_gelu_dropout": 1}, str(report)
+    y = jaxsub.optimize(f)(x, b, key)
+    if spelling in _NOT_DROPOUT:
+        assert "dropout rate" not in str(report), str(report)
+        assert_close(y, f(x, b, key), what="value")
+        return
+    assert f"dropout rate={RATE:g}" in str(report), str(report)
+    keep = ops.dropout_mask(key, x.shape, RATE)
+    assert_close(y, jnp.where(keep, jax.nn.gelu(x + b, approximate=False) / (1 - RATE), 0), what="value")
+
+
 @pytest.mark.parametrize("key_form", ["typed", "raw_sliced_twice"])
 @pytest.mark.parametrize("other", ["bernoulli", "normal"])
 def test_a_key_that_also_draws_outside_the_patterns_keeps_its_dropout(key_form, other):

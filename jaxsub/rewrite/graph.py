@@ -31,7 +31,7 @@ UNSEARCHED = frozenset({"while", "cond", "custom_jvp_call", "custom_vjp_call",
                         "custom_vjp_call_jaxpr", "custom_lin", "custom_vmap_call", "shard_map", "xla_pmap"})
 _FOLDABLE = frozenset({"convert_element_type", "add", "sub", "mul", "div", "neg", "gt", "ge",
                        "lt", "le", "eq", "ne", "max", "min", "sqrt", "rsqrt", "select_n",
-                       "reshape", "broadcast_in_dim", "and", "or", "not"})
+                       "reshape", "broadcast_in_dim", "and", "or", "not", "stop_gradient"})
 UNIT_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape"})
 # shard_map (with check_vma) casts a replicated value to varying before it meets a sharded
 # one: constants and parameters reach the patterns through these. Matchers look through

@@ -7,6 +7,7 @@ u >= 1 - p (what bernoulli computes):
   select_n(mask, 0, h) / p        jnp.where(mask, h, 0) / p
   h * mask / p, h / p * mask      with the mask converted to h's dtype
   h * (mask / p)                  flax.linen attention's dropout
+  h * select_n(mask, 0, 1 / p)    h * jnp.where(mask, 1 / p, 0)
 Division by p may also be multiplication by 1 / p. The mask must have h's shape; with
 `parse(..., broadcast=True)` (attention only) it may also be broadcast to h's shape, of h's
 rank with 1 on some axes or through one broadcast_in_dim (flax's `broadcast_dropout=True`
@@ -202,21 +203,48 @@ def _masked(g: G.Graph, ref, shape, broadcast):
     return None
 
 
+def _retyped(g: G.Graph, ref):
+    """(the value, [the convert]) when ref is a convert_element_type that keeps the dtype
+    (only the weak type changes: `h * (keep / p)` with a Python float p), else (ref, [])."""
+    node = g.op(ref, "convert_element_type")
+    if node is not None and node.ins[0].dtype == ref.dtype and node.ins[0].shape == ref.shape:
+        return node.ins[0], [node]
+    return ref, []
+
+
 def _mask_over_p(g: G.Graph, ref, shape, broadcast):
     """(the call taking the key, p, nodes, _scaled's answer, the mask's shape at the rank of
     `shape`) when ref = convert(mask) / p (or * 1 / p), or a broadcast of it (broadcast:
     _mask_operand)."""
     op = _mask_operand(g, ref, shape, broadcast)
-    node = g.op(op[0], "div", "mul") if op is not None else None
+    inner, retyped = _retyped(g, op[0]) if op is not None else (None, [])
+    node = g.op(inner, "div", "mul") if op is not None else None
     if node is None:
         return None
     for m in node.ins:
         conv = g.op(m, "convert_element_type")
         found = _bernoulli(g, conv.ins[0]) if conv is not None and conv.ins[0].shape == op[0].shape else None
-        scaled = _scaled(g, op[0], found[1]) if found is not None else None
+        scaled = _scaled(g, inner, found[1]) if found is not None else None
         if scaled is not None and scaled[0] is m:
-            return found[0], found[1], [*op[2], node, conv, *found[2]], scaled, op[1]
+            return found[0], found[1], [*op[2], *retyped, node, conv, *found[2]], scaled, op[1]
     return None
+
+
+def _selected_scale(g: G.Graph, ref, shape, broadcast):
+    """(the call taking the key, p, nodes, the scale, its dtype, the mask's shape at the rank
+    of `shape`) when ref = select_n(mask, 0, 1 / p) (jnp.where(keep, 1 / p, 0)), or a
+    broadcast of it (broadcast: _mask_operand)."""
+    op = _mask_operand(g, ref, shape, broadcast)
+    inner, retyped = _retyped(g, op[0]) if op is not None else (None, [])
+    sel = g.op(inner, "select_n") if op is not None else None
+    if sel is None or len(sel.ins) != 3 or g.scalar(sel.ins[1]) != 0.0:
+        return None
+    mask = _mask_operand(g, sel.ins[0], inner.shape, True)
+    found = _bernoulli(g, mask[0]) if mask is not None else None
+    scale, dtype = g.scalar(sel.ins[2]), g.precision(sel.ins[2])
+    if found is None or mask[1] != tuple(inner.shape) or not same_constant(scale, 1.0 / found[1], dtype):
+        return None
+    return found[0], found[1], [*op[2], *retyped, sel, *mask[2], *found[2]], scale, dtype, op[1]
 
 
 def drawn_mask(g: G.Graph, ref):
@@ -283,13 +311,17 @@ def parse(g: G.Graph, ref, broadcast: bool = False):
                 continue
             bern, p, drawn = found
             return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, *drawn], bern, *scaled[2:], mshape)
-        # h * (mask / p)
+        # h * (mask / p), h * where(mask, 1 / p, 0)
         if node.prim == "mul":
             for h, m in (node.ins, node.ins[::-1]):
                 found = _mask_over_p(g, m, shape, broadcast) if h.shape == shape else None
                 if found is not None:
                     bern, p, mnodes, scaled, mshape = found  # mnodes: the mask's, its drawing included
                     return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes], bern, *scaled[2:], mshape)
+                found = _selected_scale(g, m, shape, broadcast) if h.shape == shape else None
+                if found is not None:
+                    bern, p, mnodes, scale, dtype, mshape = found
+                    return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes], bern, scale, dtype, mshape)
         # (h / p) * mask
         masked = _masked(g, ref, shape, broadcast)
         if masked is not None:
