@@ -290,7 +290,7 @@ def parse(g: G.Graph, ref, broadcast: bool = False):
         # select_n(mask, 0, h) / p
         for inner_ref in node.ins:
             sel = g.op(inner_ref, "select_n")
-            if sel is None or len(sel.ins) != 3 or g.scalar(sel.ins[1]) != 0.0:
+            if sel is None or len(sel.ins) != 3 or g.scalar(sel.ins[1]) != 0.0 or sel.ins[2].shape != shape:
                 continue
             op = _mask_operand(g, sel.ins[0], shape, broadcast)
             found = _bernoulli(g, op[0]) if op is not None else None
