@@ -268,7 +268,7 @@ def test_broadcast_dropout_shares_the_attention_mask(layouts, stack):
 
 def test_broadcast_dropout_must_be_a_bool():
     layer = EncoderLayer(num_heads=H, mlp_dim=F, broadcast_dropout="yes")
-    with pytest.raises(TypeError, match="EncoderLayer: `broadcast_dropout` must be a bool"):
+    with pytest.raises(TypeError, match="EncoderLayer: `broadcast_dropout` must be a Python bool"):
         layer.init(jax.random.key(0), jnp.zeros((B, S, E)))
 
 

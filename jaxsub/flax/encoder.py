@@ -19,9 +19,8 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxsub import layout, ops, stack
+from jaxsub import _ffi, layout, ops, stack
 from jaxsub.ops import dropout as _dropout
 
 Initializer = Callable[..., Any]
@@ -296,9 +295,7 @@ class EncoderLayer(_LayerFields):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
                 kind = "" if isinstance(value, numbers.Real) else f" of type {type(value).__name__} (a Python number)"
                 raise ValueError(f"jaxsub.flax.EncoderLayer: `{name}` must be a float in [0, 1){kind}, got {value!r}")
-        if not isinstance(self.broadcast_dropout, (bool, np.bool_)):
-            raise TypeError(f"jaxsub.flax.EncoderLayer: `broadcast_dropout` must be a bool, got "
-                            f"{self.broadcast_dropout!r}")
+        _ffi.check_bool("flax.EncoderLayer", "broadcast_dropout", self.broadcast_dropout)
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             value = x.dtype if value is None else jnp.dtype(value)  # None: Flax's "from the input"

@@ -641,16 +641,13 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
     still be copied)."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"jaxsub.{op}: `implementation` must be None, 'fused' or 'unfused', got {implementation!r}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"jaxsub.{op}: `causal` must be a Python bool, got {causal!r}")
-    causal = bool(causal)
-    if not isinstance(broadcast_dropout, (bool, np.bool_)):
-        raise TypeError(f"jaxsub.{op}: `broadcast_dropout` must be a Python bool, got {broadcast_dropout!r}")
+    causal = _ffi.check_bool(op, "causal", causal)
+    broadcast_dropout = _ffi.check_bool(op, "broadcast_dropout", broadcast_dropout)
     b, sq, h, d = q.shape
     sk = k.shape[1]
     scale = 1.0 / math.sqrt(max(d, 1)) if scale is None else _masks.check_scale(op, scale)
     rate = _dropout.check_rate(op, dropout_rate, "dropout_rate")
-    bcast = bool(broadcast_dropout) and rate > 0.0
+    bcast = broadcast_dropout and rate > 0.0
     seed = _dropout.seed_from_key(op, key) if rate > 0.0 else _dropout.NO_SEED
     mask4d, kind = _masks.normalize(op, mask, (b, h), sq, sk, key_padding_ok=True, causal=causal)
     source = None if packed is None or isinstance(packed, tuple) else packed

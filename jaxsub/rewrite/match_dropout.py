@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxsub.ops import dropout as _dropout
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite.patterns import F32, same_constant, shapes
@@ -88,7 +90,7 @@ def _key_identity(g: G.Graph, ref, depth: int = 0):
     a constant's value, or the chain of ops (_KEY_VIEWS, with their parameters) from the
     same source."""
     value = G.known(ref)
-    if value is not None and getattr(value, "size", 2) == 1:
+    if value is not None and np.size(value) == 1:
         return ("constant", repr(value))
     node = g.producer.get(ref)
     if node is None or node.prim not in _KEY_VIEWS or len(node.outs) != 1 or depth > 16:
@@ -203,6 +205,12 @@ def _masked(g: G.Graph, ref, shape, broadcast):
     return None
 
 
+def _zero_select(g: G.Graph, ref):
+    """The select_n making ref when its value where the mask is False is 0, else None."""
+    sel = g.op(ref, "select_n")
+    return sel if sel is not None and len(sel.ins) == 3 and g.scalar(sel.ins[1]) == 0.0 else None
+
+
 def _retyped(g: G.Graph, ref):
     """(the value, [the convert]) when ref is a convert_element_type that keeps the dtype
     (only the weak type changes: `h * (keep / p)` with a Python float p), else (ref, [])."""
@@ -236,8 +244,8 @@ def _selected_scale(g: G.Graph, ref, shape, broadcast):
     broadcast of it (broadcast: _mask_operand)."""
     op = _mask_operand(g, ref, shape, broadcast)
     inner, retyped = _retyped(g, op[0]) if op is not None else (None, [])
-    sel = g.op(inner, "select_n") if op is not None else None
-    if sel is None or len(sel.ins) != 3 or g.scalar(sel.ins[1]) != 0.0:
+    sel = _zero_select(g, inner) if op is not None else None
+    if sel is None:
         return None
     mask = _mask_operand(g, sel.ins[0], inner.shape, True)
     found = _bernoulli(g, mask[0]) if mask is not None else None
@@ -289,8 +297,8 @@ def parse(g: G.Graph, ref, broadcast: bool = False):
     if node.prim == "div" or node.prim == "mul":
         # select_n(mask, 0, h) / p
         for inner_ref in node.ins:
-            sel = g.op(inner_ref, "select_n")
-            if sel is None or len(sel.ins) != 3 or g.scalar(sel.ins[1]) != 0.0 or sel.ins[2].shape != shape:
+            sel = _zero_select(g, inner_ref)
+            if sel is None or sel.ins[2].shape != shape:
                 continue
             op = _mask_operand(g, sel.ins[0], shape, broadcast)
             found = _bernoulli(g, op[0]) if op is not None else None
