@@ -416,6 +416,10 @@ def _keep(key, h):
     return jax.random.bernoulli(key, 1 - RATE, h.shape)
 
 
+def _drop(key, h):
+    return jax.random.bernoulli(key, RATE, h.shape)
+
+
 _SPELLINGS = {
     # Equinox's nn.Dropout: the keep probability computed in the program
     "equinox": lambda h, key: (lambda q: jnp.where(jax.random.bernoulli(key, q, h.shape), h / q, 0))(
@@ -424,18 +428,34 @@ _SPELLINGS = {
     "h * (keep / p)": lambda h, key: h * (_keep(key, h) / (1 - RATE)),
     "h * where(keep, 1 / p, 0)": lambda h, key: h * jnp.where(_keep(key, h), 1 / (1 - RATE), 0),
     "where(keep, 1 / p, 0) * h": lambda h, key: jnp.where(_keep(key, h), 1 / (1 - RATE), 0.0) * h,
+    # the dropped set drawn (drop = bernoulli(key, rate)) and negated or selected against
+    "where(~drop, h / p, 0)": lambda h, key: jnp.where(~_drop(key, h), h / (1 - RATE), 0),
+    "where(drop, 0, h / p)": lambda h, key: jnp.where(_drop(key, h), 0, h / (1 - RATE)),
+    "where(drop, 0, h / p), drop = u < rate": lambda h, key: jnp.where(
+        jax.random.uniform(key, h.shape) < RATE, 0, h / (1 - RATE)),
+    "where(logical_not(drop), h, 0) / p": lambda h, key: jnp.where(
+        jnp.logical_not(_drop(key, h)), h, 0) / (1 - RATE),
+    "h * (1 - drop) / p": lambda h, key: h * (1 - _drop(key, h).astype(h.dtype)) / (1 - RATE),
+    "h * where(drop, 0, 1 / p)": lambda h, key: h * jnp.where(_drop(key, h), 0.0, 1 / (1 - RATE)),
+    # Praxis: a float mask floor(p + u)
+    "h * floor(p + u) / p": lambda h, key: h * jnp.floor(1 - RATE + jax.random.uniform(key, h.shape)) / (1 - RATE),
 }
 _NOT_DROPOUT = {
     "where(keep, 1 / q, 0) * h, q != p": lambda h, key: jnp.where(_keep(key, h), 1 / (1 - 2 * RATE), 0.0) * h,
     "where(keep, 1 / p, 0.5) * h": lambda h, key: jnp.where(_keep(key, h), 1 / (1 - RATE), 0.5) * h,
+    # the kept set selected as if dropped: keeps a fraction rate, scaled for 1 - rate
+    "where(keep, 0, h / p)": lambda h, key: jnp.where(_keep(key, h), 0, h / (1 - RATE)),
+    "h * (1 - keep) / p": lambda h, key: h * (1 - _keep(key, h).astype(h.dtype)) / (1 - RATE),
+    "h * floor(q + u) / p, q != p": lambda h, key: h * jnp.floor(
+        1 - 2 * RATE + jax.random.uniform(key, h.shape)) / (1 - RATE),
 }
 
 
 @pytest.mark.parametrize("spelling", [*_SPELLINGS, *_NOT_DROPOUT])
 def test_dropout_spellings_of_other_libraries(spelling):
-    """Dropout as Equinox and hand-written code spell it (missed until a probe round) is
-    the fused op's dropout for the user's key; a scale or fill that is not dropout's stays
-    the user's."""
+    """Dropout as Equinox, Praxis and hand-written code spell it, the mask of the dropped
+    elements drawn included (missed until probe rounds), is the fused op's dropout for the
+    user's key; a scale, fill or mask that is not dropout's stays the user's."""
     x, b, key = _normal(0, (64, N)), _normal(1, (N,)), jax.random.key(8)
     drop = {**_SPELLINGS, **_NOT_DROPOUT}[spelling]
 

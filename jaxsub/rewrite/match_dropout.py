@@ -8,11 +8,17 @@ u >= 1 - p (what bernoulli computes):
   h * mask / p, h / p * mask      with the mask converted to h's dtype
   h * (mask / p)                  flax.linen attention's dropout
   h * select_n(mask, 0, 1 / p)    h * jnp.where(mask, 1 / p, 0)
-Division by p may also be multiplication by 1 / p. The mask must have h's shape; with
+The mask may also be the dropped set, drop = bernoulli(key, 1 - p) (or u < 1 - p):
+~drop in place of mask, jnp.where(drop, 0, ...) in place of jnp.where(mask, ..., 0), and
+1 - drop in place of the converted mask; or, as Praxis writes it, the float mask
+floor(p + uniform(key)) (float32, kept where u >= 1 - p). Division by p may also be
+multiplication by 1 / p. A bf16/f16 h converted to float32 for the dropout and the result
+converted back is a dropout of h. The mask must have h's shape; with
 `parse(..., broadcast=True)` (attention only) it may also be broadcast to h's shape, of h's
 rank with 1 on some axes or through one broadcast_in_dim (flax's `broadcast_dropout=True`
 mask [1, 1, Sq, Sk]): `Dropout.mask_shape` says which, and the caller decides whether the
-fused op can draw it.
+fused op can draw it. A uniform drawn in bf16/f16 is not taken: its steps of 2^-7 or 2^-10
+make the keep probability a rounding of p.
 
 The fused kernels draw their own mask from the *same key* that fed `bernoulli`, so every
 call site keeps its own key (after the user's `split`/`fold_in`), the keep probability
@@ -34,7 +40,7 @@ import numpy as np
 
 from jaxsub.ops import dropout as _dropout
 from jaxsub.rewrite import graph as G
-from jaxsub.rewrite.patterns import F32, same_constant, shapes
+from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, F32, same_constant, shapes
 
 NOT_REWRITTEN = "dropout not rewritten (rewrite_dropout=False)"
 SHARED_KEY = ("dropout not rewritten: its key also draws a mask that stays in XLA (in JAX the two draws share "
@@ -123,30 +129,78 @@ _KEEP_BELOW = {("lt", 0): True, ("le", 0): True, ("gt", 1): True, ("ge", 1): Tru
                ("gt", 0): False, ("ge", 0): False, ("lt", 1): False, ("le", 1): False}
 
 
-def _bernoulli(g: G.Graph, mask):
-    """(the call that takes the key, keep probability p, the nodes drawing the mask) when
-    `mask` is bernoulli(key, p) or uniform(key) compared with a constant, else None."""
+def _draw(g: G.Graph, mask, depth: int = 0):
+    """(the call that takes the key, keep probability p, the nodes drawing the mask) when the
+    boolean `mask` is bernoulli(key, p), uniform(key) compared with a constant, or the
+    negation of one (`~drop`, `jnp.logical_not(drop)`: p is 1 - the drop mask's), else None."""
     node = g.producer.get(mask)
     if node is None:
         return None
-    call, nodes, p = node, [node], None
+    if node.prim == "not" and len(node.ins) == 1 and node.ins[0].dtype == bool and depth < 4:
+        found = _draw(g, node.ins[0], depth + 1)
+        return (found[0], 1.0 - found[1], [node, *found[2]]) if found is not None else None
     if node.call_name == "_bernoulli" and len(node.ins) == 2:
         p = g.scalar(node.ins[1])
-    elif node.prim in ("lt", "le", "gt", "ge") and len(node.ins) == 2:
+        return (node, p, [node]) if p is not None else None
+    if node.prim in ("lt", "le", "gt", "ge") and len(node.ins) == 2:
         for side, (u, c) in enumerate((node.ins, node.ins[::-1])):
             call = g.producer.get(u)
-            if (call is not None and call.call_name == "_uniform" and len(call.ins) == 3 and u.dtype == F32
-                    and u.shape == mask.shape and g.scalar(call.ins[1]) == 0.0 and g.scalar(call.ins[2]) == 1.0
-                    and g.scalar(c) is not None):
+            if _unit_uniform(g, call, u, mask.shape) and g.scalar(c) is not None:
                 p = g.scalar(c) if _KEEP_BELOW[node.prim, side] else 1.0 - g.scalar(c)
-                nodes = [node, call]
-                break
+                return call, p, [node, call]
+    return None
+
+
+def _unit_uniform(g: G.Graph, call, u, shape) -> bool:
+    """Whether `u`, made by `call`, is jax.random.uniform(key, shape) in float32 on [0, 1)."""
+    return (call is not None and call.call_name == "_uniform" and len(call.ins) == 3 and u.dtype == F32
+            and u.shape == shape and g.scalar(call.ins[1]) == 0.0 and g.scalar(call.ins[2]) == 1.0)
+
+
+def _bernoulli(g: G.Graph, mask, dropped: bool = False):
+    """(the call that takes the key, keep probability p, the nodes drawing the mask) when
+    `mask` is a keep mask (_draw), or with `dropped` the mask of the dropped elements, and
+    the fused ops can draw it; else None."""
+    return _usable(_draw(g, mask), dropped)
+
+
+def _usable(found, dropped: bool = False):
+    """`found` (call, p, nodes), p made the keep probability (1 - p with `dropped`), when the
+    fused ops can draw its mask; else None."""
+    if found is None:
+        return None
+    call, p, nodes = found
+    p = 1.0 - p if dropped else p
     # One key: under vmap over per-example keys the call is batched (batched_key).
-    if p is None or call is None or call.ins[0].shape != ():
+    if call.ins[0].shape != ():
         return None
     # A rate the fused ops' 2^-16 steps would bias (ops.dropout.scale_error) stays the user's.
     ok = 0.0 < p < 1.0 and _dropout.scale_error(_rate(p)) <= _dropout.MAX_SCALE_ERROR
     return (call, p, nodes) if ok else None
+
+
+def _float_mask(g: G.Graph, ref):
+    """(the call that takes the key, keep probability p, nodes) when the float `ref` is 1
+    where an element is kept and 0 where it is dropped: convert(keep), 1 - convert(drop), or
+    Praxis's floor(p + uniform(key)) (a float32 uniform: kept where u >= 1 - p). Else None."""
+    conv = g.op(ref, "convert_element_type")
+    if conv is not None and conv.ins[0].dtype == bool and conv.ins[0].shape == ref.shape:
+        found = _bernoulli(g, conv.ins[0])
+        return (found[0], found[1], [conv, *found[2]]) if found is not None else None
+    sub = g.op(ref, "sub")
+    conv = g.op(sub.ins[1], "convert_element_type") if sub is not None and g.scalar(sub.ins[0]) == 1.0 else None
+    if conv is not None and conv.ins[0].dtype == bool and conv.ins[0].shape == ref.shape:
+        found = _bernoulli(g, conv.ins[0], dropped=True)
+        return (found[0], found[1], [sub, conv, *found[2]]) if found is not None else None
+    floor = g.op(ref, "floor")
+    add = g.op(floor.ins[0], "add") if floor is not None else None
+    for c, u in (add.ins, add.ins[::-1]) if add is not None else ():
+        call = g.producer.get(u)
+        if _unit_uniform(g, call, u, ref.shape) and g.scalar(c) is not None:
+            found = _usable((call, g.scalar(c), [floor, add, call]))
+            if found is not None:
+                return found
+    return None
 
 
 def _mask_operand(g: G.Graph, ref, shape, broadcast):
@@ -190,8 +244,8 @@ def _scaled(g: G.Graph, ref, p):
 
 
 def _masked(g: G.Graph, ref, shape, broadcast):
-    """(value, mask, nodes, the mask's shape at ref's rank) when ref = value * convert(mask)
-    with a boolean mask (broadcast: _mask_operand)."""
+    """(value, (the call taking the key, p, nodes), nodes, the mask's shape at ref's rank)
+    when ref = value * mask with a float keep mask (_float_mask; broadcast: _mask_operand)."""
     node = g.op(ref, "mul")
     if node is None:
         return None
@@ -199,16 +253,24 @@ def _masked(g: G.Graph, ref, shape, broadcast):
         if v.shape != shape:
             continue
         op = _mask_operand(g, m, shape, broadcast)
-        conv = g.op(op[0], "convert_element_type") if op is not None else None
-        if conv is not None and conv.ins[0].dtype == bool and conv.ins[0].shape == op[0].shape:
-            return v, conv.ins[0], [node, *op[2], conv], op[1]
+        found = _float_mask(g, op[0]) if op is not None else None
+        if found is not None:
+            return v, found, [node, *op[2]], op[1]
     return None
 
 
 def _zero_select(g: G.Graph, ref):
-    """The select_n making ref when its value where the mask is False is 0, else None."""
+    """(the select_n making ref, its mask, the value selected, whether the mask is the
+    dropped set) when ref is 0 where an element is dropped: select_n(keep, 0, v)
+    (jnp.where(keep, v, 0)) or select_n(drop, v, 0) (jnp.where(drop, 0, v)); else None."""
     sel = g.op(ref, "select_n")
-    return sel if sel is not None and len(sel.ins) == 3 and g.scalar(sel.ins[1]) == 0.0 else None
+    if sel is None or len(sel.ins) != 3 or sel.ins[0].dtype != bool:
+        return None
+    if g.scalar(sel.ins[1]) == 0.0:
+        return sel, sel.ins[0], sel.ins[2], False
+    if g.scalar(sel.ins[2]) == 0.0:
+        return sel, sel.ins[0], sel.ins[1], True
+    return None
 
 
 def _retyped(g: G.Graph, ref):
@@ -222,34 +284,34 @@ def _retyped(g: G.Graph, ref):
 
 def _mask_over_p(g: G.Graph, ref, shape, broadcast):
     """(the call taking the key, p, nodes, _scaled's answer, the mask's shape at the rank of
-    `shape`) when ref = convert(mask) / p (or * 1 / p), or a broadcast of it (broadcast:
-    _mask_operand)."""
+    `shape`) when ref = mask / p (or * 1 / p) with a float keep mask (_float_mask), or a
+    broadcast of it (broadcast: _mask_operand)."""
     op = _mask_operand(g, ref, shape, broadcast)
     inner, retyped = _retyped(g, op[0]) if op is not None else (None, [])
     node = g.op(inner, "div", "mul") if op is not None else None
     if node is None:
         return None
     for m in node.ins:
-        conv = g.op(m, "convert_element_type")
-        found = _bernoulli(g, conv.ins[0]) if conv is not None and conv.ins[0].shape == op[0].shape else None
+        found = _float_mask(g, m) if m.shape == inner.shape else None
         scaled = _scaled(g, inner, found[1]) if found is not None else None
         if scaled is not None and scaled[0] is m:
-            return found[0], found[1], [*op[2], *retyped, node, conv, *found[2]], scaled, op[1]
+            return found[0], found[1], [*op[2], *retyped, node, *found[2]], scaled, op[1]
     return None
 
 
 def _selected_scale(g: G.Graph, ref, shape, broadcast):
     """(the call taking the key, p, nodes, the scale, its dtype, the mask's shape at the rank
-    of `shape`) when ref = select_n(mask, 0, 1 / p) (jnp.where(keep, 1 / p, 0)), or a
+    of `shape`) when ref = jnp.where(keep, 1 / p, 0) (or jnp.where(drop, 0, 1 / p)), or a
     broadcast of it (broadcast: _mask_operand)."""
     op = _mask_operand(g, ref, shape, broadcast)
     inner, retyped = _retyped(g, op[0]) if op is not None else (None, [])
-    sel = _zero_select(g, inner) if op is not None else None
-    if sel is None:
+    zs = _zero_select(g, inner) if op is not None else None
+    if zs is None:
         return None
-    mask = _mask_operand(g, sel.ins[0], inner.shape, True)
-    found = _bernoulli(g, mask[0]) if mask is not None else None
-    scale, dtype = g.scalar(sel.ins[2]), g.precision(sel.ins[2])
+    sel, mask_ref, value, dropped = zs
+    mask = _mask_operand(g, mask_ref, inner.shape, True)
+    found = _bernoulli(g, mask[0], dropped) if mask is not None else None
+    scale, dtype = g.scalar(value), g.precision(value)
     if found is None or mask[1] != tuple(inner.shape) or not same_constant(scale, 1.0 / found[1], dtype):
         return None
     return found[0], found[1], [*op[2], *retyped, sel, *mask[2], *found[2]], scale, dtype, op[1]
@@ -277,47 +339,56 @@ def drawn_mask(g: G.Graph, ref):
 
 def parse(g: G.Graph, ref, broadcast: bool = False):
     """The Dropout whose output is `ref`, or None. With `broadcast`, its mask may also be
-    broadcast to ref's shape (module docstring)."""
+    broadcast to ref's shape (module docstring). A dropout computed in float32 on a bf16/f16
+    value and converted back (`dropout(h.astype(f32)).astype(h.dtype)`) is a dropout of that
+    value: the fused op computes in float32 and rounds once, as that program does."""
+    down = g.op(ref, "convert_element_type")
+    inner = parse(g, down.ins[0], broadcast) if down is not None and down.ins[0].dtype == F32 else None
+    up = g.op(inner.h, "convert_element_type") if inner is not None else None
+    if (up is not None and up.ins[0].dtype == ref.dtype and up.ins[0].shape == inner.h.shape
+            and ref.dtype != F32 and ref.dtype in ACTIVATION_DTYPES):
+        return dataclasses.replace(inner, h=up.ins[0], nodes=[down, *inner.nodes, up])
+    return _parse(g, ref, broadcast)
+
+
+def _parse(g: G.Graph, ref, broadcast: bool):
     node = g.producer.get(ref)
     if node is None:
         return None
     shape = ref.shape
-    if node.prim == "select_n" and len(node.ins) == 3:
-        op = _mask_operand(g, node.ins[0], shape, broadcast)
-        zero, kept = node.ins[1:]
-        found = _bernoulli(g, op[0]) if op is not None else None
-        if found is None or g.scalar(zero) != 0.0:
-            return None
-        bern, p, drawn = found
-        scaled = _scaled(g, kept, p)
+    zs = _zero_select(g, ref)
+    if zs is not None:
+        # jnp.where(keep, h / p, 0), jnp.where(drop, 0, h / p)
+        sel, mask_ref, kept, dropped = zs
+        op = _mask_operand(g, mask_ref, shape, broadcast)
+        found = _bernoulli(g, op[0], dropped) if op is not None else None
+        scaled = _scaled(g, kept, found[1]) if found is not None else None
         if scaled is None:
             return None
+        bern, p, drawn = found
         h, div = scaled[:2]
         return Dropout(h, bern.ins[0], _rate(p), [node, *op[2], div, *drawn], bern, *scaled[2:], op[1])
     if node.prim == "div" or node.prim == "mul":
-        # select_n(mask, 0, h) / p
+        # jnp.where(keep, h, 0) / p, jnp.where(drop, 0, h) / p
         for inner_ref in node.ins:
-            sel = _zero_select(g, inner_ref)
-            if sel is None or sel.ins[2].shape != shape:
+            zs = _zero_select(g, inner_ref)
+            if zs is None or zs[2].shape != shape:
                 continue
-            op = _mask_operand(g, sel.ins[0], shape, broadcast)
-            found = _bernoulli(g, op[0]) if op is not None else None
+            sel, mask_ref, h, dropped = zs
+            op = _mask_operand(g, mask_ref, shape, broadcast)
+            found = _bernoulli(g, op[0], dropped) if op is not None else None
             scaled = _scaled(g, ref, found[1]) if found is not None else None
             if scaled is None or scaled[0] is not inner_ref:
                 continue
             bern, p, drawn = found
-            return Dropout(sel.ins[2], bern.ins[0], _rate(p), [node, sel, *op[2], *drawn], bern, *scaled[2:], op[1])
+            return Dropout(h, bern.ins[0], _rate(p), [node, sel, *op[2], *drawn], bern, *scaled[2:], op[1])
         # (h * mask) / p
         for inner_ref in node.ins:
             masked = _masked(g, inner_ref, shape, broadcast)
-            if masked is None:
-                continue
-            h, mask, mnodes, mshape = masked
-            found = _bernoulli(g, mask)
-            scaled = _scaled(g, ref, found[1]) if found is not None else None
+            scaled = _scaled(g, ref, masked[1][1]) if masked is not None else None
             if scaled is None or scaled[0] is not inner_ref:
                 continue
-            bern, p, drawn = found
+            h, (bern, p, drawn), mnodes, mshape = masked
             return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes, *drawn], bern, *scaled[2:], mshape)
         # h * (mask / p), h * where(mask, 1 / p, 0)
         if node.prim == "mul":
@@ -332,13 +403,8 @@ def parse(g: G.Graph, ref, broadcast: bool = False):
                     return Dropout(h, bern.ins[0], _rate(p), [node, *mnodes], bern, scale, dtype, mshape)
         # (h / p) * mask
         masked = _masked(g, ref, shape, broadcast)
-        if masked is not None:
-            scaled_ref, mask, mnodes, mshape = masked
-            found = _bernoulli(g, mask)
-            if found is not None:
-                scaled = _scaled(g, scaled_ref, found[1])
-                if scaled is not None:
-                    bern, p, drawn = found
-                    return Dropout(scaled[0], bern.ins[0], _rate(p), [*mnodes, scaled[1], *drawn], bern,
-                                   *scaled[2:], mshape)
+        scaled = _scaled(g, masked[0], masked[1][1]) if masked is not None else None
+        if scaled is not None:
+            _, (bern, p, drawn), mnodes, mshape = masked
+            return Dropout(scaled[0], bern.ins[0], _rate(p), [*mnodes, scaled[1], *drawn], bern, *scaled[2:], mshape)
     return None
