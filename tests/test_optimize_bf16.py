@@ -194,12 +194,16 @@ def test_layer_norm_with_jnp_means_of_a_16_bit_x(dtype):
 
 
 # ---------------------------------------------------------------------------------------
-# Dropout computed in float32 on a 16-bit value and converted back.
+# Dropout computed in float32 on a 16-bit value and converted back, or its multiplier
+# computed in float32 and rounded.
 
 _UPCAST_DROPOUTS = {
     "where": lambda h, keep, p: jnp.where(keep, h.astype(jnp.float32) / p, 0).astype(h.dtype),
     "product": lambda h, keep, p: (h.astype(jnp.float32) * keep * (1 / p)).astype(h.dtype),
     "f32 mask": lambda h, keep, p: (h * keep.astype(jnp.float32) / p).astype(h.dtype),
+    # the multiplier keep / p (Python float p) in float32, rounded to h's dtype
+    "f32 multiplier": lambda h, keep, p: h * (keep / p),
+    "f32 selected multiplier": lambda h, keep, p: h * jnp.where(keep, 1 / p, 0),
 }
 
 
@@ -207,7 +211,8 @@ _UPCAST_DROPOUTS = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_dropout_in_float32_converted_back(dtype, spelling):
     """dropout(h.astype(f32)).astype(h.dtype) is a dropout of h (missed until a probe
-    round): the fused ops compute in float32 and round once, as this program does. Fused in
+    round): the fused ops compute in float32 and round once, as this program does; so is h
+    times a float32 keep / p rounded to h's dtype (its scale a rounding of 1 / p). Fused in
     the GELU, the post-LN residual and attention, with the fused op's mask for the user's
     key; converted back to another dtype it is not a dropout of h."""
     rate, drop = 0.1, _UPCAST_DROPOUTS[spelling]

@@ -13,7 +13,8 @@ The mask may also be the dropped set, drop = bernoulli(key, 1 - p) (or u < 1 - p
 1 - drop in place of the converted mask; or, as Praxis writes it, the float mask
 floor(p + uniform(key)) (float32, kept where u >= 1 - p). Division by p may also be
 multiplication by 1 / p. A bf16/f16 h converted to float32 for the dropout and the result
-converted back is a dropout of h. The mask must have h's shape; with
+converted back is a dropout of h, and so is h times keep / p computed in float32 and
+rounded to h's dtype (`h * (keep / p)` with a Python float p in bf16 code). The mask must have h's shape; with
 `parse(..., broadcast=True)` (attention only) it may also be broadcast to h's shape, of h's
 rank with 1 on some axes or through one broadcast_in_dim (flax's `broadcast_dropout=True`
 mask [1, 1, Sq, Sk]): `Dropout.mask_shape` says which, and the caller decides whether the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsub.ops import dropout as _dropout
@@ -274,12 +276,23 @@ def _zero_select(g: G.Graph, ref):
 
 
 def _retyped(g: G.Graph, ref):
-    """(the value, [the convert]) when ref is a convert_element_type that keeps the dtype
-    (only the weak type changes: `h * (keep / p)` with a Python float p), else (ref, [])."""
+    """(the value, [the convert]) when ref is a convert_element_type of a float32 or ref-dtype
+    value of its shape: a weak-type change (`h * (keep / p)` with a Python float p), or, in
+    bf16/f16 code, a multiplier keep / p computed in float32 and rounded to ref's dtype;
+    else (ref, [])."""
     node = g.op(ref, "convert_element_type")
-    if node is not None and node.ins[0].dtype == ref.dtype and node.ins[0].shape == ref.shape:
+    if (node is not None and node.ins[0].shape == ref.shape
+            and (node.ins[0].dtype == ref.dtype or (node.ins[0].dtype == F32 and ref.dtype in ACTIVATION_DTYPES))):
         return node.ins[0], [node]
     return ref, []
+
+
+def _rounded_scale(scale: float, dtype, ref):
+    """(scale, dtype) of a multiplier whose value `scale` (held in `dtype`) reaches the
+    product as ref's dtype: rounded to it where ref is narrower (_retyped)."""
+    if ref.dtype == F32 or ref.dtype not in ACTIVATION_DTYPES or jnp.finfo(ref.dtype).eps <= jnp.finfo(dtype).eps:
+        return scale, dtype
+    return float(np.asarray(scale, ref.dtype)), ref.dtype
 
 
 def _mask_over_p(g: G.Graph, ref, shape, broadcast):
@@ -295,6 +308,7 @@ def _mask_over_p(g: G.Graph, ref, shape, broadcast):
         found = _float_mask(g, m) if m.shape == inner.shape else None
         scaled = _scaled(g, inner, found[1]) if found is not None else None
         if scaled is not None and scaled[0] is m:
+            scaled = (*scaled[:2], *_rounded_scale(*scaled[2:], op[0]))
             return found[0], found[1], [*op[2], *retyped, node, *found[2]], scaled, op[1]
     return None
 
@@ -314,7 +328,7 @@ def _selected_scale(g: G.Graph, ref, shape, broadcast):
     scale, dtype = g.scalar(value), g.precision(value)
     if found is None or mask[1] != tuple(inner.shape) or not same_constant(scale, 1.0 / found[1], dtype):
         return None
-    return found[0], found[1], [*op[2], *retyped, sel, *mask[2], *found[2]], scale, dtype, op[1]
+    return found[0], found[1], [*op[2], *retyped, sel, *mask[2], *found[2]], *_rounded_scale(scale, dtype, op[0]), op[1]
 
 
 def drawn_mask(g: G.Graph, ref):
