@@ -14,12 +14,13 @@ The mask may also be the dropped set, drop = bernoulli(key, 1 - p) (or u < 1 - p
 floor(p + uniform(key)) (float32, kept where u >= 1 - p). Division by p may also be
 multiplication by 1 / p. A bf16/f16 h converted to float32 for the dropout and the result
 converted back is a dropout of h, and so is h times keep / p computed in float32 and
-rounded to h's dtype (`h * (keep / p)` with a Python float p in bf16 code). The mask must have h's shape; with
-`parse(..., broadcast=True)` (attention only) it may also be broadcast to h's shape, of h's
-rank with 1 on some axes or through one broadcast_in_dim (flax's `broadcast_dropout=True`
-mask [1, 1, Sq, Sk]): `Dropout.mask_shape` says which, and the caller decides whether the
-fused op can draw it. A uniform drawn in bf16/f16 is not taken: its steps of 2^-7 or 2^-10
-make the keep probability a rounding of p.
+rounded to h's dtype (`h * (keep / p)` with a Python float p in bf16 code).
+
+The mask must have h's shape; with `parse(..., broadcast=True)` (attention only) it may
+also be broadcast to h's shape, of h's rank with 1 on some axes or through one
+broadcast_in_dim (flax's `broadcast_dropout=True` mask [1, 1, Sq, Sk]): `Dropout.mask_shape`
+says which, and the caller decides whether the fused op can draw it. A uniform drawn in
+bf16/f16 is not taken: its steps of 2^-7 or 2^-10 make the keep probability a rounding of p.
 
 The fused kernels draw their own mask from the *same key* that fed `bernoulli`, so every
 call site keeps its own key (after the user's `split`/`fold_in`), the keep probability
