@@ -209,7 +209,7 @@ _UPCAST_DROPOUTS = {
 
 @pytest.mark.parametrize("spelling", _UPCAST_DROPOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_dropout_in_float32_converted_back(dtype, spelling):
+def test_dropout_computed_in_float32(dtype, spelling):
     """dropout(h.astype(f32)).astype(h.dtype) is a dropout of h (missed until a probe
     round): the fused ops compute in float32 and round once, as this program does; so is h
     times a float32 keep / p rounded to h's dtype (its scale a rounding of 1 / p). Fused in
