@@ -520,7 +520,7 @@ def match_attention(g, anchor, options):
     else:
         return None
     drop = att.drop
-    why = match_dropout.not_rewritten(options, drop) if drop is not None else None
+    why = match_dropout.not_rewritten(options, drop)
     if why is not None:
         return NearMiss(ATTN, anchor, why, key=("drop", id(drop.bernoulli)))
     causal = att.causal()

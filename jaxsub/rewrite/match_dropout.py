@@ -82,7 +82,10 @@ def _rate(p):
 
 
 def not_rewritten(options, drop) -> str | None:
-    """Why `drop` (a Dropout a matcher found) must stay the user's, else None."""
+    """Why `drop` (a Dropout a matcher found) must stay the user's, else None (also for no
+    dropout: `drop` None)."""
+    if drop is None:
+        return None
     if not options.rewrite_dropout:
         return NOT_REWRITTEN
     return SHARED_KEY if id(drop.bernoulli) in options.kept_draws else None

@@ -187,7 +187,7 @@ def match_bias_gelu_dropout(g, anchor, options):
         return None
     if not nodes:  # the GELU's input is its output: no GELU
         return None
-    why = match_dropout.not_rewritten(options, drop) if drop is not None else None
+    why = match_dropout.not_rewritten(options, drop)
     if why is not None:
         return NearMiss(BGD, anchor, why, key=("drop", id(drop.bernoulli)))
     if drop is not None:

@@ -362,7 +362,7 @@ def _extend(g, anchor, ln, options):
                 or c.x.dtype != ln.x.dtype or c.residual.dtype != ln.x.dtype
                 or (c.bias is not None and c.bias.dtype not in (c.x.dtype, F32))):
             continue
-        why = match_dropout.not_rewritten(options, c.drop) if c.drop is not None else None
+        why = match_dropout.not_rewritten(options, c.drop)
         if why is not None:
             misses.append(NearMiss(BDRLN, anchor, why, key=("drop", id(c.drop.bernoulli))))
             continue

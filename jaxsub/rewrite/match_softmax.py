@@ -398,7 +398,7 @@ def match_softmax_dropout(g, anchor, options):
     x, rank = sm.x, len(sm.x.shape)
     if rank < 2 or x.dtype not in ACTIVATION_DTYPES or sm.out.dtype != x.dtype:
         return None
-    why = match_dropout.not_rewritten(options, drop) if drop is not None else None
+    why = match_dropout.not_rewritten(options, drop)
     if why is not None:
         return NearMiss(SOFTMAX, anchor, why, key=("drop", id(drop.bernoulli)))
     if sm.axis != rank - 1:
