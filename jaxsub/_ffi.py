@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -199,23 +201,88 @@ def varying(tree, axes: frozenset):
     return jax.tree.map(cast, tree) if axes else tree
 
 
+# Tracer classes of JAX's differentiation: `jax.jvp` (and jacfwd, hessian's outer level)
+# traces with JVPTracers; `jax.grad`, `vjp` and `linearize` with LinearizeTracers.
+_JVP_TRACERS = frozenset({"JVPTracer"})
+_LINEARIZE_TRACERS = frozenset({"LinearizeTracer"})
+FORWARD_MODE = "forward-mode or higher-order differentiation (jax.jvp, jacfwd, hessian, grad of grad)"
+
+
+def beyond_first_reverse(tree) -> bool:
+    """Whether a leaf of `tree` is traced for differentiation that a `custom_vjp` cannot
+    take: forward mode (a JVP trace at any level of nesting: jax.jvp, jacfwd, hessian) or
+    reverse mode over reverse mode (two linearize traces: grad of grad)."""
+    for x in jax.tree.leaves(tree):
+        linearized = 0
+        for _ in range(64):  # the levels of nested transformations, innermost first
+            if not isinstance(x, jax.core.Tracer):
+                break
+            kind = type(x).__name__
+            if kind in _JVP_TRACERS:
+                return True
+            linearized += kind in _LINEARIZE_TRACERS
+            if linearized > 1:
+                return True
+            x = getattr(x, "primal", getattr(x, "val", None))
+    return False
+
+
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def references():
+    """Within it every op runs its jnp reference (`custom_vjp`), also in the bodies traced
+    meanwhile (a scan's, a jit's), where the tracers of a forward-mode transformation around
+    the caller do not reach: `optimize` and `stack.scan` open it when their arguments are
+    traced beyond a first reverse derivative."""
+    depth = getattr(_forced, "depth", 0)
+    _forced.depth = depth + 1
+    try:
+        yield
+    finally:
+        _forced.depth = depth
+
+
+def references_forced() -> bool:
+    return getattr(_forced, "depth", 0) > 0
+
+
 class custom_vjp:
     """`jax.custom_vjp` for jaxsub's ops, made right inside `shard_map`: the array
     arguments are cast to the union of the mesh axes they vary over before the call, so
     that each gradient's type is its argument's, and a replicated argument (a parameter
     next to a sharded activation) gets its gradient summed over the devices by the cast's
     transpose, as JAX's own ops do. Under an Explicit mesh (`jax.set_mesh`) the op runs
-    with the mesh's axes Auto (`_in_auto_axes`). Otherwise it is jax.custom_vjp."""
+    with the mesh's axes Auto (`_in_auto_axes`). Otherwise it is jax.custom_vjp.
+
+    A custom_vjp has a first reverse-mode derivative only. Where the arguments are traced
+    for more (`beyond_first_reverse`: jax.jvp, jacfwd, hessian, grad of grad), the call
+    runs the op's jnp reference instead (`defreference`; the same dropout mask, drawn from
+    the seed), which JAX differentiates to any order; so does every op inside `references()`.
+    That takes the transformation applied around the op's call (or around `optimize`'s or
+    `stack.scan`'s); one applied to a jitted function, a `lax.scan` or a `jax.checkpoint` that
+    calls the op sees only its traced body and raises JAX's error, as for any custom_vjp."""
 
     def __init__(self, fun, nondiff_argnums=()):
         self._fun = jax.custom_vjp(fun, nondiff_argnums=nondiff_argnums)
         self._nondiff = frozenset(nondiff_argnums)
+        self._reference = None
         functools.update_wrapper(self, fun)
 
     def defvjp(self, fwd, bwd, **kwargs):
         self._fun.defvjp(fwd, bwd, **kwargs)
 
+    def defreference(self, op: str, reference):
+        """`reference`: the op in differentiable jnp, with the same arguments (the
+        non-differentiable ones included) and results; `op` names it in the log line."""
+        self._reference = (op, reference)
+
     def __call__(self, *args):
+        if self._reference is not None and (references_forced() or beyond_first_reverse(args)):
+            op, reference = self._reference
+            fallback(op, FORWARD_MODE, instead="its jnp reference")
+            return reference(*args)
         if not inside_shard_map():
             for i, a in enumerate(args):
                 for x in (() if i in self._nondiff else jax.tree.leaves(a)):

@@ -628,3 +628,13 @@ def _scan_bwd(body, plans, residuals, cotangents):
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd, symbolic_zeros=True)
+
+
+def _scan_reference(body, plans, consts, init, xs):
+    """Forward-mode differentiation (`_ffi.custom_vjp`): the loop itself, its body traced with
+    every op's jnp reference (the transformation's tracers do not reach into the body)."""
+    with _ffi.references():
+        return _scan.__wrapped__(body, plans, consts, init, xs)
+
+
+_scan.defreference("stack.scan", _scan_reference)

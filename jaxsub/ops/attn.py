@@ -337,6 +337,10 @@ def _fused_bwd(scale, causal, kind, rate, bcast, res, dout):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+# Forward-mode differentiation (`_ffi.custom_vjp`): the unfused structure, whose softmax takes
+# its own jnp reference there. The same mask (both structures draw `dropout_mask`'s).
+_fused.defreference(_OP, lambda q, k, v, mask4d, seed, scale, causal, kind, rate, bcast: _unfused(
+    q, *repeat_kv(q, k, v), mask4d, seed, kind, causal, scale, rate, op=_OP, bcast=bcast))
 
 
 @functools.partial(_ffi.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
@@ -366,6 +370,8 @@ def _fused_packed_bwd(axis, scale, causal, kind, rate, bcast, res, dout):
 
 
 _fused_packed.defvjp(_fused_packed_fwd, _fused_packed_bwd, symbolic_zeros=True)
+_fused_packed.defreference("attention_packed", lambda qkv, mask4d, seed, axis, scale, causal, kind, rate, bcast: (
+    _unfused(*packed_slices(qkv, axis), mask4d, seed, kind, causal, scale, rate, op="attention_packed", bcast=bcast)))
 
 
 # ---------------------------------------------------------------------------------------

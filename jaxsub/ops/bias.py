@@ -86,6 +86,7 @@ def _bias_add_bwd(bias, dy):
 
 
 _bias_add.defvjp(_bias_add_fwd, _bias_add_bwd)
+_bias_add.defreference(_OP, _forward)  # forward-mode differentiation: jnp already
 
 
 # ---------------------------------------------------------------------------------------

@@ -102,6 +102,15 @@ def _fused_bwd(approximate, rate, kernel, res, dy):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+def _reference(x, bias, seed, approximate, rate):
+    """The fused op in jnp (forward-mode differentiation: `_ffi.custom_vjp`), the kernel's mask."""
+    keep = _dropout.seed_mask(seed, x.shape, rate) if rate > 0.0 else None
+    return reference_bias_gelu_dropout(x, bias, keep=keep, rate=rate, approximate=approximate)
+
+
+_fused.defreference(_OP, lambda x, bias, seed, approximate, rate, kernel: _reference(x, bias, seed, approximate, rate))
+
+
 # The op followed by a product with a [N, E] weight. Autodiff of `y @ w` keeps y for w's
 # gradient; here the backward kernel writes y again instead (two more instructions per
 # element beside the derivative), so only x is kept: memory for time. (It paid in scanned
@@ -141,6 +150,8 @@ def _fused_dense_bwd(approximate, rate, kernel, library, res, dout):
 
 
 _fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
+_fused_dense.defreference("bias_gelu_dropout_dense", lambda x, bias, w, seed, approximate, rate, kernel, library: (
+    _dense(_reference(x, bias, seed, approximate, rate), w)))
 
 
 # The product before the op in the same call (dense_gelu_fwd: y and the product h for the
@@ -192,6 +203,16 @@ def _dense_gelu_bwd(approximate, rate, kernel, library, res, dout):
 
 
 _dense_gelu.defvjp(_dense_gelu_fwd, _dense_gelu_bwd)
+
+
+def _dense_gelu_reference(x, w, bias, w_out, seed, approximate, rate, kernel, library):
+    h = jnp.matmul(x.reshape(-1, x.shape[-1]), w)
+    out = _reference(h, bias, seed, approximate, rate)
+    out = out if w_out is None else jnp.matmul(out, w_out)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_dense_gelu.defreference("dense_bias_gelu_dropout", _dense_gelu_reference)
 
 
 def _dense_gelu_unsupported(x, kernel, bias) -> str | None:

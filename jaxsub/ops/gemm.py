@@ -124,6 +124,8 @@ def _dense(x, kernel, axes):
 
 _dense.defvjp(lambda x, kernel, axes: (forward(x, kernel, None, axes), (x, kernel)),
               lambda axes, res, dy: backward(axes, *res, None, dy)[:2])
+# Forward-mode differentiation (`_ffi.custom_vjp`): the reference, f32 products rounded once.
+_dense.defreference(_OP, lambda x, kernel, axes: reference_dense(x, kernel, axes=axes))
 
 
 @functools.partial(_ffi.custom_vjp, nondiff_argnums=(3,))
@@ -133,6 +135,7 @@ def _dense_bias(x, kernel, bias, axes):
 
 _dense_bias.defvjp(lambda x, kernel, bias, axes: (forward(x, kernel, bias, axes), (x, kernel, bias)),
                    lambda axes, res, dy: backward(axes, *res, dy))
+_dense_bias.defreference(_OP, lambda x, kernel, bias, axes: reference_dense(x, kernel, bias, axes=axes))
 
 
 # x returned as a second output: the cotangent of that output (x's other uses, summed) is
@@ -152,6 +155,7 @@ def _dense_input_bwd(axes, res, ct):
 
 _dense_input.defvjp(lambda x, kernel, bias, axes: ((forward(x, kernel, bias, axes), x), (x, kernel, bias)),
                     _dense_input_bwd)
+_dense_input.defreference(_OP, lambda x, kernel, bias, axes: (reference_dense(x, kernel, bias, axes=axes), x))
 
 
 # ---------------------------------------------------------------------------------------

@@ -148,6 +148,15 @@ def _layer_norm_bwd(eps, kernel, with_input, residuals, ct):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+def _layer_norm_reference(x, scale, bias, eps, kernel, with_input):
+    """_layer_norm in jnp (forward-mode differentiation: `_ffi.custom_vjp`)."""
+    y = reference_layer_norm(x, scale, bias, eps=eps)
+    return (y, x) if with_input else y
+
+
+_layer_norm.defreference("layer_norm", _layer_norm_reference)
+
+
 # `outputs`: "y" (y alone), "yy" (y twice) or "yh" (y and h, the sum the layer norm reads). Separate
 # outputs reach the backward as separate cotangents, and the kernel adds them as it reads
 # them (dy2 for the second y, dh after the layer norm's gradient of h), instead of XLA
@@ -176,6 +185,17 @@ def _bdrln_bwd(eps, rate, kernel, outputs, residuals, ct):
 
 
 _bdrln.defvjp(_bdrln_fwd, _bdrln_bwd)
+
+
+def _bdrln_reference(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel, outputs):
+    """_bdrln in jnp (forward-mode differentiation: `_ffi.custom_vjp`), the kernel's mask."""
+    keep = dropout.seed_mask(seed, x.shape, rate) if rate > 0.0 else None
+    h = _reference_sum(x, bias, residual, keep, rate)
+    y = _normalize(h, scale, ln_bias, eps).astype(x.dtype)
+    return {"y": y, "yy": (y, y), "yh": (y, h.astype(x.dtype))}[outputs]
+
+
+_bdrln.defreference("bias_dropout_residual_layer_norm", _bdrln_reference)
 
 
 # ---------------------------------------------------------------------------------------

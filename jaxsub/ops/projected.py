@@ -95,6 +95,12 @@ def _fused_projected_bwd(scale, causal, kind, rate, bcast, res, dout):
 
 
 _fused_projected.defvjp(_fused_projected_fwd, _fused_projected_bwd, symbolic_zeros=True)
+# Forward-mode differentiation (`_ffi.custom_vjp`): the unfused structure, as for an additive
+# mask's gradient above.
+_fused_projected.defreference("attention_projected", lambda x, weights, biases, mask4d, seed, scale, causal, kind,
+                              rate, bcast: _attn.unfused_source(_Projected(x, weights, biases), mask4d, seed, kind,
+                                                                causal, scale, rate, op="attention_projected",
+                                                                bcast=bcast))
 
 
 # dense_attention_packed's fused path: the packed product by jaxsub's GEMM target, its bias
@@ -146,6 +152,10 @@ def _stacked(bias):
 
 
 _fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd, symbolic_zeros=True)
+_fused_dense.defreference("dense_attention_packed", lambda x, kernel, bias, mask4d, seed, axes, shared, scale, causal,
+                          kind, rate, bcast, three: _attn.unfused_source(
+                              _DensePacked(x, kernel, bias, axes, shared), mask4d, seed, kind, causal, scale, rate,
+                              op="dense_attention_packed", bcast=bcast))
 
 
 # ---------------------------------------------------------------------------------------

@@ -126,6 +126,16 @@ def _mask_grad_from_scores(dtype, scale: float) -> bool:
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
+def _fused_reference(scores, mask, seed, scale, causal, kind, rate):
+    """_fused in jnp (forward-mode differentiation: `_ffi.custom_vjp`), the kernel's mask."""
+    keep = _dropout.seed_mask(seed, scores.shape, rate) if rate > 0.0 else None
+    return reference_softmax_dropout(scores, scale=scale, mask=None if kind == _masks.NONE else mask, causal=causal,
+                                     keep=keep, rate=rate)
+
+
+_fused.defreference(_OP, _fused_reference)
+
+
 # ---------------------------------------------------------------------------------------
 # Public function.
 

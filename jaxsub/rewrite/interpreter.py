@@ -183,6 +183,7 @@ class Traced:
     out_tree: object
     closes_over_tracers: bool = False
     eager: object = None
+    closes_over_derivatives: bool = False  # a closed-over tracer is traced beyond a first reverse derivative
 
 
 def _rewrites(plan) -> bool:
@@ -270,7 +271,8 @@ def trace(fn, options: P.Options, args, kwargs):
     closed = jax.make_jaxpr(flat)(*[_abstract(x) for x in arrays])
     graph = G.build(closed.jaxpr, closed.consts)
     tracers = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
-    return Traced(graph, P.plan(graph, options), out_tree[0], tracers), arrays
+    return Traced(graph, P.plan(graph, options), out_tree[0], tracers,
+                  closes_over_derivatives=_ffi.beyond_first_reverse(closed.consts)), arrays
 
 
 class Optimized:
@@ -366,7 +368,13 @@ class Optimized:
                 # closes over fn's traced values would meet stale tracers when differentiated
                 # (as under jax.grad(jax.jit(fn))).
                 return self.fn(*args, **kwargs)
-            outs = self._run(traced, leaves)  # inside the caller's trace (jit, grad, vmap)
+            if traced.closes_over_derivatives or _ffi.beyond_first_reverse(leaves):
+                # jax.jvp, jacfwd, hessian, grad of grad: every op runs its jnp reference
+                # (the fused ops have one reverse derivative), in scan and jit bodies too.
+                with _ffi.references():
+                    outs = self._run(traced, leaves)
+            else:
+                outs = self._run(traced, leaves)  # inside the caller's trace (jit, grad, vmap)
         else:
             # Called outside any trace: the rewritten program runs compiled, once per
             # specialization, as fn would under jax.jit (fn's own jit is inlined by the
@@ -381,7 +389,10 @@ def optimize(fn=None, *, rewrite_dropout=True, layouts="auto"):
     """Rewrite fn's transformer patterns into jaxsub's fused ops; usable as a decorator.
 
     The result has fn's signature and pytree structure and composes with jit, grad,
-    value_and_grad and vmap; on a method, `self` is bound as a static argument (non-array
+    value_and_grad and vmap, and with jax.jvp, jacfwd, hessian and grad of grad applied
+    around it (every fused op then runs its jnp reference, with the same dropout masks:
+    the kernels have one reverse derivative; not through a jit boundary, as for any
+    custom_vjp). On a method, `self` is bound as a static argument (non-array
     arguments are part of the trace's key, as jax.jit's static arguments, so a mutated
     object is not traced again). fn is traced once per input structure/shape/dtype; matched
     patterns (layer norm, bias+dropout+residual+layer norm, bias+dropout+residual with no

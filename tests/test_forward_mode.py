@@ -1,0 +1,284 @@
+"""Forward-mode and higher-order differentiation (jax.jvp, jacfwd, hessian, grad of grad)
+of the fused ops and of optimized functions.
+
+A custom_vjp has one reverse-mode derivative. Where an op's arguments are traced for more,
+the op runs its jnp reference with the kernel's dropout mask (`_ffi.custom_vjp`), so the
+derivatives are the reference's: each test compares them with jax's derivatives of the
+public reference (or of the function before `optimize`) with `dropout_mask`'s mask.
+First-order gradients keep the fused backward targets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsub
+from jaxsub import ops
+from jaxsub.ops.attn import reference_attention
+from jaxsub.ops.gelu import reference_bias_gelu_dropout
+from jaxsub.ops.norm import reference_bdrln, reference_layer_norm
+from jaxsub.ops.softmax import reference_softmax_dropout
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _rand(seed, shape, scale=1.0):
+    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _assert_jvp(fn, reference, primals, seed=100):
+    """jvp of fn equals jvp of reference at primals, tangents drawn at random; the jvp's
+    primal output equals fn's."""
+    tangents = tuple(_rand(seed + i, np.shape(p)) for i, p in enumerate(primals))
+    out, tan = jax.jvp(fn, primals, tangents)
+    out_ref, tan_ref = jax.jvp(reference, primals, tangents)
+    for a, b in zip(jax.tree.leaves((out, tan)), jax.tree.leaves((out_ref, tan_ref))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(fn(*primals))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+
+
+def _assert_second_order(fn, reference, x):
+    """hessian-vector product (jvp of grad) and grad of grad of a scalar loss of fn equal
+    the reference's."""
+    loss = lambda f: (lambda x: jnp.sum(jnp.sin(f(x)) ** 2))
+    t = _rand(7, x.shape)
+    hvp = lambda f: jax.jvp(jax.grad(loss(f)), (x,), (t,))[1]
+    gg = lambda f: jax.grad(lambda x: jnp.sum(jax.grad(loss(f))(x) * t))(x)
+    np.testing.assert_allclose(hvp(fn), hvp(reference), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gg(fn), gg(reference), rtol=1e-4, atol=1e-4)
+
+
+KEY = jax.random.key(42)
+
+
+def test_layer_norm():
+    x, g, b = _rand(0, (5, 33)), 1.0 + _rand(1, (33,), 0.1), _rand(2, (33,))
+    _assert_jvp(lambda x, g, b: ops.layer_norm(x, g, b),
+                lambda x, g, b: reference_layer_norm(x, g, b), (x, g, b))
+    _assert_second_order(lambda x: ops.layer_norm(x, g, b), lambda x: reference_layer_norm(x, g, b), x)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_bias_dropout_residual_layer_norm(rate):
+    x, r = _rand(0, (2, 3, 40)), _rand(1, (2, 3, 40))
+    bias, g, b = _rand(2, (40,)), 1.0 + _rand(3, (40,), 0.1), _rand(4, (40,))
+    keep = ops.dropout_mask(KEY, x.shape, rate) if rate else None
+    _assert_jvp(lambda x, r, bias: ops.bias_dropout_residual_layer_norm(x, bias, r, g, b, rate=rate, key=KEY),
+                lambda x, r, bias: reference_bdrln(x, bias, r, g, b, keep=keep, rate=rate), (x, r, bias))
+    _assert_second_order(lambda x: ops.bias_dropout_residual_layer_norm(x, bias, r, g, b, rate=rate, key=KEY),
+                         lambda x: reference_bdrln(x, bias, r, g, b, keep=keep, rate=rate), x)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_bias_gelu_dropout(approximate):
+    x, bias = _rand(0, (6, 130)), _rand(1, (130,))
+    keep = ops.dropout_mask(KEY, x.shape, 0.2)
+    fused = lambda x, bias: ops.bias_gelu_dropout(x, bias, rate=0.2, key=KEY, approximate=approximate)
+    ref = lambda x, bias: reference_bias_gelu_dropout(x, bias, keep=keep, rate=0.2, approximate=approximate)
+    _assert_jvp(fused, ref, (x, bias))
+    _assert_second_order(lambda x: fused(x, bias), lambda x: ref(x, bias), x)
+
+
+def test_gelu_with_products():
+    x, w, bias, w2 = _rand(0, (2, 5, 12)), _rand(1, (12, 24), 0.3), _rand(2, (24,)), _rand(3, (24, 7), 0.3)
+    keep = ops.dropout_mask(KEY, (2, 5, 24), 0.25)
+    gelu = lambda h: reference_bias_gelu_dropout(h, bias, keep=keep, rate=0.25)
+    hi = jax.lax.Precision.HIGHEST
+    _assert_jvp(lambda x, w: ops.dense_bias_gelu_dropout(x, w, bias, rate=0.25, key=KEY, out_kernel=w2),
+                lambda x, w: jnp.matmul(gelu(jnp.matmul(x, w, precision=hi)), w2, precision=hi), (x, w))
+    h = _rand(4, (2, 5, 24))
+    _assert_jvp(lambda h, w2: ops.bias_gelu_dropout_dense(h, bias, w2, rate=0.25, key=KEY),
+                lambda h, w2: jnp.matmul(gelu(h), w2, precision=hi), (h, w2))
+
+
+def test_dense_and_bias_add():
+    x, w, b = _rand(0, (3, 4, 8)), _rand(1, (8, 5)), _rand(2, (5,))
+    hi = jax.lax.Precision.HIGHEST
+    _assert_jvp(lambda x, w, b: ops.dense(x, w, b), lambda x, w, b: jnp.matmul(x, w, precision=hi) + b, (x, w, b))
+    _assert_jvp(lambda x, b: ops.bias_add(x, b), lambda x, b: x + b, (x, b[:1] + _rand(3, (8,))))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_dropout(causal):
+    s = _rand(0, (2, 3, 7, 9), 2.0)
+    mask = jax.random.bernoulli(jax.random.key(5), 0.8, (2, 1, 7, 9))
+    keep = ops.dropout_mask(KEY, s.shape, 0.1)
+    _assert_jvp(lambda s: ops.softmax_dropout(s, scale=0.5, mask=mask, causal=causal, rate=0.1, key=KEY),
+                lambda s: reference_softmax_dropout(s, scale=0.5, mask=mask, causal=causal, keep=keep, rate=0.1),
+                (s,))
+
+
+@pytest.mark.parametrize("implementation", ["fused", "unfused"])
+@pytest.mark.parametrize("case", ["plain", "padding+causal", "additive", "grouped", "broadcast_dropout"])
+def test_attention(implementation, case):
+    b, sq, sk, h, d = 2, 7, 9, 4, 8
+    q, k, v = _rand(0, (b, sq, h, d)), _rand(1, (b, sk, h, d)), _rand(2, (b, sk, h, d))
+    kw, keep_shape = dict(dropout_rate=0.2, key=KEY), (b, h, sq, sk)
+    if case == "padding+causal":
+        kw.update(mask=jnp.arange(sk)[None, :] < jnp.array([[6], [9]]), causal=True)
+    elif case == "additive":
+        kw.update(mask=_rand(3, (1, h, sq, sk)))
+    elif case == "grouped":
+        k, v = k[:, :, :2], v[:, :, :2]
+    elif case == "broadcast_dropout":
+        kw.update(broadcast_dropout=True)
+        keep_shape = (1, 1, sq, sk)
+    keep = ops.dropout_mask(KEY, keep_shape, 0.2)
+    ref_kw = {n: kw[n] for n in ("mask", "causal") if n in kw}
+    _assert_jvp(lambda q, k, v: ops.attention(q, k, v, implementation=implementation, **kw),
+                lambda q, k, v: reference_attention(q, k, v, keep=keep, rate=0.2, **ref_kw), (q, k, v))
+    if case == "plain":
+        _assert_second_order(lambda q: ops.attention(q, k, v, implementation=implementation, **kw),
+                             lambda q: reference_attention(q, k, v, keep=keep, rate=0.2), q)
+
+
+def test_attention_packed_and_projected():
+    b, s, e, h, d = 2, 5, 12, 3, 4
+    x, w, bias = _rand(0, (b, s, e)), _rand(1, (e, 3, h, d), 0.3), _rand(2, (3, h, d))
+    keep = ops.dropout_mask(KEY, (b, h, s, s), 0.1)
+    hi = jax.lax.Precision.HIGHEST
+
+    def ref(x, w, bias):
+        qkv = jnp.einsum("bse,ethd->bsthd", x, w, precision=hi) + bias
+        return reference_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], keep=keep, rate=0.1)
+
+    kw = dict(dropout_rate=0.1, key=KEY)
+    _assert_jvp(lambda x, w, bias: ops.dense_attention_packed(x, w, bias, implementation="fused", **kw), ref,
+                (x, w, bias))
+    _assert_jvp(lambda x, w, bias: ops.attention_packed(jnp.einsum("bse,ethd->bsthd", x, w, precision=hi) + bias,
+                                                        implementation="fused", **kw), ref, (x, w, bias))
+    ws, bs = tuple(w[:, i] for i in range(3)), tuple(bias[i] for i in range(3))
+    _assert_jvp(lambda x, w, bias: ops.attention_projected(x, tuple(w[:, i] for i in range(3)),
+                                                           tuple(bias[i] for i in range(3)), implementation="fused",
+                                                           **kw), ref, (x, w, bias))
+    assert len(ws) == len(bs) == 3
+
+
+def test_stack_scan():
+    ws, x = _rand(0, (3, 8, 8), 0.3), _rand(1, (4, 8))
+    g = 1.0 + _rand(2, (8,), 0.1)
+
+    def body(consts, h, w):
+        return ops.layer_norm(jnp.tanh(h @ w), consts, None), None
+
+    def ref_body(h, w):
+        return reference_layer_norm(jnp.tanh(h @ w), g, None), None
+
+    _assert_jvp(lambda x, ws: jaxsub.stack.scan(body, x, ws, g)[0], lambda x, ws: jax.lax.scan(ref_body, x, ws)[0],
+                (x, ws))
+
+
+def _jnp_layer(p, x, key):
+    """A small post-LN encoder layer in jnp (attention, residual, layer norm, GELU MLP)."""
+    b, s, e = x.shape
+    h = 2
+    qkv = (x @ p["wqkv"]).reshape(b, s, 3, h, e // h)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(e // h)
+    probs = jax.nn.softmax(scores, axis=-1)
+    a = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, e)
+
+    def ln(z, g, beta):
+        m = z.mean(-1, keepdims=True)
+        var = ((z - m) ** 2).mean(-1, keepdims=True)
+        return (z - m) * jax.lax.rsqrt(var + 1e-5) * g + beta
+
+    y = ln(x + a @ p["wo"] + p["bo"], p["g1"], p["b1"])
+    f = jax.nn.gelu(y @ p["w1"] + p["b1f"], approximate=False) @ p["w2"]
+    return ln(y + f + p["b2"], p["g2"], p["b2n"])
+
+
+def _layer_params(e=8, f=16):
+    shapes = dict(wqkv=(e, 3 * e), wo=(e, e), bo=(e,), g1=(e,), b1=(e,), w1=(e, f), b1f=(f,), w2=(f, e), b2=(e,),
+                  g2=(e,), b2n=(e,))
+    p = {n: _rand(i, s, 0.3) for i, (n, s) in enumerate(shapes.items())}
+    p["g1"], p["g2"] = p["g1"] + 1.0, p["g2"] + 1.0
+    return p
+
+
+def test_optimize_jvp_hessian_and_grad_of_grad():
+    p, x = _layer_params(), _rand(20, (2, 5, 8))
+    fast = jaxsub.optimize(_jnp_layer)
+    assert jaxsub.explain(_jnp_layer, p, x, KEY).matches, "the layer's patterns must be rewritten for this test"
+    _assert_jvp(lambda x: fast(p, x, KEY), lambda x: _jnp_layer(p, x, KEY), (x,))
+    _assert_second_order(lambda x: fast(p, x, KEY), lambda x: _jnp_layer(p, x, KEY), x)
+    # jacfwd and jacrev agree through the fused ops.
+    jf = jax.jacfwd(lambda x: fast(p, x, KEY))(x[:1, :2])
+    jr = jax.jacrev(lambda x: fast(p, x, KEY))(x[:1, :2])
+    np.testing.assert_allclose(jf, jr, rtol=1e-4, atol=1e-5)
+    # jvp traced inside jit (a jitted step with a Hessian-vector product) works too.
+    t = _rand(21, x.shape)
+    inside = jax.jit(lambda x, t: jax.jvp(lambda x: fast(p, x, KEY), (x,), (t,)))(x, t)
+    np.testing.assert_allclose(inside[1], jax.jvp(lambda x: _jnp_layer(p, x, KEY), (x,), (t,))[1], **TOL)
+
+
+def test_optimize_jvp_through_scan_remat_and_jit_bodies():
+    """A transformation's tracers do not reach into bodies that JAX traces (a scan's, a
+    checkpoint's, a jit's): `optimize` runs every op in them as its reference too."""
+    layers = [_layer_params() for _ in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    x = _rand(30, (2, 5, 8))
+
+    def model(stacked, x):
+        step = jax.checkpoint(lambda h, p: (jax.jit(_jnp_layer)(p, h, KEY), None))
+        return jax.lax.scan(step, x, stacked)[0]
+
+    fast = jaxsub.optimize(model)
+    assert jaxsub.explain(model, stacked, x).matches
+    _assert_jvp(lambda x: fast(stacked, x), lambda x: model(stacked, x), (x,))
+    _assert_second_order(lambda x: fast(stacked, x), lambda x: model(stacked, x), x)
+
+
+def test_flax_encoder_jvp():
+    encoder = jaxsub.flax.Encoder(num_layers=2, num_heads=2, mlp_dim=16, dropout_rate=0.1,
+                                  attention_dropout_rate=0.1, scan_layers=True)
+    x = _rand(0, (2, 6, 8))
+    params = encoder.init(jax.random.key(0), x, deterministic=True)
+    rngs = {"dropout": jax.random.key(1)}
+    f = lambda x: encoder.apply(params, x, deterministic=False, rngs=rngs)
+    t = _rand(1, x.shape)
+    out, tan = jax.jvp(f, (x,), (t,))
+    np.testing.assert_allclose(out, f(x), **TOL)
+    eps = 1e-3
+    fd = (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
+    np.testing.assert_allclose(tan, fd, rtol=2e-2, atol=2e-2)
+
+
+def test_flax_encoder_layer_jvp():
+    layer = jaxsub.flax.EncoderLayer(num_heads=2, mlp_dim=16, dropout_rate=0.1, attention_dropout_rate=0.1)
+    x = _rand(0, (2, 6, 8))
+    params = layer.init(jax.random.key(0), x, deterministic=True)
+    rngs = {"dropout": jax.random.key(1)}
+    f = lambda x: layer.apply(params, x, deterministic=False, rngs=rngs)
+    t = _rand(1, x.shape)
+    out, tan = jax.jvp(f, (x,), (t,))
+    np.testing.assert_allclose(out, f(x), **TOL)
+    # The tangent is the derivative of the same (dropped) function: a finite difference.
+    eps = 1e-3
+    fd = (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
+    np.testing.assert_allclose(tan, fd, rtol=2e-2, atol=2e-2)
+
+
+def test_first_order_gradients_keep_the_fused_backward(fallback_log):
+    x, g, b = _rand(0, (5, 33)), 1.0 + _rand(1, (33,), 0.1), _rand(2, (33,))
+    loss = lambda x: jnp.sum(ops.bias_gelu_dropout(ops.layer_norm(x, g, b), b, rate=0.1, key=KEY) ** 2)
+    xs = jnp.stack([x, 2 * x])
+    for fn, arg in ((jax.grad(loss), x), (jax.vmap(jax.grad(loss)), xs),
+                    (jax.grad(lambda xs: jax.vmap(loss)(xs).sum()), xs)):
+        hlo = jax.jit(fn).lower(arg).as_text()
+        assert "jaxsub_layer_norm_bwd" in hlo and "jaxsub_bias_gelu_dropout_bwd" in hlo
+    assert not fallback_log
+    # Beyond the first reverse derivative the references run, with a log line naming each op.
+    hlo = jax.jit(jax.hessian(loss)).lower(x[:1]).as_text()
+    assert "jaxsub_layer_norm" not in hlo and "jaxsub_bias_gelu_dropout" not in hlo
+    assert {op for op, _ in fallback_log} == {"layer_norm", "bias_gelu_dropout"}
+    assert all("forward-mode" in reason for _, reason in fallback_log)
+
+
+def test_jvp_of_a_jitted_call_raises_jaxs_error():
+    """The documented limit: a transformation applied to a jitted function sees the compiled
+    custom_vjp (JAX's own error, as for any custom_vjp)."""
+    x, g, b = _rand(0, (3, 16)), jnp.ones(16), jnp.zeros(16)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(jax.jit(lambda x: ops.layer_norm(x, g, b)), (x,), (x,))
