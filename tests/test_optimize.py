@@ -516,6 +516,74 @@ def test_dropouts_sharing_a_key_are_fused_together():
     assert_close(jaxsub.optimize(f)(x, b, r, key), r + jnp.where(keep, (h + b) / (1 - RATE), 0), what="value")
 
 
+_KEEP_FORMS = {  # keep masks of one key in JAX's two forms: u < p (bernoulli's) and u >= rate
+    "bernoulli keep": ("below", lambda key, h, rate: jnp.where(jax.random.bernoulli(key, 1 - rate, h.shape),
+                                                               h / (1 - rate), 0)),
+    "uniform < p": ("below", lambda key, h, rate: jnp.where(jax.random.uniform(key, h.shape) < 1 - rate,
+                                                            h / (1 - rate), 0)),
+    "dropped set": ("above", lambda key, h, rate: jnp.where(jax.random.bernoulli(key, rate, h.shape), 0,
+                                                            h / (1 - rate))),
+    "uniform >= rate": ("above", lambda key, h, rate: jnp.where(jax.random.uniform(key, h.shape) >= rate,
+                                                                h / (1 - rate), 0)),
+    "praxis floor": ("above", lambda key, h, rate: h * jnp.floor(1 - rate + jax.random.uniform(key, h.shape))
+                     / (1 - rate)),
+}
+
+
+@pytest.mark.parametrize("second", list(_KEEP_FORMS))
+@pytest.mark.parametrize("first", ["bernoulli keep", "dropped set"])
+def test_dropouts_of_one_key_in_two_forms(first, second):
+    """JAX keeps u < p for a bernoulli keep mask and u >= rate for a dropped set drawn (or
+    `uniform >= rate`, Praxis's floor), from one u per element. Masks of one key in one form
+    are nested by their rates, as the fused ops' (each `dropout_mask(key, shape, rate)`), so
+    both are fused; in two forms JAX's overlap less (found in review: 0.79 of the elements
+    kept by both at rate 0.1, 0.90 fused), so both stay in XLA, with JAX's bits."""
+    x1, x2, b = _normal(0, (64, N)), _normal(1, (64, N)), _normal(2, (N,))
+    key, rate1, rate2 = jax.random.key(4), RATE, 2 * RATE
+
+    def f(x1, x2, b, key):
+        gelu = lambda x: jax.nn.gelu(x + b, approximate=False)
+        return _KEEP_FORMS[first][1](key, gelu(x1), rate1), _KEEP_FORMS[second][1](key, gelu(x2), rate2)
+
+    report = jaxsub.explain(f, x1, x2, b, key)
+    assert report.totals == {"bias_gelu_dropout": 2}, str(report)
+    got = jaxsub.optimize(f)(x1, x2, b, key)
+    if _KEEP_FORMS[first][0] != _KEEP_FORMS[second][0]:
+        assert "dropout rate" not in str(report), str(report)
+        assert str(report).count("relates the masks its key draws otherwise") == 2, str(report)
+        for a, w in zip(got, f(x1, x2, b, key)):
+            assert_close(a, w, what="value")
+        return
+    assert "relates the masks its key draws otherwise" not in str(report), str(report)
+    keep1, keep2 = ops.dropout_mask(key, x1.shape, rate1), ops.dropout_mask(key, x2.shape, rate2)
+    assert bool(jnp.all(keep1 | ~keep2))  # nested: the larger rate keeps a subset
+    gelu = lambda x: jax.nn.gelu(x + b, approximate=False)
+    assert_close(got[0], jnp.where(keep1, gelu(x1) / (1 - rate1), 0), what="value")
+    assert_close(got[1], jnp.where(keep2, gelu(x2) / (1 - rate2), 0), what="value")
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_dropouts_of_one_key_at_two_sizes(partitionable):
+    """With partitionable threefry (JAX's default) element i's bits depend on (key, i) only,
+    at any size, as the fused ops' do: masks of one key at two sizes are fused. Without it
+    JAX's bits differ between sizes, so they stay in XLA."""
+    x1, x2, b = _normal(0, (64, N)), _normal(1, (32, N)), _normal(2, (N,))
+
+    def f(x1, x2, b, key):
+        return tuple(_bernoulli_dropout(key, jax.nn.gelu(x + b, approximate=False), RATE) for x in (x1, x2))
+
+    with jax.threefry_partitionable(partitionable):
+        key = jax.random.key(4)
+        report = jaxsub.explain(f, x1, x2, b, key)
+        got, want = jaxsub.optimize(f)(x1, x2, b, key), f(x1, x2, b, key)
+    assert report.totals == {"bias_gelu_dropout": 2}, str(report)
+    assert (str(report).count(f"dropout rate={RATE:g}") == 2) == partitionable, str(report)
+    if not partitionable:
+        assert str(report).count("relates the masks its key draws otherwise") == 2, str(report)
+        for a, w in zip(got, want):
+            assert_close(a, w, what="value")
+
+
 def gelu_then_residual_dropout(x, b, r, key):
     """Two dropouts whose keys are the slices of one split (as a jnp layer draws them)."""
     keys = jax.random.split(key, 2)

@@ -103,6 +103,9 @@ class Graph:
         self.producer: dict[Ref, Node] = {}
         self.uses: Counter = Counter()
         self.names: dict[Ref, list] = {}  # a Ref -> the checkpoint_name equations applied to it
+        # A dropout draw (a _bernoulli/_uniform call) -> {(below, the mask's first node)}:
+        # the form of each mask the matchers took from it (rewrite.match_dropout).
+        self.draw_forms: dict[Node, set] = {}
 
     # -- queries used by matchers -------------------------------------------------------
 

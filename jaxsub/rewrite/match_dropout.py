@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,6 +49,9 @@ from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, F32, same_constant, shape
 NOT_REWRITTEN = "dropout not rewritten (rewrite_dropout=False)"
 SHARED_KEY = ("dropout not rewritten: its key also draws a mask that stays in XLA (in JAX the two draws share "
               "their bits; the fused op's own mask would not)")
+MIXED_FORMS = ("dropout not rewritten: JAX relates the masks its key draws otherwise than the fused ops would "
+               "(one keeps u < p, as bernoulli does, another u >= rate, as a dropped set drawn: they overlap less "
+               "than the fused ops' nested masks; or, with jax_threefry_partitionable off, masks of two sizes)")
 
 
 @dataclasses.dataclass
@@ -88,7 +92,9 @@ def not_rewritten(options, drop) -> str | None:
         return None
     if not options.rewrite_dropout:
         return NOT_REWRITTEN
-    return SHARED_KEY if id(drop.bernoulli) in options.kept_draws else None
+    if id(drop.bernoulli) in options.kept_draws:
+        return SHARED_KEY
+    return MIXED_FORMS if id(drop.bernoulli) in options.mixed_draws else None
 
 
 # Ops that make the same key again from the same operands: a raw uint32 key is wrapped again
@@ -110,13 +116,38 @@ def _key_identity(g: G.Graph, ref, depth: int = 0):
     return (node.prim, repr(sorted(node.params.items())), tuple(_key_identity(g, r, depth + 1) for r in node.ins))
 
 
-def draws_sharing_a_key(g: G.Graph, claimed) -> set:
-    """ids of the mask draws in `claimed` (taken by fused ops) whose key also feeds a
-    bernoulli or uniform draw that is not claimed (left to XLA, where the two draws share
-    their bits)."""
+def draws_sharing_a_key(g: G.Graph, claimed) -> tuple[set, set]:
+    """ids of the mask draws in `claimed` (taken by fused ops) that must stay in XLA, where
+    draws of one key share their bits: (those whose key also feeds a bernoulli or uniform
+    draw that is not claimed, those of a key whose fused draws JAX relates otherwise than
+    the fused ops would: `_forms_differ`)."""
     draws = [n for n in g.nodes if n.call_name in ("_bernoulli", "_uniform") and n.ins]
     left = {_key_identity(g, n.ins[0]) for n in draws if n not in claimed}
-    return {id(n) for n in draws if n in claimed and _key_identity(g, n.ins[0]) in left}
+    by_key = {}
+    for n in draws:
+        if n in claimed:
+            by_key.setdefault(_key_identity(g, n.ins[0]), []).append(n)
+    shared = {id(n) for key, group in by_key.items() if key in left for n in group}
+    mixed = {id(n) for key, group in by_key.items() if key not in left and _forms_differ(g, group, claimed)
+             for n in group}
+    return shared, mixed
+
+
+def _forms_differ(g: G.Graph, group, claimed) -> bool:
+    """Whether the fused draws `group` of one key would not relate as JAX's do. The fused
+    ops keep element i where its 16 bits from (key, i) pass the rate's threshold, so their
+    keep sets of one key are nested, larger for a larger keep probability. So are JAX's
+    where every mask keeps u < p (bernoulli), or every one keeps u >= rate (the dropped set
+    drawn, `uniform >= rate`, Praxis's floor): u is a function of (key, i) too, with the
+    default partitionable threefry. A mask of each form makes JAX's sets overlap less
+    (`where(keep, ...)` beside `where(drop, 0, ...)`: both kept at 0.8 for rate 0.1, where
+    the fused ones are at 0.9). Without partitionable threefry, JAX's bits for one key also
+    differ between sizes."""
+    forms = {below for n in group for below, marker in g.draw_forms.get(n, ()) if marker in claimed}
+    if len(forms) > 1:
+        return True
+    return (not jax.config.jax_threefry_partitionable
+            and len({int(np.prod(n.outs[0].shape)) for n in group}) > 1)
 
 
 def batched_key(bern) -> str | None:
@@ -136,24 +167,25 @@ _KEEP_BELOW = {("lt", 0): True, ("le", 0): True, ("gt", 1): True, ("ge", 1): Tru
 
 
 def _draw(g: G.Graph, mask, depth: int = 0):
-    """(the call that takes the key, keep probability p, the nodes drawing the mask) when the
-    boolean `mask` is bernoulli(key, p), uniform(key) compared with a constant, or the
-    negation of one (`~drop`, `jnp.logical_not(drop)`: p is 1 - the drop mask's), else None."""
+    """(the call that takes the key, keep probability p, the nodes drawing the mask, below)
+    when the boolean `mask` is bernoulli(key, p), uniform(key) compared with a constant, or
+    the negation of one (`~drop`, `jnp.logical_not(drop)`: p is 1 - the drop mask's), else
+    None. `below`: the mask is JAX's u < p (bernoulli's form), else u >= 1 - p."""
     node = g.producer.get(mask)
     if node is None:
         return None
     if node.prim == "not" and len(node.ins) == 1 and node.ins[0].dtype == bool and depth < 4:
         found = _draw(g, node.ins[0], depth + 1)
-        return (found[0], 1.0 - found[1], [node, *found[2]]) if found is not None else None
+        return (found[0], 1.0 - found[1], [node, *found[2]], not found[3]) if found is not None else None
     if node.call_name == "_bernoulli" and len(node.ins) == 2:
         p = g.scalar(node.ins[1])
-        return (node, p, [node]) if p is not None else None
+        return (node, p, [node], True) if p is not None else None
     if node.prim in ("lt", "le", "gt", "ge") and len(node.ins) == 2:
         for side, (u, c) in enumerate((node.ins, node.ins[::-1])):
             call = g.producer.get(u)
             if _unit_uniform(g, call, u, mask.shape) and g.scalar(c) is not None:
-                p = g.scalar(c) if _KEEP_BELOW[node.prim, side] else 1.0 - g.scalar(c)
-                return call, p, [node, call]
+                below = _KEEP_BELOW[node.prim, side]
+                return call, g.scalar(c) if below else 1.0 - g.scalar(c), [node, call], below
     return None
 
 
@@ -167,22 +199,25 @@ def _bernoulli(g: G.Graph, mask, dropped: bool = False):
     """(the call that takes the key, keep probability p, the nodes drawing the mask) when
     `mask` is a keep mask (_draw), or with `dropped` the mask of the dropped elements, and
     the fused ops can draw it; else None."""
-    return _usable(_draw(g, mask), dropped)
+    return _usable(g, _draw(g, mask), dropped)
 
 
-def _usable(found, dropped: bool = False):
-    """`found` (call, p, nodes), p made the keep probability (1 - p with `dropped`), when the
-    fused ops can draw its mask; else None."""
+def _usable(g: G.Graph, found, dropped: bool = False):
+    """(call, p, nodes) from `found` (call, p, nodes, below), p made the keep probability
+    (1 - p with `dropped`), when the fused ops can draw its mask; else None. Records the
+    mask's form for `draws_sharing_a_key`."""
     if found is None:
         return None
-    call, p, nodes = found
-    p = 1.0 - p if dropped else p
+    call, p, nodes, below = found
+    p, below = (1.0 - p, not below) if dropped else (p, below)
     # One key: under vmap over per-example keys the call is batched (batched_key).
     if call.ins[0].shape != ():
         return None
     # A rate the fused ops' 2^-16 steps would bias (ops.dropout.scale_error) stays the user's.
-    ok = 0.0 < p < 1.0 and _dropout.scale_error(_rate(p)) <= _dropout.MAX_SCALE_ERROR
-    return (call, p, nodes) if ok else None
+    if not (0.0 < p < 1.0 and _dropout.scale_error(_rate(p)) <= _dropout.MAX_SCALE_ERROR):
+        return None
+    g.draw_forms.setdefault(call, set()).add((below, nodes[0]))
+    return call, p, nodes
 
 
 def _float_mask(g: G.Graph, ref):
@@ -203,7 +238,7 @@ def _float_mask(g: G.Graph, ref):
     for c, u in (add.ins, add.ins[::-1]) if add is not None else ():
         call = g.producer.get(u)
         if _unit_uniform(g, call, u, ref.shape) and g.scalar(c) is not None:
-            found = _usable((call, g.scalar(c), [floor, add, call]))
+            found = _usable(g, (call, g.scalar(c), [floor, add, call], False))  # kept where u >= 1 - c
             if found is not None:
                 return found
     return None

@@ -27,8 +27,10 @@ F32 = jnp.dtype(jnp.float32)
 class Options:
     rewrite_dropout: bool = True
     # ids of mask draws (match_dropout.Dropout.bernoulli) left to XLA because their key
-    # also draws a mask that stays there (`plan`, match_dropout.not_rewritten).
+    # also draws a mask that stays there, or because the masks of their key that fused ops
+    # would draw relate otherwise than JAX's (`plan`, match_dropout.not_rewritten).
     kept_draws: frozenset = frozenset()
+    mixed_draws: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -111,10 +113,11 @@ def plan(g: G.Graph, options: Options, scan_body: bool = False) -> Plan:
         at, claimed, misses = _search(g, searched)
         # A fused op draws its own mask from the key; where the same key also draws a mask
         # that stays in XLA (the same bits in JAX), both draws stay there.
-        kept = match_dropout.draws_sharing_a_key(g, claimed)
-        if kept <= searched.kept_draws:
+        kept, mixed = match_dropout.draws_sharing_a_key(g, claimed)
+        if kept <= searched.kept_draws and mixed <= searched.mixed_draws:
             break
-        searched = dataclasses.replace(searched, kept_draws=searched.kept_draws | kept)
+        searched = dataclasses.replace(searched, kept_draws=searched.kept_draws | kept,
+                                       mixed_draws=searched.mixed_draws | mixed)
     sub = {n: plan(n.body, options, scan_body=n.prim == G.SCAN) for n in g.nodes if n.body is not None}
     # A matched call (softmax's custom_jvp_call) is replaced whole, not left unsearched.
     unsearched = [n for n in g.nodes if n.prim in G.UNSEARCHED and n not in claimed]
