@@ -18,7 +18,7 @@ from jaxsub.testing import assert_close
 from test_attention import BF16, F16, F32, IMPLEMENTATIONS, make_mask, normal
 
 op = jaxsub.ops.attention_projected
-attn = importlib.import_module("jaxsub.ops.attn")
+attn_calls = importlib.import_module("jaxsub.ops.attn_calls")
 _dropout = importlib.import_module("jaxsub.ops.dropout")
 _masks = importlib.import_module("jaxsub.ops.masks")
 
@@ -123,9 +123,9 @@ def _bwd_pair(seed, b, s, h, d, dtype, mask_kind, causal, rate, bcast=False):
     static = (1.0 / np.sqrt(d), causal, kind, rate, bcast)
 
     def both(q, k, v, dout, mask4d, seed_words):
-        out, lse = attn._fwd_call(q, k, v, mask4d, seed_words, *static)
-        return (attn._bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed_words, *static),
-                attn._bwd_call(dout, q, k, v, out, lse, mask4d, seed_words, *static))
+        out, lse = attn_calls.fwd_call(q, k, v, mask4d, seed_words, *static)
+        return (attn_calls.bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed_words, *static),
+                attn_calls.bwd_call(dout, q, k, v, out, lse, mask4d, seed_words, *static))
 
     return jax.jit(both), (q, k, v, dout, jnp.asarray(mask4d), seed_words)
 
@@ -378,14 +378,14 @@ def test_packed_backward_takes_two_more_results_or_none(extra):
     mask4d, kind = _masks.normalize("t", None, (b, h), s, s, key_padding_ok=True)
     seed = _dropout.seed_from_key("t", jax.random.key(3))
     static = (1.0 / np.sqrt(d), False, kind, 0.0, False)
-    out, lse = attn._fwd_packed_call(qkv, 2, jnp.asarray(mask4d), seed, *static)
+    out, lse = attn_calls.fwd_packed_call(qkv, 2, jnp.asarray(mask4d), seed, *static)
     hd = jax.ShapeDtypeStruct((h, d), F32)
     types = (jax.ShapeDtypeStruct(qkv.shape, F32), hd, jax.ShapeDtypeStruct((b, 3, h, d), F32),
              jax.ShapeDtypeStruct((b, h, s), F32), jax.ShapeDtypeStruct((b, s, h, d), F32), *(hd,) * extra)
     with pytest.raises(Exception, match="attention_qkv_bwd.*two more"):
         jax.block_until_ready(jaxsub._ffi.call("jaxsub_attention_qkv_bwd", types, dout, qkv, out, lse,
                                                jnp.asarray(mask4d), seed, qkv_axis=np.int32(2),
-                                               **attn._attrs(*static)))
+                                               **attn_calls.attrs(*static)))
 
 
 @pytest.mark.parametrize("axis", [2, 0])
@@ -398,8 +398,9 @@ def test_packed_backward_bias_result_is_the_gradient_column_sums(axis):
     mask4d, kind = _masks.normalize("t", None, (b, h), s, s, key_padding_ok=True)
     seed = _dropout.seed_from_key("t", jax.random.key(3))
     static = (1.0 / np.sqrt(d), False, kind, 0.1, False)
-    out, lse = attn._fwd_packed_call(qkv, axis, jnp.asarray(mask4d), seed, *static)
-    dqkv, dbias = attn._bwd_packed_call(dout, qkv, axis, out, lse, jnp.asarray(mask4d), seed, *static, bias_grad=True)
+    out, lse = attn_calls.fwd_packed_call(qkv, axis, jnp.asarray(mask4d), seed, *static)
+    dqkv, dbias = attn_calls.bwd_packed_call(dout, qkv, axis, out, lse, jnp.asarray(mask4d), seed, *static,
+                                             bias_grad=True)
     sums = np.asarray(dqkv, np.float64).sum(axis=(0, 1) if axis == 2 else (1, 2))
     assert dbias.shape == (3, h, d) and dbias.dtype == F32
     np.testing.assert_allclose(np.asarray(dbias), sums, rtol=1e-6, atol=1e-6)

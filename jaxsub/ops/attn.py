@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsub import _ffi
+from jaxsub.ops import attn_calls as _calls
 from jaxsub.ops import config as _config
 from jaxsub.ops import dropout as _dropout
 from jaxsub.ops import masks as _masks
@@ -100,189 +101,10 @@ def reference_attention(q, k, v, *, mask=None, causal=False, scale=None, keep=No
 
 
 # ---------------------------------------------------------------------------------------
-# ffi_call wrappers, argument for argument as cuda/ABI.md lists them.
-
-
-def _kv_heads(q, k) -> str:
-    """The partitioning rules' letter for k and v's heads: q's (h), or under grouped-query
-    attention a dimension sliced as q's heads are (h~: each device's q heads read its own
-    k/v heads; jaxsub/_partition.py)."""
-    return "h" if k.shape[2] == q.shape[2] else "h~"
-
-
-def _keep(rate, bcast, letters):
-    """The calls' `keep` (jaxsub/_partition.py): "b h q k"'s letters, or without the batch
-    and head letters under broadcast dropout (b and h then slice with no seed offset)."""
-    return _dropout.keep(rate, " ".join(letters.split()[2:]) if bcast else letters)
-
-
-def _attrs(scale, causal, kind, rate, bcast):
-    """The attributes every attention target takes (cuda/ABI.md)."""
-    return dict(**_masks.attrs(scale, causal, kind, rate), dropout_bcast=bool(bcast))
-
-
-def _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast):
-    b, sq, h, _ = q.shape
-    g = _kv_heads(q, k)
-    return _ffi.call(
-        "jaxsub_attention_fwd",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), _F32)),
-        q, k, v, mask4d, seed,
-        rule=f"b q h d, b k {g} d, b k {g} e, b h q k, @ -> b q h e, b h q", shard="b h",
-        keep=_keep(rate, bcast, "b h q k"),
-        **_attrs(scale, causal, kind, rate, bcast),
-    )
-
-
-def _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast):
-    b, sq, h, _ = q.shape
-    g = _kv_heads(q, k)
-    dq, dk, dv, _, _ = _ffi.call(
-        "jaxsub_attention_bwd",
-        (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((b, h, sq), _F32),
-            jax.ShapeDtypeStruct(q.shape, _F32),
-        ),
-        dout, q, k, v, out, lse, mask4d, seed,
-        rule=f"b q h e, b q h d, b k {g} d, b k {g} e, b q h e, b h q, b h q k, @ "
-             f"-> b q h d, b k {g} d, b k {g} e, !b h q, !b q h d",
-        shard="b h", keep=_keep(rate, bcast, "b h q k"), **_attrs(scale, causal, kind, rate, bcast),
-    )
-    return dq, dk, dv
-
-
-def _dbias(bias_grad, b, s, h, d, dtype):
-    """The packed backward targets' dbias result and its workspace: dtype[3, H, D] (the column
-    sums of dq, dk and dv, the q/k/v projection's bias gradient) and f32[B * ceil(S / 16), 3,
-    H, D] (the GPU's row partials), or dtype[0] and f32[0] (none); with bias_grad "split"
-    (attention_qkv_bwd only), dtype[H, D], q's part, whose k and v parts are two more
-    results at the end (`_dbias_kv`)."""
-    if not bias_grad:
-        return jax.ShapeDtypeStruct((0,), dtype), jax.ShapeDtypeStruct((0,), _F32)
-    return (jax.ShapeDtypeStruct((h, d) if bias_grad == "split" else (3, h, d), dtype),
-            jax.ShapeDtypeStruct((b * -(-s // 16), 3, h, d), _F32))
-
-
-# The dbias result (a sum over b and s: summed over devices where b is sliced) and its GPU
-# workspace, whose rows are b * ceil(S / 16): as many fewer per device as b's slices.
-def _dbias_rule(bias_grad):
-    return ("h d" if bias_grad == "split" else "_ h d") + ", !b~ _ h d"
-
-
-def _packed_rule(axis):
-    """The letters of a packed qkv array with the 3 on `axis` (0 or 2)."""
-    return "b s _ h d" if axis == 2 else "_ b s h d"
-
-
-def _dbias_kv(bias_grad, h, d, dtype):
-    """attention_qkv_bwd's remaining results: the k and v bias gradients dtype[H, D] with
-    bias_grad "split", so that three separate parameters get theirs without slicing one
-    [3, H, D] result (each slice a copy kernel on the GPU); else none."""
-    return (jax.ShapeDtypeStruct((h, d), dtype),) * 2 if bias_grad == "split" else ()
-
-
-def _bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast, bias_grad=False):
-    b, s, h, d = q.shape
-    dqkv, dbias, _, _, _ = _ffi.call(
-        "jaxsub_attention_bwd_dqkv",
-        (
-            jax.ShapeDtypeStruct((b, s, 3, h, d), q.dtype),
-            *_dbias(bias_grad, b, s, h, d, q.dtype),
-            jax.ShapeDtypeStruct((b, h, s), _F32),
-            jax.ShapeDtypeStruct(q.shape, _F32),
-        ),
-        dout, q, k, v, out, lse, mask4d, seed,
-        rule=f"b s h d, b s h d, b s h d, b s h d, b s h d, b h s, b h q k, @ "
-             f"-> b s _ h d, {_dbias_rule(bias_grad)}, !b h s, !b s h d",
-        shard="b h", keep=_keep(rate, bcast, "b h s s"), **_attrs(scale, causal, kind, rate, bcast),
-    )
-    return (dqkv, dbias) if bias_grad else dqkv
-
-
-def _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, bcast):
-    b, s, h, d = _packed_dims(qkv.shape, axis)
-    return _ffi.call(
-        "jaxsub_attention_qkv_fwd",
-        (jax.ShapeDtypeStruct((b, s, h, d), qkv.dtype), jax.ShapeDtypeStruct((b, h, s), _F32)),
-        qkv, mask4d, seed,
-        rule=f"{_packed_rule(axis)}, b h q k, @ -> b s h d, b h s", shard="b h",
-        keep=_keep(rate, bcast, "b h s s"),
-        qkv_axis=np.int32(axis), **_attrs(scale, causal, kind, rate, bcast),
-    )
-
-
-def _bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bcast, bias_grad=False):
-    """dqkv, and with bias_grad the bias gradient: one [3, H, D] array, or with "split" the
-    three [H, D] arrays (q, k, v)."""
-    b, s, h, d = _packed_dims(qkv.shape, axis)
-    dqkv, dbias, _, _, _, *dbias_kv = _ffi.call(
-        "jaxsub_attention_qkv_bwd",
-        (
-            jax.ShapeDtypeStruct(qkv.shape, qkv.dtype),
-            *_dbias(bias_grad, b, s, h, d, qkv.dtype),
-            jax.ShapeDtypeStruct((b, h, s), _F32),
-            jax.ShapeDtypeStruct((b, s, h, d), _F32),
-            *_dbias_kv(bias_grad, h, d, qkv.dtype),
-        ),
-        dout, qkv, out, lse, mask4d, seed,
-        rule=f"b s h d, {_packed_rule(axis)}, b s h d, b h s, b h q k, @ "
-             f"-> {_packed_rule(axis)}, {_dbias_rule(bias_grad)}, !b h s, !b s h d"
-             f"{', h d, h d' if bias_grad == 'split' else ''}",
-        shard="b h", keep=_keep(rate, bcast, "b h s s"), qkv_axis=np.int32(axis),
-        **_attrs(scale, causal, kind, rate, bcast),
-    )
-    if bias_grad == "split":
-        dbias = (dbias, *dbias_kv)
-    return (dqkv, dbias) if bias_grad else dqkv
-
-
-# ---------------------------------------------------------------------------------------
 # custom_vjp for the fused path. The mask and the seed are primals (they may be traced:
 # jit, vmap over masks or keys); the seed gets no cotangent, an additive mask one only
 # where the program differentiates it (masks.py: symbolic zeros); scale, causal, the mask
 # kind, the rate and whether the dropout mask is broadcast (bcast) are static attributes.
-
-
-@jax.tree_util.register_pytree_node_class
-class Switched:
-    """A fused forward rule's residual where the program differentiates an additive mask:
-    the rule ran the unfused structure instead (`switched`), and this holds that
-    structure's vjp."""
-
-    def __init__(self, op, vjp):
-        self.op, self.vjp = op, vjp
-
-    def tree_flatten(self):
-        return (self.vjp,), self.op
-
-    @classmethod
-    def tree_unflatten(cls, op, children):
-        return cls(op, *children)
-
-    def backward(self, ct):
-        """The cotangents of the rule's differentiable primals, and None for the seed. The
-        log line is here, where the gradient is taken: a forward traced only to look at its
-        structure (`jaxsub.stack.scan` checks its body so) says nothing."""
-        _ffi.fallback(self.op, "gradient of an additive mask",
-                      instead="the unfused path, whose softmax backward gives it")
-        return (*self.vjp(ct), None)
-
-
-def switched(op, fn, *primals):
-    """(out, Switched residual): a fused path's forward rule where the program
-    differentiates an additive mask. The mask's cotangent is dS (the scores' cotangent)
-    summed over the mask's broadcast dims; the fused kernels never write dS, and computing
-    it again beside them took two f32 [B, H, Sq, Sk] products and two passes over them
-    (1 077 µs on top of the fused kernels' 1 753 fwd+bwd at a T5-like shape on the H200,
-    bench/NOTES.md, forty-ninth session). The unfused structure's softmax backward kernel
-    writes scale · dS anyway (`softmax._fused_bwd`); its whole fwd+bwd is expected below
-    that (not yet measured, NOTES, fiftieth session). `fn`: the unfused structure on
-    `primals` (the rule's differentiable primals, mask last)."""
-    out, vjp = jax.vjp(fn, *primals)
-    return out, Switched(op, vjp)
 
 
 def packed_slices(qkv, axis):
@@ -292,17 +114,17 @@ def packed_slices(qkv, axis):
 
 @functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def _fused(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast):
-    return _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)[0]
+    return _calls.fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)[0]
 
 
 def _fused_fwd(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast):
     grad_mask = _masks.differentiated(kind, mask4d)
     q, k, v, mask4d, seed = _masks.primals(q, k, v, mask4d, seed)
     if grad_mask:
-        return switched(_OP, lambda q, k, v, m: _unfused(q, *repeat_kv(q, k, v), m, seed, kind, causal, scale,
+        return _masks.switched(_OP, lambda q, k, v, m: _unfused(q, *repeat_kv(q, k, v), m, seed, kind, causal, scale,
                                                          rate, op=_OP, bcast=bcast),
                         q, k, v, mask4d)
-    out, lse = _fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)
+    out, lse = _calls.fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)
     return out, (q, k, v, out, lse, mask4d, seed)
 
 
@@ -324,13 +146,13 @@ def _bwd_repeats_kv(q, k) -> bool:
 
 def _fused_bwd(scale, causal, kind, rate, bcast, res, dout):
     dout = _masks.cotangent(dout)
-    if isinstance(res, Switched):
+    if isinstance(res, _masks.Switched):
         return res.backward(dout)
     q, k, v, out, lse, mask4d, seed = res
     if not _bwd_repeats_kv(q, k):
-        dq, dk, dv = _bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast)
+        dq, dk, dv = _calls.bwd_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast)
         return dq, dk, dv, None, None
-    dq, dk, dv = _bwd_call(dout, q, *repeat_kv(q, k, v), out, lse, mask4d, seed, scale, causal, kind, rate, bcast)
+    dq, dk, dv = _calls.bwd_call(dout, q, *repeat_kv(q, k, v), out, lse, mask4d, seed, scale, causal, kind, rate, bcast)
     b, sk, h_kv, d = k.shape
     group_sum = lambda g, like: g.astype(_F32).reshape(b, sk, h_kv, -1, d).sum(3).astype(like.dtype)
     return dq, group_sum(dk, k), group_sum(dv, v), None, None
@@ -345,27 +167,27 @@ _fused.defreference(_OP, lambda q, k, v, mask4d, seed, scale, causal, kind, rate
 
 @functools.partial(_ffi.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _fused_packed(qkv, mask4d, seed, axis, scale, causal, kind, rate, bcast):
-    return _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, bcast)[0]
+    return _calls.fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, bcast)[0]
 
 
 def _fused_packed_fwd(qkv, mask4d, seed, axis, scale, causal, kind, rate, bcast):
     grad_mask = _masks.differentiated(kind, mask4d)
     qkv, mask4d, seed = _masks.primals(qkv, mask4d, seed)
     if grad_mask:
-        return switched("attention_packed",
+        return _masks.switched("attention_packed",
                         lambda qkv, m: _unfused(*packed_slices(qkv, axis), m, seed, kind, causal, scale, rate,
                                                 op="attention_packed", bcast=bcast),
                         qkv, mask4d)
-    out, lse = _fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, bcast)
+    out, lse = _calls.fwd_packed_call(qkv, axis, mask4d, seed, scale, causal, kind, rate, bcast)
     return out, (qkv, out, lse, mask4d, seed)
 
 
 def _fused_packed_bwd(axis, scale, causal, kind, rate, bcast, res, dout):
     dout = _masks.cotangent(dout)
-    if isinstance(res, Switched):
+    if isinstance(res, _masks.Switched):
         return res.backward(dout)
     qkv, out, lse, mask4d, seed = res
-    return (_bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bcast),
+    return (_calls.bwd_packed_call(dout, qkv, axis, out, lse, mask4d, seed, scale, causal, kind, rate, bcast),
             None, None)
 
 
@@ -489,11 +311,6 @@ def signature(q, k, mask4d, kind, causal, rate, bcast=False) -> tuple:
             ("dtype", jnp.dtype(q.dtype).name), ("causal", bool(causal)), ("mask", _KIND_NAMES[kind]),
             ("mask_shape", mask_shape), ("dropout_rate", float(rate)),
             *((("broadcast_dropout", True),) if bcast else ()))
-
-
-def _packed_dims(shape, axis):
-    """(B, S, H, D) of a packed qkv array with the 3 on `axis` (0 or 2)."""
-    return (shape[0], shape[1], shape[3], shape[4]) if axis == 2 else (shape[1], shape[2], shape[3], shape[4])
 
 
 def _check_packed(qkv, axis):
@@ -631,7 +448,7 @@ def attention_packed(qkv, *, axis=2, mask=None, causal=False, scale=None, dropou
       [B, S, H, D] in qkv's dtype.
     """
     qkv, axis = _check_packed(qkv, axis)
-    like = jax.ShapeDtypeStruct(_packed_dims(qkv.shape, axis), qkv.dtype)  # q's, k's and v's shape
+    like = jax.ShapeDtypeStruct(_calls.packed_dims(qkv.shape, axis), qkv.dtype)  # q's, k's and v's shape
     return _attention("attention_packed", like, like, like, (qkv, axis), mask, causal, scale, dropout_rate, key,
                       implementation, broadcast_dropout)
 

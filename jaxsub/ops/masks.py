@@ -14,7 +14,7 @@ the rules save and compute nothing more. Where it does, the mask's cotangent is 
 cotangent of scale · scores + mask, summed over the mask's broadcast dims: softmax_dropout's
 backward kernel writes scale · dS as the scores' cotangent (`reduce_to`), and the fused
 attention kernels, which never write dS, give way to the unfused structure, whose softmax
-is that op (attn.switched). Only where scale · dS cannot hold dS (scale 0; float16 below
+is that op (`switched`). Only where scale · dS cannot hold dS (scale 0; float16 below
 scale 1/16) does XLA compute it again from the forward's log-sum-exp (`mask_cotangent`,
 [B, H, Sq, Sk] f32 in memory).
 """
@@ -187,6 +187,45 @@ def differentiated(kind: int, mask) -> bool:
     their way and tell their backward rules by their residuals' structure). `mask`: the
     forward rule's primal (a CustomVJPPrimal)."""
     return kind == ADDITIVE and bool(_jaxpr.perturbed(mask)[0])
+
+
+@jax.tree_util.register_pytree_node_class
+class Switched:
+    """A fused forward rule's residual where the program differentiates an additive mask:
+    the rule ran the unfused structure instead (`switched`), and this holds that
+    structure's vjp."""
+
+    def __init__(self, op, vjp):
+        self.op, self.vjp = op, vjp
+
+    def tree_flatten(self):
+        return (self.vjp,), self.op
+
+    @classmethod
+    def tree_unflatten(cls, op, children):
+        return cls(op, *children)
+
+    def backward(self, ct):
+        """The cotangents of the rule's differentiable primals, and None for the seed. The
+        log line is here, where the gradient is taken: a forward traced only to look at its
+        structure (`jaxsub.stack.scan` checks its body so) says nothing."""
+        _ffi.fallback(self.op, "gradient of an additive mask",
+                      instead="the unfused path, whose softmax backward gives it")
+        return (*self.vjp(ct), None)
+
+
+def switched(op, fn, *primals):
+    """(out, Switched residual): a fused path's forward rule where the program
+    differentiates an additive mask. The mask's cotangent is dS (the scores' cotangent)
+    summed over the mask's broadcast dims; the fused kernels never write dS, and computing
+    it again beside them took two f32 [B, H, Sq, Sk] products and two passes over them
+    (1 077 µs on top of the fused kernels' 1 753 fwd+bwd at a T5-like shape on the H200,
+    bench/NOTES.md, forty-ninth session). The unfused structure's softmax backward kernel
+    writes scale · dS anyway (`softmax._fused_bwd`); its whole fwd+bwd is expected below
+    that (not yet measured, NOTES, fiftieth session). `fn`: the unfused structure on
+    `primals` (the rule's differentiable primals, mask last)."""
+    out, vjp = jax.vjp(fn, *primals)
+    return out, Switched(op, vjp)
 
 
 def reduce_to(ds, mask_shape):

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxsub import _ffi
 from jaxsub.ops import attn as _attn
+from jaxsub.ops import attn_calls as _calls
 from jaxsub.ops import bias as _bias
 from jaxsub.ops import gemm as _gemm
 from jaxsub.ops import masks as _masks
@@ -62,28 +63,28 @@ def _stacked_projection(x, weights, biases):
 @functools.partial(_ffi.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def _fused_projected(x, weights, biases, mask4d, seed, scale, causal, kind, rate, bcast):
     q, k, v = _projections(x, weights, biases)
-    return _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)[0]
+    return _calls.fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)[0]
 
 
 def _fused_projected_fwd(x, weights, biases, mask4d, seed, scale, causal, kind, rate, bcast):
     grad_mask = _masks.differentiated(kind, mask4d)
     x, weights, biases, mask4d, seed = _masks.primals(x, weights, biases, mask4d, seed)
     if grad_mask:
-        return _attn.switched("attention_projected", lambda x, w, b, m: _attn.unfused_source(
+        return _masks.switched("attention_projected", lambda x, w, b, m: _attn.unfused_source(
             _Projected(x, w, b), m, seed, kind, causal, scale, rate, op="attention_projected", bcast=bcast),
             x, weights, biases, mask4d)
     q, k, v = _projections(x, weights, biases)
-    out, lse = _attn._fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)
+    out, lse = _calls.fwd_call(q, k, v, mask4d, seed, scale, causal, kind, rate, bcast)
     return out, (x, weights, biases, q, k, v, out, lse, mask4d, seed)
 
 
 def _fused_projected_bwd(scale, causal, kind, rate, bcast, res, dout):
     dout = _masks.cotangent(dout)
-    if isinstance(res, _attn.Switched):
+    if isinstance(res, _masks.Switched):
         return res.backward(dout)
     x, weights, biases, q, k, v, out, lse, mask4d, seed = res
     # The bias gradient: dqkv's column sums, taken by the backward itself.
-    got = _attn._bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast,
+    got = _calls.bwd_dqkv_call(dout, q, k, v, out, lse, mask4d, seed, scale, causal, kind, rate, bcast,
                                bias_grad=biases is not None)
     dqkv, db = got if biases is not None else (got, None)
     # The stacked product's gradients: one GEMM for dx, one for the three weights.
@@ -121,7 +122,7 @@ def _fused_dense(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kin
 
 def _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, bcast):
     qkv = _gemm.forward(x, kernel, _stacked(bias), axes)
-    out, lse = _attn._fwd_packed_call(qkv, 2, mask4d, seed, scale, causal, kind, rate, bcast)
+    out, lse = _calls.fwd_packed_call(qkv, 2, mask4d, seed, scale, causal, kind, rate, bcast)
     return ((out, x) if shared else out), (x, kernel, qkv, out, lse, mask4d, seed)
 
 
@@ -129,18 +130,18 @@ def _fused_dense_fwd(x, kernel, bias, mask4d, seed, axes, shared, scale, causal,
     grad_mask = _masks.differentiated(kind, mask4d)
     x, kernel, bias, mask4d, seed = _masks.primals(x, kernel, bias, mask4d, seed)
     if grad_mask:
-        return _attn.switched("dense_attention_packed", lambda x, w, b, m: _attn.unfused_source(
+        return _masks.switched("dense_attention_packed", lambda x, w, b, m: _attn.unfused_source(
             _DensePacked(x, w, b, axes, shared), m, seed, kind, causal, scale, rate, op="dense_attention_packed",
             bcast=bcast), x, kernel, bias, mask4d)
     return _dense_attention(x, kernel, bias, mask4d, seed, axes, shared, scale, causal, kind, rate, bcast)
 
 
 def _fused_dense_bwd(axes, shared, scale, causal, kind, rate, bcast, three, res, ct):
-    if isinstance(res, _attn.Switched):
+    if isinstance(res, _masks.Switched):
         return res.backward(_masks.cotangent(ct))
     x, kernel, qkv, out, lse, mask4d, seed = res
     dout, dx_other = _masks.cotangent(ct) if shared else (_masks.cotangent(ct), None)
-    dqkv, db = _attn._bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate, bcast,
+    dqkv, db = _calls.bwd_packed_call(dout, qkv, 2, out, lse, mask4d, seed, scale, causal, kind, rate, bcast,
                                       bias_grad="split" if three else True)
     dx, dkernel, _ = _gemm.backward(axes, x, kernel, None, dqkv, dx_other)
     return dx, dkernel, db, None, None
