@@ -230,27 +230,15 @@ def test_optimize_jvp_through_scan_remat_and_jit_bodies():
     _assert_second_order(lambda x: fast(stacked, x), lambda x: model(stacked, x), x)
 
 
-def test_flax_encoder_jvp():
-    encoder = jaxsub.flax.Encoder(num_layers=2, num_heads=2, mlp_dim=16, dropout_rate=0.1,
-                                  attention_dropout_rate=0.1, scan_layers=True)
+@pytest.mark.parametrize("module", ["EncoderLayer", "Encoder"])
+def test_flax_modules_jvp(module):
+    kw = dict(num_heads=2, mlp_dim=16, dropout_rate=0.1, attention_dropout_rate=0.1)
+    model = (jaxsub.flax.EncoderLayer(**kw) if module == "EncoderLayer"
+             else jaxsub.flax.Encoder(num_layers=2, scan_layers=True, **kw))
     x = _rand(0, (2, 6, 8))
-    params = encoder.init(jax.random.key(0), x, deterministic=True)
+    params = model.init(jax.random.key(0), x, deterministic=True)
     rngs = {"dropout": jax.random.key(1)}
-    f = lambda x: encoder.apply(params, x, deterministic=False, rngs=rngs)
-    t = _rand(1, x.shape)
-    out, tan = jax.jvp(f, (x,), (t,))
-    np.testing.assert_allclose(out, f(x), **TOL)
-    eps = 1e-3
-    fd = (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
-    np.testing.assert_allclose(tan, fd, rtol=2e-2, atol=2e-2)
-
-
-def test_flax_encoder_layer_jvp():
-    layer = jaxsub.flax.EncoderLayer(num_heads=2, mlp_dim=16, dropout_rate=0.1, attention_dropout_rate=0.1)
-    x = _rand(0, (2, 6, 8))
-    params = layer.init(jax.random.key(0), x, deterministic=True)
-    rngs = {"dropout": jax.random.key(1)}
-    f = lambda x: layer.apply(params, x, deterministic=False, rngs=rngs)
+    f = lambda x: model.apply(params, x, deterministic=False, rngs=rngs)
     t = _rand(1, x.shape)
     out, tan = jax.jvp(f, (x,), (t,))
     np.testing.assert_allclose(out, f(x), **TOL)
