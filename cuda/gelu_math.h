@@ -32,10 +32,14 @@ constexpr float kHalfLog2e = -0.72134752044448170f;  // -log2(e) / 2: 2^(kHalfLo
 constexpr float kTailV = 5.65685424949238f;  // 4 sqrt(2): t = 4
 }  // namespace gelu_detail
 
+// min(|v|, 4 sqrt(2)): the polynomial's argument, and the factor of the tail in v Phi(v)
+// (`gelu`).
+JAXSUB_HD float tail_abs(float v) { return fminf(fabsf(v), gelu_detail::kTailV); }
+
 // log2(q(t)) + log2(e) t^2 at t = min(|v|, 4 sqrt(2)) / sqrt(2) (see the file comment): the
 // fitted coefficients of t^k divided by sqrt(2)^k, so |v| goes in unscaled.
 JAXSUB_HD float normal_tail_poly(float v) {
-  const float s = fminf(fabsf(v), gelu_detail::kTailV);
+  const float s = tail_abs(v);
   float p = -2.772050947896787e-06f;
   p = fmaf(p, s, 3.8620768464170396e-05f);
   p = fmaf(p, s, -1.825476938392967e-04f);
@@ -63,12 +67,19 @@ JAXSUB_HD float tanh_gelu_inner(float v) {
   return tanhf(kSqrt2OverPi * (v + kTanhCubic * v * v * v));
 }
 
+// v Phi(v) = max(v, 0) - |v| Phi(-|v|) for either sign: one max and an FMA where
+// v * (v < 0 ? q : 1 - q) takes a compare, a select, a subtraction and a product. |v| is
+// taken at most 4 sqrt(2) (the polynomial's own argument, so no instruction more): past it
+// q < 8e-9, which rounds v - |v| q to v for v > 0, and for v < 0 the far tail's |v| q
+// (below 5e-8) was no more exact with |v| itself (bench/NOTES.md, sixty-fourth session);
+// at v = +inf the product is then 0 * 5.66 and y is +inf, as jax.nn.gelu gives, where
+// |v| q was inf * 0, NaN. (v = -inf gives 0, the limit, where jax.nn.gelu gives NaN.)
+JAXSUB_HD float exact_gelu_from_tail(float v, float q) { return fmaf(-tail_abs(v), q, fmaxf(v, 0.f)); }
+
 // y = gelu(v): exact (erf) or the tanh approximation.
 JAXSUB_HD float gelu(float v, bool approximate) {
   if (approximate) return 0.5f * v * (1.f + tanh_gelu_inner(v));
-  // v Phi(v) = max(v, 0) - |v| Phi(-|v|) for either sign: one max and an FMA where
-  // v * (v < 0 ? q : 1 - q) takes a compare, a select, a subtraction and a product.
-  return fmaf(-fabsf(v), normal_tail(v), fmaxf(v, 0.f));
+  return exact_gelu_from_tail(v, normal_tail(v));
 }
 
 // d gelu(v) / dv, and gelu(v) in `y` from the same normal tail (an FMA and a max more).
@@ -81,7 +92,7 @@ JAXSUB_HD float gelu_and_grad(float v, bool approximate, float& y) {
   }
   float gauss;
   const float q = normal_tail(v, gauss);
-  y = fmaf(-fabsf(v), q, fmaxf(v, 0.f));
+  y = exact_gelu_from_tail(v, q);
   return fmaf(v * kInvSqrt2Pi, gauss, v < 0.f ? q : 1.f - q);
 }
 

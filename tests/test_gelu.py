@@ -271,6 +271,36 @@ def test_exact_gelu_accuracy_on_dense_grid():
     assert err_y < 2.5e-7 and err_dx < 2.5e-7, (err_y, err_dx)
 
 
+SPECIALS = [np.inf, -np.inf, np.nan, 3e38, -3e38, 7.0, -7.0, 0.0, 1e-30, -12.0]
+
+
+def special_values(dtype, device=None):
+    """x with infinities, a NaN and large, tail and tiny values (rounded to dtype), a zero
+    bias; on `device` where given."""
+    x = jnp.asarray(np.array(SPECIALS * 3, np.float32).reshape(3, -1)).astype(dtype)
+    b = jnp.zeros(x.shape[-1], dtype)
+    return (x, b) if device is None else jax.device_put((x, b), device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", [False, True])
+def test_infinities_and_nan(dtype, approximate):
+    """+inf gives +inf and NaN gives NaN, as jax.nn.gelu (the exact GELU gave NaN at +inf:
+    inf * 0 in max(v, 0) - |v| q, found by a probe). At -inf the exact GELU gives 0, its
+    limit, where jax.nn.gelu's v * Phi(v) gives NaN; the tanh form gives NaN as jax's does."""
+    x, b = special_values(dtype)
+    y = np.asarray(op(x, b, rate=0.0, key=None, approximate=approximate), np.float32)
+    want = np.asarray(jax.nn.gelu(x.astype(F32), approximate=approximate).astype(dtype), np.float32)
+    if not approximate:
+        want = np.where(np.isneginf(np.asarray(x, np.float32)), 0.0, want)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(y), np.isinf(want))
+    finite = np.isfinite(want)
+    tol = 1e-6 if dtype == F32 else 1e-2
+    np.testing.assert_allclose(y[finite], want[finite], rtol=tol, atol=1e-10)
+    assert np.all(y[np.isposinf(want)] > 0)
+
+
 # bias_gelu_dropout_dense: the op followed by a product, whose backward has the GELU
 # kernel write the op's output again instead of keeping it.
 
@@ -503,6 +533,17 @@ class TestCuda:
         got = run(*jax.device_put(args, jax.devices()[0]))
         for g, v, what, red in zip(got, want, ("out", "dx", "dbias", "dw"), (4096, 4096, 4096, 4096)):
             assert_close(g, v, BF16, reduction=red, grad=what != "out", what=what)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("approximate", [False, True])
+    def test_infinities_and_nan_as_on_cpu(self, dtype, approximate):
+        """The kernels give the CPU handler's infinities and NaNs (test_infinities_and_nan)."""
+        run = jax.jit(lambda x, b: op(x, b, rate=0.0, key=None, approximate=approximate))
+        want = np.asarray(run(*special_values(dtype, jax.devices("cpu")[0])), np.float32)
+        got = np.asarray(run(*special_values(dtype, jax.devices()[0])), np.float32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+        np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-2, atol=1e-10)
 
     @pytest.mark.parametrize("approximate", [False, True])
     @pytest.mark.parametrize("dtype,bias_dtype", [(BF16, BF16), (F16, F32)])
