@@ -209,43 +209,67 @@ FORWARD_MODE = "forward-mode or higher-order differentiation (jax.jvp, jacfwd, h
 
 
 def beyond_first_reverse(tree) -> bool:
-    """Whether a leaf of `tree` is traced for differentiation that a `custom_vjp` cannot
-    take: forward mode (a JVP trace at any level of nesting: jax.jvp, jacfwd, hessian) or
-    reverse mode over reverse mode (two linearize traces: grad of grad)."""
+    """Whether the leaves of `tree` are traced for differentiation that a `custom_vjp`
+    cannot take: forward mode (a JVP trace at any level of nesting: jax.jvp, jacfwd,
+    hessian) or reverse mode over reverse mode (two linearize traces, on one leaf as grad
+    of grad makes them or on two leaves, as a gradient penalty's inner grad over inputs
+    and outer grad over parameters do)."""
+    linearize = set()
     for x in jax.tree.leaves(tree):
-        linearized = 0
         for _ in range(64):  # the levels of nested transformations, innermost first
             if not isinstance(x, jax.core.Tracer):
                 break
             kind = type(x).__name__
             if kind in _JVP_TRACERS:
                 return True
-            linearized += kind in _LINEARIZE_TRACERS
-            if linearized > 1:
-                return True
+            if kind in _LINEARIZE_TRACERS:
+                linearize.add(id(getattr(x, "_trace", x)))
+                if len(linearize) > 1:
+                    return True
             x = getattr(x, "primal", getattr(x, "val", None))
     return False
 
 
+def _references_state():
+    """A JAX configuration state that is part of JAX's trace context, so that a body JAX
+    traced and cached outside `references()` (a `jax.checkpoint`'s or a `jax.jit`'s in a
+    scanned layer) is traced again inside it; None where this jax has no such states (then
+    a thread-local flag, which such cached bodies do not see)."""
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.bool_state(
+            "jaxsub_references", False, "jaxsub: run every fused op as its jnp reference (forward-mode and "
+            "higher-order derivatives; set by jaxsub itself)", include_in_trace_context=True)
+    except Exception:  # noqa: BLE001 (a jax without the private API, or the name taken)
+        return None
+
+
+_REFERENCES = _references_state()
 _forced = threading.local()
 
 
 @contextlib.contextmanager
 def references():
     """Within it every op runs its jnp reference (`custom_vjp`), also in the bodies traced
-    meanwhile (a scan's, a jit's), where the tracers of a forward-mode transformation around
-    the caller do not reach: `optimize` and `stack.scan` open it when their arguments are
-    traced beyond a first reverse derivative."""
+    meanwhile (a scan's, a jit's, a checkpoint's), where the tracers of a forward-mode
+    transformation around the caller do not reach: `optimize`, `stack.scan` and the Flax
+    encoder modules open it when their arguments are traced beyond a first reverse
+    derivative."""
     depth = getattr(_forced, "depth", 0)
     _forced.depth = depth + 1
     try:
-        yield
+        if _REFERENCES is None:
+            yield
+        else:
+            with _REFERENCES(True):
+                yield
     finally:
         _forced.depth = depth
 
 
 def references_forced() -> bool:
-    return getattr(_forced, "depth", 0) > 0
+    return getattr(_forced, "depth", 0) > 0 or (_REFERENCES is not None and bool(_REFERENCES.value))
 
 
 class custom_vjp:

@@ -40,8 +40,10 @@ computes, with a `custom_vjp` of its own:
 - two residuals holding the same elements in the same order (a value and, say, that
   value transposed twice, as an einsum's output layout can make it) are stored once.
 
-Without differentiation it is the plain `lax.scan`. Forward-mode differentiation
-(`jax.jvp`) is not supported, as for any `custom_vjp` function.
+Without differentiation it is the plain `lax.scan`. Under forward-mode or second-order
+differentiation (`jax.jvp`, `jax.hessian`, grad of grad) it is `lax.scan` too, with every
+fused op in the body as its jnp reference (`_ffi.references`), the body's checkpointed or
+jitted parts included.
 """
 
 from __future__ import annotations

@@ -248,6 +248,46 @@ def test_flax_modules_jvp(module):
     np.testing.assert_allclose(tan, fd, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_encoder_with_remat_jvp(scan_layers):
+    """nn.remat's checkpointed layers: a body JAX traces (and caches) apart from the
+    transformation's tracers; the Encoder runs them as references too (a probe found both
+    forms raising JAX's custom_vjp error)."""
+    encoder = jaxsub.flax.Encoder(num_layers=2, num_heads=2, mlp_dim=16, scan_layers=scan_layers, remat=True)
+    x = _rand(0, (2, 6, 8))
+    params = encoder.init(jax.random.key(0), x, deterministic=True)
+    f = lambda x: encoder.apply(params, x, deterministic=True)
+    jax.grad(lambda x: f(x).sum())(x)  # a first-order trace first: its cached bodies must not be reused
+    t = _rand(1, x.shape)
+    tan = jax.jvp(f, (x,), (t,))[1]
+    eps = 1e-3
+    np.testing.assert_allclose(tan, (f(x + eps * t) - f(x - eps * t)) / (2 * eps), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "jit"])
+def test_stack_scan_of_a_checkpointed_or_jitted_body(wrap):
+    g = 1.0 + _rand(2, (8,), 0.1)
+    step = lambda c, h, w: (ops.layer_norm(jnp.tanh(h @ w), g, None), None)
+    body = jax.checkpoint(step) if wrap == "checkpoint" else jax.jit(step)
+    ref_body = lambda h, w: (reference_layer_norm(jnp.tanh(h @ w), g, None), None)
+    ws, x = _rand(0, (3, 8, 8), 0.3), _rand(1, (4, 8))
+    jax.grad(lambda x: jaxsub.stack.scan(body, x, ws)[0].sum())(x)  # cached fused traces of the body
+    _assert_jvp(lambda x: jaxsub.stack.scan(body, x, ws)[0], lambda x: jax.lax.scan(ref_body, x, ws)[0], (x,))
+
+
+def test_gradient_penalty():
+    """An outer grad over the parameters, an inner grad over the inputs: each argument is
+    traced by one of them, the op by both (a probe found it raising)."""
+    x, g, b = _rand(0, (5, 33)), 1.0 + _rand(1, (33,), 0.1), _rand(2, (33,))
+
+    def penalty(g, ln):
+        gx = jax.grad(lambda x: jnp.sum(jnp.sin(ln(x, g, b))))(x)
+        return jnp.sum(gx ** 2)
+
+    np.testing.assert_allclose(jax.grad(penalty)(g, ops.layer_norm), jax.grad(penalty)(g, reference_layer_norm),
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_first_order_gradients_keep_the_fused_backward(fallback_log):
     x, g, b = _rand(0, (5, 33)), 1.0 + _rand(1, (33,), 0.1), _rand(2, (33,))
     loss = lambda x: jnp.sum(ops.bias_gelu_dropout(ops.layer_norm(x, g, b), b, rate=0.1, key=KEY) ** 2)

@@ -534,6 +534,14 @@ class Encoder(_LayerFields):
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True, *, bias=None):
         """x [B, S, E]; mask, bias as EncoderLayer's, the same for every layer."""
+        if self.is_initializing() or not _ffi.beyond_first_reverse((x, mask, bias, self.variables)):
+            return self._layers(x, mask, deterministic, bias)
+        # jax.jvp, hessian, grad of grad: every op as its jnp reference, also in the layers
+        # nn.remat checkpoints (whose bodies the transformation's tracers do not reach).
+        with _ffi.references():
+            return self._layers(x, mask, deterministic, bias)
+
+    def _layers(self, x, mask, deterministic, bias):
         layer = dict(_fields(self), layouts=self.layouts)
         deterministic = bool(deterministic)
         for name in ("num_layers", "scan_unroll"):

@@ -98,20 +98,31 @@ def not_rewritten(options, drop) -> str | None:
 
 
 # Ops that make the same key again from the same operands: a raw uint32 key is wrapped again
-# at each draw, `split(key)[0]` written twice splits and slices twice.
-_KEY_VIEWS = frozenset({"random_wrap", "random_unwrap", "random_split", "random_fold_in", "slice", "squeeze",
-                        "reshape", *G.VARYING_CASTS})
+# at each draw, `split(key)[0]` written twice splits and slices twice, `jax.random.key(s)`
+# written twice seeds twice.
+_KEY_VIEWS = frozenset({"random_wrap", "random_unwrap", "random_split", "random_fold_in", "random_seed", "slice",
+                        "squeeze", "reshape", *G.VARYING_CASTS})
+# Ops whose result is their operand's key or key data: `jax.random.clone(key)`, and a key's
+# data wrapped again (`wrap_key_data(key_data(key))`) or a wrapped key's data taken again.
+_KEY_SAME = {"random_clone": None, "random_wrap": "random_unwrap", "random_unwrap": "random_wrap"}
 
 
 def _key_identity(g: G.Graph, ref, depth: int = 0):
     """A value equal for two refs that hold the same key by construction: the ref itself,
     a constant's value, or the chain of ops (_KEY_VIEWS, with their parameters) from the
-    same source."""
+    same source, through the ops that return their operand's key (_KEY_SAME)."""
     value = G.known(ref)
     if value is not None and np.size(value) == 1:
         return ("constant", repr(value))
     node = g.producer.get(ref)
-    if node is None or node.prim not in _KEY_VIEWS or len(node.outs) != 1 or depth > 16:
+    if node is None or len(node.outs) != 1 or depth > 16:
+        return ref
+    if node.prim in _KEY_SAME:
+        inner = g.producer.get(node.ins[0]) if _KEY_SAME[node.prim] is not None else node
+        if inner is not None and (inner is node or inner.prim == _KEY_SAME[node.prim]) and \
+                inner.ins[0].aval == ref.aval:
+            return _key_identity(g, inner.ins[0], depth + 1)
+    if node.prim not in _KEY_VIEWS:
         return ref
     return (node.prim, repr(sorted(node.params.items())), tuple(_key_identity(g, r, depth + 1) for r in node.ins))
 
