@@ -238,9 +238,11 @@ def _references_state():
     try:
         from jax._src import config as jax_config
 
+        # (JAX reads a state's default from the environment variable of its name in capitals:
+        # this one no user sets.)
         return jax_config.bool_state(
-            "jaxsub_references", False, "jaxsub: run every fused op as its jnp reference (forward-mode and "
-            "higher-order derivatives; set by jaxsub itself)", include_in_trace_context=True)
+            "jaxsub_internal_trace_with_references", False, "jaxsub: every fused op runs as its jnp reference "
+            "(forward-mode and higher-order derivatives; set by jaxsub itself)", include_in_trace_context=True)
     except Exception:  # noqa: BLE001 (a jax without the private API, or the name taken)
         return None
 
