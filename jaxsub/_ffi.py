@@ -248,7 +248,7 @@ def _references_state():
 
 
 _REFERENCES = _references_state()
-_forced = threading.local()
+_forced = threading.local()  # where _REFERENCES is None
 
 
 @contextlib.contextmanager
@@ -258,20 +258,22 @@ def references():
     transformation around the caller do not reach: `optimize`, `stack.scan` and the Flax
     encoder modules open it when their arguments are traced beyond a first reverse
     derivative."""
+    if _REFERENCES is not None:
+        with _REFERENCES(True):
+            yield
+        return
     depth = getattr(_forced, "depth", 0)
     _forced.depth = depth + 1
     try:
-        if _REFERENCES is None:
-            yield
-        else:
-            with _REFERENCES(True):
-                yield
+        yield
     finally:
         _forced.depth = depth
 
 
 def references_forced() -> bool:
-    return getattr(_forced, "depth", 0) > 0 or (_REFERENCES is not None and bool(_REFERENCES.value))
+    if _REFERENCES is not None:
+        return bool(_REFERENCES.value)
+    return getattr(_forced, "depth", 0) > 0
 
 
 class custom_vjp:

@@ -11,6 +11,7 @@ optional rematerialization.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import numbers
@@ -534,11 +535,10 @@ class Encoder(_LayerFields):
     @nn.compact
     def __call__(self, x, mask=None, deterministic=True, *, bias=None):
         """x [B, S, E]; mask, bias as EncoderLayer's, the same for every layer."""
-        if self.is_initializing() or not _ffi.beyond_first_reverse((x, mask, bias, self.variables)):
-            return self._layers(x, mask, deterministic, bias)
-        # jax.jvp, hessian, grad of grad: every op as its jnp reference, also in the layers
-        # nn.remat checkpoints (whose bodies the transformation's tracers do not reach).
-        with _ffi.references():
+        # Under jax.jvp, hessian or grad of grad every op runs as its jnp reference, also in
+        # the layers nn.remat checkpoints (whose bodies the transformation's tracers do not reach).
+        beyond = not self.is_initializing() and _ffi.beyond_first_reverse((x, mask, bias, self.variables))
+        with _ffi.references() if beyond else contextlib.nullcontext():
             return self._layers(x, mask, deterministic, bias)
 
     def _layers(self, x, mask, deterministic, bias):

@@ -10,6 +10,7 @@ other way round: a gradient's jaxpr no longer contains the forward patterns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -368,13 +369,12 @@ class Optimized:
                 # closes over fn's traced values would meet stale tracers when differentiated
                 # (as under jax.grad(jax.jit(fn))).
                 return self.fn(*args, **kwargs)
-            if traced.closes_over_derivatives or _ffi.beyond_first_reverse(leaves):
-                # jax.jvp, jacfwd, hessian, grad of grad: every op runs its jnp reference
-                # (the fused ops have one reverse derivative), in scan and jit bodies too.
-                with _ffi.references():
-                    outs = self._run(traced, leaves)
-            else:
-                outs = self._run(traced, leaves)  # inside the caller's trace (jit, grad, vmap)
+            # Inside the caller's trace (jit, grad, vmap). Under jax.jvp, jacfwd, hessian or
+            # grad of grad every op runs its jnp reference (the fused ops have one reverse
+            # derivative), in scan and jit bodies too.
+            beyond = traced.closes_over_derivatives or _ffi.beyond_first_reverse(leaves)
+            with _ffi.references() if beyond else contextlib.nullcontext():
+                outs = self._run(traced, leaves)
         else:
             # Called outside any trace: the rewritten program runs compiled, once per
             # specialization, as fn would under jax.jit (fn's own jit is inlined by the
