@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsub import _partition
+from jaxsub import _jaxpr, _partition
 
 log = logging.getLogger("jaxsub")
 
@@ -206,6 +206,7 @@ def varying(tree, axes: frozenset):
 _JVP_TRACERS = frozenset({"JVPTracer"})
 _LINEARIZE_TRACERS = frozenset({"LinearizeTracer"})
 FORWARD_MODE = "forward-mode or higher-order differentiation (jax.jvp, jacfwd, hessian, grad of grad)"
+PULLBACK = "a derivative of its backward pass with respect to the cotangent (jax.jvp or jax.vjp of a vjp pullback)"
 
 
 def beyond_first_reverse(tree) -> bool:
@@ -230,50 +231,82 @@ def beyond_first_reverse(tree) -> bool:
     return False
 
 
-def _references_state():
-    """A JAX configuration state that is part of JAX's trace context, so that a body JAX
-    traced and cached outside `references()` (a `jax.checkpoint`'s or a `jax.jit`'s in a
-    scanned layer) is traced again inside it; None where this jax has no such states (then
-    a thread-local flag, which such cached bodies do not see)."""
-    try:
-        from jax._src import config as jax_config
-
-        # (JAX reads a state's default from the environment variable of its name in capitals:
-        # this one no user sets.)
-        return jax_config.bool_state(
-            "jaxsub_internal_trace_with_references", False, "jaxsub: every fused op runs as its jnp reference "
-            "(forward-mode and higher-order derivatives; set by jaxsub itself)", include_in_trace_context=True)
-    except Exception:  # noqa: BLE001 (a jax without the private API, or the name taken)
-        return None
+def differentiated(tree) -> bool:
+    """Whether a leaf of `tree` is traced for differentiation at any level (a JVP or a
+    linearize trace): a backward rule's cotangent is so only where the pullback itself is
+    differentiated (jax.jvp or jax.vjp of a `jax.vjp` pullback with respect to its
+    cotangent), since first-order gradients call the rule with arrays or jit's tracers."""
+    for x in jax.tree.leaves(tree):
+        for _ in range(64):
+            if not isinstance(x, jax.core.Tracer):
+                break
+            if type(x).__name__ in _JVP_TRACERS | _LINEARIZE_TRACERS:
+                return True
+            x = getattr(x, "primal", getattr(x, "val", None))
+    return False
 
 
-_REFERENCES = _references_state()
-_forced = threading.local()  # where _REFERENCES is None
+class _TraceFlag:
+    """A flag that is part of JAX's trace context (a JAX configuration state), so that a body
+    JAX traced and cached with the flag off (a `jax.checkpoint`'s or a `jax.jit`'s in a scanned
+    layer) is traced again with it on; a thread-local flag, which such cached bodies do not
+    see, where this jax has no such states."""
+
+    def __init__(self, name: str, doc: str):
+        self._local = threading.local()
+        try:
+            from jax._src import config as jax_config
+
+            # (JAX reads a state's default from the environment variable of its name in
+            # capitals: these no user sets.)
+            self._state = jax_config.bool_state(f"jaxsub_internal_{name}", False, f"jaxsub: {doc} (set by jaxsub "
+                                                "itself)", include_in_trace_context=True)
+        except Exception:  # noqa: BLE001 (a jax without the private API, or the name taken)
+            self._state = None
+
+    @contextlib.contextmanager
+    def on(self):
+        if self._state is not None:
+            with self._state(True):
+                yield
+            return
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+
+    def __bool__(self) -> bool:
+        if self._state is not None:
+            return bool(self._state.value)
+        return getattr(self._local, "depth", 0) > 0
 
 
-@contextlib.contextmanager
+_REFERENCES = _TraceFlag("trace_with_references", "every fused op runs as its jnp reference (forward-mode and "
+                         "higher-order derivatives)")
+_NO_ARGUMENTS = _TraceFlag("residuals_without_arguments", "the fused ops' residuals leave out their arguments")
+
+
 def references():
     """Within it every op runs its jnp reference (`custom_vjp`), also in the bodies traced
     meanwhile (a scan's, a jit's, a checkpoint's), where the tracers of a forward-mode
     transformation around the caller do not reach: `optimize`, `stack.scan` and the Flax
     encoder modules open it when their arguments are traced beyond a first reverse
     derivative."""
-    if _REFERENCES is not None:
-        with _REFERENCES(True):
-            yield
-        return
-    depth = getattr(_forced, "depth", 0)
-    _forced.depth = depth + 1
-    try:
-        yield
-    finally:
-        _forced.depth = depth
+    return _REFERENCES.on()
 
 
 def references_forced() -> bool:
-    if _REFERENCES is not None:
-        return bool(_REFERENCES.value)
-    return getattr(_forced, "depth", 0) > 0
+    return bool(_REFERENCES)
+
+
+def residuals_without_arguments():
+    """Within it the ops' residuals leave out the arguments that `custom_vjp` keeps for the
+    derivative of the backward pass: `stack.scan` stores every residual of its body's
+    pullback, and its own `custom_vjp` takes that derivative with the whole loop's
+    reference."""
+    return _NO_ARGUMENTS.on()
 
 
 class custom_vjp:
@@ -290,16 +323,51 @@ class custom_vjp:
     the seed), which JAX differentiates to any order; so does every op inside `references()`.
     That takes the transformation applied around the op's call (or around `optimize`'s or
     `stack.scan`'s); one applied to a jitted function, a `lax.scan` or a `jax.checkpoint` that
-    calls the op sees only its traced body and raises JAX's error, as for any custom_vjp."""
+    calls the op sees only its traced body and raises JAX's error, as for any custom_vjp.
+    Where the backward rule's cotangent is differentiated (jax.jvp or jax.vjp of a pullback)
+    it runs the reference's VJP instead of the backward kernels (`defvjp`)."""
 
     def __init__(self, fun, nondiff_argnums=()):
         self._fun = jax.custom_vjp(fun, nondiff_argnums=nondiff_argnums)
+        self._nondiff_order = tuple(nondiff_argnums)
         self._nondiff = frozenset(nondiff_argnums)
         self._reference = None
         functools.update_wrapper(self, fun)
 
-    def defvjp(self, fwd, bwd, **kwargs):
-        self._fun.defvjp(fwd, bwd, **kwargs)
+    def defvjp(self, fwd, bwd, symbolic_zeros: bool = False):
+        """jax.custom_vjp's defvjp. The forward rule's residuals also hold the differentiable
+        arguments, so that where the backward rule's cotangent is itself differentiated
+        (`differentiated`) it runs the VJP of the op's reference at them instead of the
+        backward kernels, which have no derivative. Under `jit`, `grad` and `scan` JAX drops
+        a residual that the backward rule does not read, so the arguments cost nothing there;
+        they stay alive with an eager `jax.vjp` pullback, as its inputs would."""
+        def fwd_with_arguments(*args):
+            out, res = fwd(*args)
+            diff = None if _NO_ARGUMENTS else tuple(a for i, a in enumerate(args) if i not in self._nondiff)
+            return out, (res, _jaxpr.primal_values(diff) if symbolic_zeros else diff)
+
+        def bwd_or_reference(*args):
+            fixed, (res, diff), ct = args[:-2], args[-2], args[-1]
+            if self._reference is not None and diff is not None and differentiated(ct):
+                return self._reference_vjp(fixed, diff, _jaxpr.dense_cotangent(ct) if symbolic_zeros else ct)
+            return bwd(*fixed, res, ct)
+
+        self._fun.defvjp(fwd_with_arguments, bwd_or_reference, symbolic_zeros=symbolic_zeros)
+
+    def _reference_vjp(self, fixed, diff, ct):
+        """The cotangents of the differentiable arguments `diff` by the reference's VJP, the
+        non-differentiable ones `fixed` (in nondiff_argnums' order) held."""
+        op, reference = self._reference
+        fallback(op, PULLBACK, instead="its jnp reference's VJP")
+        count = len(fixed) + len(diff)
+        fixed_at = dict(zip(self._nondiff_order, fixed))
+
+        def call(*xs):
+            it = iter(xs)
+            return reference(*(fixed_at[i] if i in fixed_at else next(it) for i in range(count)))
+
+        with references():
+            return jax.vjp(call, *diff)[1](ct)
 
     def defreference(self, op: str, reference):
         """`reference`: the op in differentiable jnp, with the same arguments (the

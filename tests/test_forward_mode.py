@@ -15,6 +15,7 @@ import pytest
 import jaxsub
 from jaxsub import ops
 from jaxsub.ops.attn import reference_attention
+from jaxsub.ops.dropout import residual_add
 from jaxsub.ops.gelu import reference_bias_gelu_dropout
 from jaxsub.ops.norm import reference_bdrln, reference_layer_norm
 from jaxsub.ops.softmax import reference_softmax_dropout
@@ -310,3 +311,101 @@ def test_jvp_of_a_jitted_call_raises_jaxs_error():
     x, g, b = _rand(0, (3, 16)), jnp.ones(16), jnp.zeros(16)
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(jax.jit(lambda x: ops.layer_norm(x, g, b)), (x,), (x,))
+
+
+# A derivative of the backward pass with respect to its cotangent: `jax.jvp` or `jax.vjp` of
+# a `jax.vjp` pullback (the "double-vjp" trick that gives a JVP from two VJPs). The backward
+# kernels have no derivative; the backward rule runs the reference's VJP at the arguments the
+# forward rule keeps (`_ffi.custom_vjp.defvjp`).
+
+
+def _assert_pullback_derivatives(fn, reference, primals, seed=200):
+    """jvp and vjp of fn's pullback with respect to the cotangent, and the JVP of fn got by
+    the double-vjp trick, equal the reference's; the pullback itself keeps its value."""
+    out, pull = jax.vjp(fn, *primals)
+    _, pull_ref = jax.vjp(reference, *primals)
+    ct = jax.tree.map(lambda o: _rand(seed, o.shape), out)
+    dct = jax.tree.map(lambda o: _rand(seed + 1, o.shape), out)
+    w = tuple(_rand(seed + 2 + i, np.shape(p)) for i, p in enumerate(primals))
+    close = lambda a, b: [np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5)  # noqa: E731
+                          for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    close(jax.jvp(pull, (ct,), (dct,)), jax.jvp(pull_ref, (ct,), (dct,)))
+    close(jax.vjp(pull, ct)[1](w), jax.vjp(pull_ref, ct)[1](w))  # = jvp of fn with tangents w
+    close(jax.vjp(pull, ct)[1](w), (jax.jvp(reference, primals, w)[1],))
+    close(jax.jit(lambda c, d: jax.jvp(pull, (c,), (d,)))(ct, dct), jax.jvp(pull_ref, (ct,), (dct,)))
+    close(pull(ct), pull_ref(ct))
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "bdrln", "gelu", "softmax", "attention_fused", "attention_unfused",
+                                "attention_packed", "residual_add", "dense_bias_add"])
+def test_pullback_differentiated_with_respect_to_its_cotangent(op, fallback_log):
+    x, r = _rand(0, (2, 3, 40)), _rand(1, (2, 3, 40))
+    bias, g, b = _rand(2, (40,)), 1.0 + _rand(3, (40,), 0.1), _rand(4, (40,))
+    keep = ops.dropout_mask(KEY, x.shape, 0.3)
+    hi = jax.lax.Precision.HIGHEST
+    if op == "layer_norm":
+        cases = (lambda x, g, b: ops.layer_norm(x, g, b), reference_layer_norm, (x, g, b))
+    elif op == "bdrln":
+        cases = (lambda x, r, g: ops.bias_dropout_residual_layer_norm(x, bias, r, g, b, rate=0.3, key=KEY),
+                 lambda x, r, g: reference_bdrln(x, bias, r, g, b, keep=keep, rate=0.3), (x, r, g))
+    elif op == "gelu":
+        cases = (lambda x, bias: ops.bias_gelu_dropout(x, bias, rate=0.3, key=KEY),
+                 lambda x, bias: reference_bias_gelu_dropout(x, bias, keep=keep, rate=0.3), (x, bias))
+    elif op == "softmax":
+        cases = (lambda s: ops.softmax_dropout(s, scale=0.5, causal=True, rate=0.3, key=KEY),
+                 lambda s: reference_softmax_dropout(s, scale=0.5, causal=True, keep=keep, rate=0.3), (x,))
+    elif op.startswith("attention"):
+        q, k, v = _rand(5, (2, 7, 4, 8)), _rand(6, (2, 9, 4, 8)), _rand(7, (2, 9, 4, 8))
+        mask = jnp.arange(9)[None, :] < jnp.array([[6], [9]])
+        akeep = ops.dropout_mask(KEY, (2, 4, 7, 9), 0.2)
+        ref = lambda q, k, v: reference_attention(q, k, v, mask=mask, keep=akeep, rate=0.2)  # noqa: E731
+        if op == "attention_packed":
+            qkv = _rand(8, (2, 9, 3, 4, 8))
+            akeep = ops.dropout_mask(KEY, (2, 4, 9, 9), 0.2)
+            cases = (lambda qkv: ops.attention_packed(qkv, mask=mask, dropout_rate=0.2, key=KEY,
+                                                      implementation="fused"),
+                     lambda qkv: reference_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask=mask, keep=akeep,
+                                                     rate=0.2), (qkv,))
+        else:
+            cases = (lambda q, k, v: ops.attention(q, k, v, mask=mask, dropout_rate=0.2, key=KEY,
+                                                   implementation=op.split("_")[1]), ref, (q, k, v))
+    elif op == "residual_add":
+        cases = (lambda x, r, bias: residual_add(x, r, bias, rate=0.3, key=KEY),
+                 lambda x, r, bias: x + jnp.where(keep, (r + bias) / 0.7, 0.0), (x, r, bias))
+    else:
+        w = _rand(9, (40, 6), 0.3)
+        cases = (lambda x, w, bias: ops.bias_add(ops.dense(x, w), bias[:6]),
+                 lambda x, w, bias: jnp.matmul(x, w, precision=hi) + bias[:6], (x, w, bias))
+    _assert_pullback_derivatives(*cases)
+    # The op's log line names the derivative (its reference's own ops follow it, as references).
+    assert fallback_log and "cotangent" in fallback_log[0][1]
+
+
+def test_stack_scan_pullback_differentiated():
+    ws, x = _rand(0, (3, 8, 8), 0.3), _rand(1, (4, 8))
+    g = 1.0 + _rand(2, (8,), 0.1)
+    body = lambda c, h, w: (ops.layer_norm(jnp.tanh(h @ w), c, None), None)  # noqa: E731
+    ref_body = lambda h, w: (reference_layer_norm(jnp.tanh(h @ w), g, None), None)  # noqa: E731
+    _assert_pullback_derivatives(lambda x, ws: jaxsub.stack.scan(body, x, ws, g)[0],
+                                 lambda x, ws: jax.lax.scan(ref_body, x, ws)[0], (x, ws))
+
+
+def test_optimize_pullback_differentiated():
+    p, x = _layer_params(), _rand(20, (2, 5, 8))
+    fast = jaxsub.optimize(_jnp_layer)
+    _assert_pullback_derivatives(lambda x: fast(p, x, KEY), lambda x: _jnp_layer(p, x, KEY), (x,))
+
+
+def test_the_stacks_steps_store_no_arguments_for_the_pullbacks_derivative():
+    """`jax.stack.scan` stores every residual of its step's pullback; the ops' arguments kept
+    for the pullback's own derivative would be stored too (y, the product, here). Inside the
+    stack that derivative is the loop reference's, so the step keeps none."""
+    from jaxsub import stack
+
+    ws, x, bias = _rand(0, (3, 8, 8), 0.3), _rand(1, (4, 8)), _rand(2, (8,))
+    body = lambda c, h, w: (residual_add(h, h @ w, c, rate=0.2, key=KEY), None)  # noqa: E731
+    plan = stack._plan(body, bias, x, ws, 3, False)
+    assert all(np.shape(s) != x.shape for s in plan.stored), [np.shape(s) for s in plan.stored]
+    # Outside a stack the pullback keeps them (the product y among its leaves).
+    _, pull = jax.vjp(lambda h, w: body(bias, h, w)[0], x, ws[0])
+    assert sum(np.shape(a) == x.shape for a in jax.tree.leaves(pull)) >= 2
