@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import threading
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -206,7 +207,27 @@ def varying(tree, axes: frozenset):
 _JVP_TRACERS = frozenset({"JVPTracer"})
 _LINEARIZE_TRACERS = frozenset({"LinearizeTracer"})
 FORWARD_MODE = "forward-mode or higher-order differentiation (jax.jvp, jacfwd, hessian, grad of grad)"
-PULLBACK = "a derivative of its backward pass with respect to the cotangent (jax.jvp or jax.vjp of a vjp pullback)"
+PULLBACK = ("a derivative of its backward kernels' results (of grad through jit, checkpoint or scan, or of a vjp "
+            "pullback)")
+THROUGH_RULES = ("a derivative of its forward kernels' results (of grad through jit, checkpoint or scan: "
+                 "hessian(jit(f)))")
+
+
+def _zero_tangent(x):
+    """A zero tangent for the value x (float0 for integers)."""
+    dtype, shape = jnp.result_type(x), np.shape(x)
+    return jnp.zeros(shape, dtype) if jnp.issubdtype(dtype, jnp.inexact) else np.zeros(shape, jax.dtypes.float0)
+
+
+def _like(grads, tangents):
+    """`tangents` (the reference VJP's, one per differentiable argument) in the structure of
+    `grads` (a backward rule's, with None for an argument it gives no gradient)."""
+    out = []
+    for g, t in zip(grads, tangents):
+        leaves, tree = jax.tree.flatten(g, is_leaf=lambda x: x is None)
+        parts = tree.flatten_up_to(t)
+        out.append(jax.tree.unflatten(tree, [None if leaf is None else part for leaf, part in zip(leaves, parts)]))
+    return type(grads)(out) if isinstance(grads, tuple) else out
 
 
 def beyond_first_reverse(tree) -> bool:
@@ -227,21 +248,6 @@ def beyond_first_reverse(tree) -> bool:
                 linearize.add(id(getattr(x, "_trace", x)))
                 if len(linearize) > 1:
                     return True
-            x = getattr(x, "primal", getattr(x, "val", None))
-    return False
-
-
-def differentiated(tree) -> bool:
-    """Whether a leaf of `tree` is traced for differentiation at any level (a JVP or a
-    linearize trace): a backward rule's cotangent is so only where the pullback itself is
-    differentiated (jax.jvp or jax.vjp of a `jax.vjp` pullback with respect to its
-    cotangent), since first-order gradients call the rule with arrays or jit's tracers."""
-    for x in jax.tree.leaves(tree):
-        for _ in range(64):
-            if not isinstance(x, jax.core.Tracer):
-                break
-            if type(x).__name__ in _JVP_TRACERS | _LINEARIZE_TRACERS:
-                return True
             x = getattr(x, "primal", getattr(x, "val", None))
     return False
 
@@ -322,10 +328,10 @@ class custom_vjp:
     runs the op's jnp reference instead (`defreference`; the same dropout mask, drawn from
     the seed), which JAX differentiates to any order; so does every op inside `references()`.
     That takes the transformation applied around the op's call (or around `optimize`'s or
-    `stack.scan`'s); one applied to a jitted function, a `lax.scan` or a `jax.checkpoint` that
-    calls the op sees only its traced body and raises JAX's error, as for any custom_vjp.
-    Where the backward rule's cotangent is differentiated (jax.jvp or jax.vjp of a pullback)
-    it runs the reference's VJP instead of the backward kernels (`defvjp`)."""
+    `stack.scan`'s); a forward-mode one applied to a jitted function, a `lax.scan` or a
+    `jax.checkpoint` that calls the op sees only its traced body and raises JAX's error, as
+    for any custom_vjp. A derivative that reaches the rules' results (grad of a jitted grad, a
+    pullback's derivative) takes the reference's derivatives there (`defvjp`)."""
 
     def __init__(self, fun, nondiff_argnums=()):
         self._fun = jax.custom_vjp(fun, nondiff_argnums=nondiff_argnums)
@@ -335,39 +341,101 @@ class custom_vjp:
         functools.update_wrapper(self, fun)
 
     def defvjp(self, fwd, bwd, symbolic_zeros: bool = False):
-        """jax.custom_vjp's defvjp. The forward rule's residuals also hold the differentiable
-        arguments, so that where the backward rule's cotangent is itself differentiated
-        (`differentiated`) it runs the VJP of the op's reference at them instead of the
-        backward kernels, which have no derivative. Under `jit`, `grad` and `scan` JAX drops
-        a residual that the backward rule does not read, so the arguments cost nothing there;
-        they stay alive with an eager `jax.vjp` pullback, as its inputs would."""
-        def fwd_with_arguments(*args):
-            out, res = fwd(*args)
-            diff = None if _NO_ARGUMENTS else tuple(a for i, a in enumerate(args) if i not in self._nondiff)
-            return out, (res, _jaxpr.primal_values(diff) if symbolic_zeros else diff)
+        """jax.custom_vjp's defvjp, with the kernels' results differentiable: the forward
+        rule's kernels and the backward rule's are each a `jax.custom_jvp` whose derivative
+        is the op's reference's (its JVP, and the JVP of its VJP at the arguments, which the
+        residuals also hold). A custom_vjp rule is differentiated where a transformation
+        reaches its rules' results and not the op's call: grad of a jitted, checkpointed or
+        scanned grad (hessian(jit(f)) among them), and jax.jvp or jax.vjp of a pullback with
+        respect to its cotangent. First derivatives run the kernels alone (the custom_jvp
+        calls are inlined), and under `jit`, `grad` and `scan` JAX drops the arguments from
+        the residuals, as the backward kernels do not read them."""
+        def fwd_rule(*args):
+            if _NO_ARGUMENTS or self._reference is None:
+                return self._plain_fwd(fwd, args)
+            return self._fwd_with_jvp(fwd, args, symbolic_zeros)
 
-        def bwd_or_reference(*args):
+        def bwd_rule(*args):
             fixed, (res, diff), ct = args[:-2], args[-2], args[-1]
-            if self._reference is not None and diff is not None and differentiated(ct):
-                return self._reference_vjp(fixed, diff, _jaxpr.dense_cotangent(ct) if symbolic_zeros else ct)
-            return bwd(*fixed, res, ct)
+            if diff is None:
+                return bwd(*fixed, res, ct)
+            return self._bwd_with_jvp(bwd, fixed, res, diff, ct)
 
-        self._fun.defvjp(fwd_with_arguments, bwd_or_reference, symbolic_zeros=symbolic_zeros)
+        self._fun.defvjp(fwd_rule, bwd_rule, symbolic_zeros=symbolic_zeros)
 
-    def _reference_vjp(self, fixed, diff, ct):
-        """The cotangents of the differentiable arguments `diff` by the reference's VJP, the
-        non-differentiable ones `fixed` (in nondiff_argnums' order) held."""
-        op, reference = self._reference
-        fallback(op, PULLBACK, instead="its jnp reference's VJP")
-        count = len(fixed) + len(diff)
-        fixed_at = dict(zip(self._nondiff_order, fixed))
+    @staticmethod
+    def _plain_fwd(fwd, args):
+        out, res = fwd(*args)
+        return out, (res, None)
+
+    def _call_reference(self, fixed_at: dict, values) -> Callable:
+        """The reference as a function of the differentiable arguments (`values`' count), the
+        others held (`fixed_at`: position -> value)."""
+        count = len(fixed_at) + len(values)
+        reference = self._reference[1]
 
         def call(*xs):
             it = iter(xs)
             return reference(*(fixed_at[i] if i in fixed_at else next(it) for i in range(count)))
 
-        with references():
-            return jax.vjp(call, *diff)[1](ct)
+        return call
+
+    def _fwd_with_jvp(self, fwd, args, symbolic_zeros):
+        diff_at = [i for i in range(len(args)) if i not in self._nondiff]
+        fixed_at = {i: args[i] for i in self._nondiff_order}
+        values = [_jaxpr.primal_values(args[i]) if symbolic_zeros else args[i] for i in diff_at]
+        # (symbolic_zeros: the forward rule takes CustomVJPPrimal leaves; their `perturbed`
+        # flags are static, their values the custom_jvp's arguments)
+        flags = [_jaxpr.perturbed_tree(args[i]) if symbolic_zeros else None for i in diff_at]
+
+        def kernels(*vals):
+            full = dict(fixed_at)
+            for i, v, f in zip(diff_at, vals, flags):
+                full[i] = _jaxpr.as_primals(v, f) if symbolic_zeros else v
+            return fwd(*(full[i] for i in range(len(args))))
+
+        kernels = jax.custom_jvp(kernels)
+
+        @kernels.defjvp
+        def _(primals, tangents):
+            out, res = kernels(*primals)
+            op = self._reference[0]
+            fallback(op, THROUGH_RULES, instead="its jnp reference's derivatives")
+            with references():
+                dout = jax.jvp(self._call_reference(fixed_at, primals), primals, tangents)[1]
+            # The residuals feed the backward rule alone, whose derivative takes the
+            # arguments' tangents instead.
+            return (out, res), (dout, jax.tree.map(_zero_tangent, res))
+
+        out, res = kernels(*values)
+        return out, (res, tuple(values))
+
+    def _bwd_with_jvp(self, bwd, fixed, res, diff, ct):
+        fixed_at = dict(zip(self._nondiff_order, fixed))
+        leaves, tree = jax.tree.flatten(ct, is_leaf=_jaxpr.is_symbolic_zero)
+        zeros = [leaf.aval if _jaxpr.is_symbolic_zero(leaf) else None for leaf in leaves]
+        dense = [leaf for leaf in leaves if not _jaxpr.is_symbolic_zero(leaf)]
+
+        def cotangent(dense, symbolic: bool):
+            it = iter(dense)
+            return jax.tree.unflatten(tree, [next(it) if z is None else _jaxpr.SymbolicZero(z) if symbolic
+                                             else jnp.zeros(z.shape, z.dtype) for z in zeros])
+
+        kernels = jax.custom_jvp(lambda res, diff, dense: bwd(*fixed, res, cotangent(dense, True)))
+
+        @kernels.defjvp
+        def _(primals, tangents):
+            res, diff, dense = primals
+            _, ddiff, ddense = tangents
+            grads = kernels(res, diff, dense)
+            fallback(self._reference[0], PULLBACK, instead="its jnp reference's VJP")
+            call = self._call_reference(fixed_at, diff)
+            with references():
+                vjp = lambda d, c: jax.vjp(call, *d)[1](c)  # noqa: E731
+                dgrads = jax.jvp(vjp, (diff, cotangent(dense, False)), (ddiff, cotangent(ddense, False)))[1]
+            return grads, _like(grads, dgrads)
+
+        return kernels(res, diff, dense)
 
     def defreference(self, op: str, reference):
         """`reference`: the op in differentiable jnp, with the same arguments (the

@@ -33,6 +33,20 @@ def perturbed(tree) -> list:
     return [p.perturbed for p in jax.tree.leaves(tree, is_leaf=_is_primal)]
 
 
+def perturbed_tree(tree):
+    """A forward rule's primal arguments (CustomVJPPrimal leaves) as their `perturbed` flags."""
+    return jax.tree.map(lambda p: p.perturbed, tree, is_leaf=_is_primal)
+
+
+def as_primals(values, flags):
+    """`values` as a forward rule's primal arguments again, with `flags` (perturbed_tree)."""
+    return jax.tree.map(lambda f, v: CustomVJPPrimal(v, f), flags, values)
+
+
+def is_symbolic_zero(t) -> bool:
+    return isinstance(t, SymbolicZero)
+
+
 def dense_cotangent(ct):
     """A backward rule's cotangent with its symbolic zeros made arrays of zeros."""
     return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, ct,

@@ -313,10 +313,10 @@ def test_jvp_of_a_jitted_call_raises_jaxs_error():
         jax.jvp(jax.jit(lambda x: ops.layer_norm(x, g, b)), (x,), (x,))
 
 
-# A derivative of the backward pass with respect to its cotangent: `jax.jvp` or `jax.vjp` of
-# a `jax.vjp` pullback (the "double-vjp" trick that gives a JVP from two VJPs). The backward
-# kernels have no derivative; the backward rule runs the reference's VJP at the arguments the
-# forward rule keeps (`_ffi.custom_vjp.defvjp`).
+# Derivatives of the custom_vjp rules' results: `jax.jvp` or `jax.vjp` of a `jax.vjp` pullback
+# with respect to its cotangent (the "double-vjp" trick that gives a JVP from two VJPs), and
+# grad of a grad taken inside jit, checkpoint or scan. The kernels have no derivative; each
+# rule's kernels are a custom_jvp whose derivative is the reference's (`_ffi.custom_vjp.defvjp`).
 
 
 def _assert_pullback_derivatives(fn, reference, primals, seed=200):
@@ -378,7 +378,7 @@ def test_pullback_differentiated_with_respect_to_its_cotangent(op, fallback_log)
                  lambda x, w, bias: jnp.matmul(x, w, precision=hi) + bias[:6], (x, w, bias))
     _assert_pullback_derivatives(*cases)
     # The op's log line names the derivative (its reference's own ops follow it, as references).
-    assert fallback_log and "cotangent" in fallback_log[0][1]
+    assert fallback_log and "backward kernels" in fallback_log[0][1]
 
 
 def test_stack_scan_pullback_differentiated():
@@ -409,3 +409,58 @@ def test_the_stacks_steps_store_no_arguments_for_the_pullbacks_derivative():
     # Outside a stack the pullback keeps them (the product y among its leaves).
     _, pull = jax.vjp(lambda h, w: body(bias, h, w)[0], x, ws[0])
     assert sum(np.shape(a) == x.shape for a in jax.tree.leaves(pull)) >= 2
+
+
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint", "scan"])
+def test_second_derivatives_through_a_jitted_checkpointed_or_scanned_grad(wrap, fallback_log):
+    """grad(jit(grad(f))), hessian(jit(f)) and the like: the inner grad runs the op's
+    custom_vjp rules inside the traced body, and the outer derivative reaches their kernels'
+    results; it is the reference's (the forward with the same dropout mask)."""
+    x, g, b = _rand(0, (3, 24)), 1.0 + _rand(1, (24,), 0.1), _rand(2, (24,))
+    keep = ops.dropout_mask(KEY, x.shape, 0.2)
+    fused = lambda x: jnp.sum(jnp.sin(ops.bias_gelu_dropout(ops.layer_norm(x, g, b), b, rate=0.2, key=KEY)))  # noqa
+    ref = lambda x: jnp.sum(jnp.sin(reference_bias_gelu_dropout(reference_layer_norm(x, g, b), b, keep=keep,  # noqa
+                                                                  rate=0.2)))
+    if wrap == "jit":
+        inner = lambda f: jax.jit(jax.grad(f))  # noqa: E731
+    elif wrap == "checkpoint":
+        inner = lambda f: jax.checkpoint(jax.grad(f))  # noqa: E731
+    else:
+        inner = lambda f: (lambda x: jax.lax.scan(lambda c, _: (jax.grad(f)(c), None), x, None, length=2)[0])  # noqa
+    outer = lambda f: jax.grad(lambda x: jnp.sum(inner(f)(x) ** 2))(x)  # noqa: E731
+    np.testing.assert_allclose(outer(fused), outer(ref), rtol=1e-4, atol=1e-5)
+    assert {op for op, _ in fallback_log} >= {"layer_norm", "bias_gelu_dropout"}
+    if wrap == "jit":  # on one row: its own mask
+        keep = ops.dropout_mask(KEY, (1, 24), 0.2)
+        np.testing.assert_allclose(jax.hessian(jax.jit(fused))(x[:1]), jax.hessian(ref)(x[:1]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint", "scan"])
+def test_pullback_of_a_jitted_checkpointed_or_scanned_function(wrap):
+    x, g, b = _rand(0, (3, 24)), 1.0 + _rand(1, (24,), 0.1), _rand(2, (24,))
+    f = lambda x: jnp.tanh(ops.layer_norm(x, g, b))  # noqa: E731
+    r = lambda x: jnp.tanh(reference_layer_norm(x, g, b))  # noqa: E731
+    if wrap == "scan":
+        w = lambda f: (lambda x: jax.lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0])  # noqa: E731
+    else:
+        w = jax.jit if wrap == "jit" else jax.checkpoint
+    _assert_pullback_derivatives(w(f), w(r), (x,))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_encoder_with_remat_pullback_differentiated(scan_layers):
+    """nn.remat's layers are checkpointed: the pullback of the Encoder differentiated with
+    respect to its cotangent (a probe found the unscanned form raising)."""
+    encoder = jaxsub.flax.Encoder(num_layers=2, num_heads=2, mlp_dim=16, scan_layers=scan_layers, remat=True,
+                                  dropout_rate=0.1, attention_dropout_rate=0.1)
+    x = _rand(0, (2, 6, 8))
+    params = encoder.init(jax.random.key(0), x, deterministic=True)
+    f = lambda x: encoder.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(1)})  # noqa: E731
+    _, pull = jax.vjp(f, x)
+    ct, t = _rand(1, x.shape), _rand(2, x.shape)
+    # The pullback is linear in the cotangent: its JVP is itself at the tangent; and the
+    # double-vjp trick gives f's JVP, compared with a finite difference.
+    np.testing.assert_allclose(jax.jvp(pull, (ct,), (t,))[1][0], pull(t)[0], rtol=1e-5, atol=1e-6)
+    jvp = jax.vjp(pull, ct)[1]((t,))[0]
+    eps = 1e-3
+    np.testing.assert_allclose(jvp, (f(x + eps * t) - f(x - eps * t)) / (2 * eps), rtol=2e-2, atol=2e-2)

@@ -1228,8 +1228,20 @@ def test_lax_scan_stack(unroll):
     assert "@AllocateBuffer" in text
     assert "@AllocateBuffer" not in jax.jit(jax.grad(lambda ws, x: jnp.sum(f(ws, x)))).trace(ws, x).lower(
         lowering_platforms=("cuda",)).as_text()
-    scans = [e for e in jax.make_jaxpr(grad)(ws, x).eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    # (the stack's forward and backward loops, inside the custom_jvp calls of its rules)
+    scans = [e for e in _equations(jax.make_jaxpr(grad)(ws, x).jaxpr) if e.primitive.name == "scan"]
     assert scans and all(e.params["unroll"] == unroll for e in scans)
+
+
+def _equations(jaxpr, depth=0):
+    """jaxpr's equations and those of the calls in it (a jit's, a custom_jvp's), not of loops."""
+    for e in jaxpr.eqns:
+        yield e
+        if e.primitive.name != "scan" and depth < 8:
+            for key in ("jaxpr", "call_jaxpr"):
+                inner = e.params.get(key)
+                if inner is not None:
+                    yield from _equations(getattr(inner, "jaxpr", inner), depth + 1)
 
 
 # ---------------------------------------------------------------------------------------
