@@ -215,7 +215,7 @@ THROUGH_RULES = ("a derivative of its forward kernels' results (of grad through 
 
 def _zero_tangent(x):
     """A zero tangent for the value x (float0 for integers)."""
-    dtype, shape = jnp.result_type(x), np.shape(x)
+    dtype, shape = (x.dtype if hasattr(x, "dtype") else jnp.result_type(x)), np.shape(x)
     return jnp.zeros(shape, dtype) if jnp.issubdtype(dtype, jnp.inexact) else np.zeros(shape, jax.dtypes.float0)
 
 
@@ -228,6 +228,23 @@ def _like(grads, tangents):
         parts = tree.flatten_up_to(t)
         out.append(jax.tree.unflatten(tree, [None if leaf is None else part for leaf, part in zip(leaves, parts)]))
     return type(grads)(out) if isinstance(grads, tuple) else out
+
+
+@jax.tree_util.register_pytree_node_class
+class _Kept:
+    """What a forward rule keeps for its backward rule's derivative (`custom_vjp.defvjp`):
+    the arguments not among its residuals (leaves), and the static plan of where each
+    argument's leaf is found (in the residuals, here, or zeros)."""
+
+    def __init__(self, extra: tuple, plan: tuple):
+        self.extra, self.plan = extra, plan
+
+    def tree_flatten(self):
+        return (self.extra,), self.plan
+
+    @classmethod
+    def tree_unflatten(cls, plan, children):
+        return cls(children[0], plan)
 
 
 def beyond_first_reverse(tree) -> bool:
@@ -343,35 +360,42 @@ class custom_vjp:
     def defvjp(self, fwd, bwd, symbolic_zeros: bool = False):
         """jax.custom_vjp's defvjp, with the kernels' results differentiable: the forward
         rule's kernels and the backward rule's are each a `jax.custom_jvp` whose derivative
-        is the op's reference's (its JVP, and the JVP of its VJP at the arguments, which the
-        residuals also hold). A custom_vjp rule is differentiated where a transformation
-        reaches its rules' results and not the op's call: grad of a jitted, checkpointed or
-        scanned grad (hessian(jit(f)) among them), and jax.jvp or jax.vjp of a pullback with
-        respect to its cotangent. First derivatives run the kernels alone (the custom_jvp
-        calls are inlined), and under `jit`, `grad` and `scan` JAX drops the arguments from
-        the residuals, as the backward kernels do not read them."""
+        is the op's reference's (its JVP; the JVP of its VJP at the arguments). A custom_vjp
+        rule is differentiated where a transformation reaches its rules' results and not the
+        op's call: grad of a jitted, checkpointed or scanned grad (hessian(jit(f)) among
+        them), and jax.jvp or jax.vjp of a pullback with respect to its cotangent. First
+        derivatives inline the custom_jvp calls and run the kernels alone.
+
+        The backward rule's derivative needs the arguments: it finds them among the
+        residuals (`_Kept`: where the forward rule returned an argument itself as a
+        residual), takes zeros for those the op is affine in (`defreference`'s `affine`: its
+        VJP does not depend on them), and the residuals keep the rest beside their own. The
+        arguments that only the derivative reads would otherwise be saved by every
+        `lax.scan` of the op (XLA keeps a stacked loop output that no one reads)."""
         def fwd_rule(*args):
             if _NO_ARGUMENTS or self._reference is None:
-                return self._plain_fwd(fwd, args)
+                out, res = fwd(*args)
+                return out, (res, None)
             return self._fwd_with_jvp(fwd, args, symbolic_zeros)
 
         def bwd_rule(*args):
-            fixed, (res, diff), ct = args[:-2], args[-2], args[-1]
-            if diff is None:
+            fixed, (res, kept), ct = args[:-2], args[-2], args[-1]
+            if kept is None:
                 return bwd(*fixed, res, ct)
-            return self._bwd_with_jvp(bwd, fixed, res, diff, ct)
+            return self._bwd_with_jvp(bwd, fixed, res, kept, ct)
 
         self._fun.defvjp(fwd_rule, bwd_rule, symbolic_zeros=symbolic_zeros)
 
-    @staticmethod
-    def _plain_fwd(fwd, args):
-        out, res = fwd(*args)
-        return out, (res, None)
+    def defreference(self, op: str, reference, affine: tuple = ()):
+        """`reference`: the op in differentiable jnp, with the same arguments (the
+        non-differentiable ones included) and results; `op` names it in the log line.
+        `affine`: the positions of arguments the op is affine in (x + dropout(y) in x and y),
+        whose values its VJP does not read."""
+        self._reference = (op, reference, frozenset(affine))
 
-    def _call_reference(self, fixed_at: dict, values) -> Callable:
-        """The reference as a function of the differentiable arguments (`values`' count), the
-        others held (`fixed_at`: position -> value)."""
-        count = len(fixed_at) + len(values)
+    def _call_reference(self, fixed_at: dict, count: int) -> Callable:
+        """The reference as a function of the differentiable arguments, the others held
+        (`fixed_at`: position -> value; `count` arguments in all)."""
         reference = self._reference[1]
 
         def call(*xs):
@@ -381,70 +405,96 @@ class custom_vjp:
         return call
 
     def _fwd_with_jvp(self, fwd, args, symbolic_zeros):
-        diff_at = [i for i in range(len(args)) if i not in self._nondiff]
+        count = len(args)
+        diff_at = [i for i in range(count) if i not in self._nondiff]
         fixed_at = {i: args[i] for i in self._nondiff_order}
         values = [_jaxpr.primal_values(args[i]) if symbolic_zeros else args[i] for i in diff_at]
         # (symbolic_zeros: the forward rule takes CustomVJPPrimal leaves; their `perturbed`
         # flags are static, their values the custom_jvp's arguments)
         flags = [_jaxpr.perturbed_tree(args[i]) if symbolic_zeros else None for i in diff_at]
+        traced = {}  # per residual leaf, the argument leaf it is (or None), found while tracing
 
         def kernels(*vals):
             full = dict(fixed_at)
             for i, v, f in zip(diff_at, vals, flags):
                 full[i] = _jaxpr.as_primals(v, f) if symbolic_zeros else v
-            return fwd(*(full[i] for i in range(len(args))))
+            out, res = fwd(*(full[i] for i in range(count)))
+            at = {id(x): j for j, x in enumerate(jax.tree.leaves(vals))}
+            leaves, traced["tree"] = jax.tree.flatten(res)
+            traced["args"] = tuple(at.get(id(r)) for r in leaves)
+            # The residuals that are arguments leave through the arguments themselves, so
+            # that a scan sees them as its body's inputs (not stacked as computed values).
+            return out, [r for r, j in zip(leaves, traced["args"]) if j is None]
 
         kernels = jax.custom_jvp(kernels)
 
         @kernels.defjvp
         def _(primals, tangents):
-            out, res = kernels(*primals)
-            op = self._reference[0]
-            fallback(op, THROUGH_RULES, instead="its jnp reference's derivatives")
+            out, computed = kernels(*primals)
+            fallback(self._reference[0], THROUGH_RULES, instead="its jnp reference's derivatives")
             with references():
-                dout = jax.jvp(self._call_reference(fixed_at, primals), primals, tangents)[1]
-            # The residuals feed the backward rule alone, whose derivative takes the
+                dout = jax.jvp(self._call_reference(fixed_at, count), primals, tangents)[1]
+            # The computed residuals feed the backward rule alone, whose derivative takes the
             # arguments' tangents instead.
-            return (out, res), (dout, jax.tree.map(_zero_tangent, res))
+            return (out, computed), (dout, [_zero_tangent(r) for r in computed])
 
-        out, res = kernels(*values)
-        return out, (res, tuple(values))
+        out, computed = kernels(*values)
+        leaves = jax.tree.leaves(values)
+        it = iter(computed)
+        res = jax.tree.unflatten(traced["tree"], [next(it) if j is None else leaves[j] for j in traced["args"]])
+        in_res = {j: k for k, j in reversed(list(enumerate(traced["args"]))) if j is not None}
+        affine = self._reference[2]
+        owner = [i for i, v in zip(diff_at, values) for _ in jax.tree.leaves(v)]
+        plan, extra = [], []
+        for j, (x, i) in enumerate(zip(leaves, owner)):
+            if j in in_res:
+                plan.append(("res", in_res[j]))
+            elif i in affine:
+                plan.append(("zero", jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))))
+            else:
+                plan.append(("extra", len(extra)))
+                extra.append(x)
+        return out, (res, _Kept(tuple(extra), (jax.tree.structure(values), tuple(plan), count)))
 
-    def _bwd_with_jvp(self, bwd, fixed, res, diff, ct):
+    def _bwd_with_jvp(self, bwd, fixed, res, kept, ct):
+        tree, plan, count = kept.plan  # tree: the differentiable arguments' (a list)
         fixed_at = dict(zip(self._nondiff_order, fixed))
-        leaves, tree = jax.tree.flatten(ct, is_leaf=_jaxpr.is_symbolic_zero)
+        leaves, ct_tree = jax.tree.flatten(ct, is_leaf=_jaxpr.is_symbolic_zero)
         zeros = [leaf.aval if _jaxpr.is_symbolic_zero(leaf) else None for leaf in leaves]
         dense = [leaf for leaf in leaves if not _jaxpr.is_symbolic_zero(leaf)]
 
         def cotangent(dense, symbolic: bool):
             it = iter(dense)
-            return jax.tree.unflatten(tree, [next(it) if z is None else _jaxpr.SymbolicZero(z) if symbolic
-                                             else jnp.zeros(z.shape, z.dtype) for z in zeros])
+            return jax.tree.unflatten(ct_tree, [next(it) if z is None else _jaxpr.SymbolicZero(z) if symbolic
+                                                else jnp.zeros(z.shape, z.dtype) for z in zeros])
 
-        kernels = jax.custom_jvp(lambda res, diff, dense: bwd(*fixed, res, cotangent(dense, True)))
+        def arguments(res, extra, tangent: bool):
+            res = jax.tree.leaves(res)
+            return jax.tree.unflatten(tree, [
+                res[k] if kind == "res" else extra[k] if kind == "extra"
+                else _zero_tangent(jax.ShapeDtypeStruct(k.shape, k.dtype)) if tangent else jnp.zeros(k.shape, k.dtype)
+                for kind, k in plan])
+
+        kernels = jax.custom_jvp(lambda res, extra, dense: bwd(*fixed, res, cotangent(dense, True)))
 
         @kernels.defjvp
         def _(primals, tangents):
-            res, diff, dense = primals
-            _, ddiff, ddense = tangents
-            grads = kernels(res, diff, dense)
+            res, extra, dense = primals
+            dres, dextra, ddense = tangents
+            grads = kernels(res, extra, dense)
             fallback(self._reference[0], PULLBACK, instead="its jnp reference's VJP")
-            call = self._call_reference(fixed_at, diff)
+            call = self._call_reference(fixed_at, count)
             with references():
                 vjp = lambda d, c: jax.vjp(call, *d)[1](c)  # noqa: E731
-                dgrads = jax.jvp(vjp, (diff, cotangent(dense, False)), (ddiff, cotangent(ddense, False)))[1]
+                dgrads = jax.jvp(vjp, (arguments(res, extra, False), cotangent(dense, False)),
+                                 (arguments(dres, dextra, True), cotangent(ddense, False)))[1]
             return grads, _like(grads, dgrads)
 
-        return kernels(res, diff, dense)
-
-    def defreference(self, op: str, reference):
-        """`reference`: the op in differentiable jnp, with the same arguments (the
-        non-differentiable ones included) and results; `op` names it in the log line."""
-        self._reference = (op, reference)
+        return kernels(res, kept.extra, dense)
 
     def __call__(self, *args):
         if self._reference is not None and (references_forced() or beyond_first_reverse(args)):
-            op, reference = self._reference
+            op, reference, _ = self._reference
             fallback(op, FORWARD_MODE, instead="its jnp reference")
             return reference(*args)
         if not inside_shard_map():

@@ -86,7 +86,7 @@ def _bias_add_bwd(bias, dy):
 
 
 _bias_add.defvjp(_bias_add_fwd, _bias_add_bwd)
-_bias_add.defreference(_OP, _forward)  # forward-mode differentiation: jnp already
+_bias_add.defreference(_OP, _forward, affine=(0, 1))  # forward-mode: jnp already
 
 
 # ---------------------------------------------------------------------------------------

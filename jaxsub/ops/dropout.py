@@ -242,7 +242,8 @@ def _residual_add_jnp_bwd(rate, res, g):
 
 
 _residual_add_jnp.defvjp(_residual_add_jnp_fwd, _residual_add_jnp_bwd)
-_residual_add_jnp.defreference("residual_add", _residual_add_jnp.__wrapped__)  # forward-mode: jnp already
+# forward-mode differentiation: jnp already
+_residual_add_jnp.defreference("residual_add", _residual_add_jnp.__wrapped__, affine=(0, 1, 2))
 
 _DEFAULT_LAUNCH = _config.KernelConfig().attrs("fwd")  # the kernels' default launch shape (0, 0)
 
@@ -275,7 +276,7 @@ def _residual_add_fused_bwd(rate, res, g):
 
 _residual_add_fused.defvjp(_residual_add_fused_fwd, _residual_add_fused_bwd)
 _residual_add_fused.defreference("residual_add", lambda x, y, bias, seed, rate: reference_residual_add(
-    x, y, bias, keep=seed_mask(seed, y.shape, rate) if rate > 0.0 else None, rate=rate))
+    x, y, bias, keep=seed_mask(seed, y.shape, rate) if rate > 0.0 else None, rate=rate), affine=(0, 1, 2))
 
 
 def _residual_unsupported(x, y, bias) -> str | None:

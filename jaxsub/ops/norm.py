@@ -154,7 +154,7 @@ def _layer_norm_reference(x, scale, bias, eps, kernel, with_input):
     return (y, x) if with_input else y
 
 
-_layer_norm.defreference("layer_norm", _layer_norm_reference)
+_layer_norm.defreference("layer_norm", _layer_norm_reference, affine=(2,))
 
 
 # `outputs`: "y" (y alone), "yy" (y twice) or "yh" (y and h, the sum the layer norm reads). Separate
@@ -195,7 +195,7 @@ def _bdrln_reference(x, bias, residual, scale, ln_bias, seed, eps, rate, kernel,
     return {"y": y, "yy": (y, y), "yh": (y, h.astype(x.dtype))}[outputs]
 
 
-_bdrln.defreference("bias_dropout_residual_layer_norm", _bdrln_reference)
+_bdrln.defreference("bias_dropout_residual_layer_norm", _bdrln_reference, affine=(4,))
 
 
 # ---------------------------------------------------------------------------------------
