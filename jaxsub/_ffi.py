@@ -308,7 +308,7 @@ class _TraceFlag:
 
 _REFERENCES = _TraceFlag("trace_with_references", "every fused op runs as its jnp reference (forward-mode and "
                          "higher-order derivatives)")
-_NO_ARGUMENTS = _TraceFlag("residuals_without_arguments", "the fused ops' residuals leave out their arguments")
+_NO_ARGUMENTS = _TraceFlag("residuals_without_arguments", "the fused ops' rules run their kernels unwrapped")
 
 
 def references():
@@ -325,10 +325,11 @@ def references_forced() -> bool:
 
 
 def residuals_without_arguments():
-    """Within it the ops' residuals leave out the arguments that `custom_vjp` keeps for the
-    derivative of the backward pass: `stack.scan` stores every residual of its body's
-    pullback, and its own `custom_vjp` takes that derivative with the whole loop's
-    reference."""
+    """Within it the ops' rules run their kernels as they are, without the custom_jvp
+    wrappers and the kept arguments of `custom_vjp.defvjp`: `stack.scan` finds the kernels'
+    custom calls in its step to write their results in place and stores every residual of
+    the step's pullback, and its own `custom_vjp` takes the rules' derivatives with the
+    whole loop's reference."""
     return _NO_ARGUMENTS.on()
 
 
@@ -369,9 +370,10 @@ class custom_vjp:
         The backward rule's derivative needs the arguments: it finds them among the
         residuals (`_Kept`: where the forward rule returned an argument itself as a
         residual), takes zeros for those the op is affine in (`defreference`'s `affine`: its
-        VJP does not depend on them), and the residuals keep the rest beside their own. The
-        arguments that only the derivative reads would otherwise be saved by every
-        `lax.scan` of the op (XLA keeps a stacked loop output that no one reads)."""
+        VJP does not depend on them), and the residuals keep the rest beside their own (of
+        jaxsub's ops, `dense_attention_packed`'s bias and the stack's initial carry). The
+        residuals that are arguments leave the forward's custom_jvp as the arguments
+        themselves: returned through it, a `lax.scan` stacked them as computed values."""
         def fwd_rule(*args):
             if _NO_ARGUMENTS or self._reference is None:
                 out, res = fwd(*args)
