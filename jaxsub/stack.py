@@ -147,8 +147,9 @@ def _pullback(body, consts, carry, x, live):
         return body(jax.tree.unflatten(const_tree, [next(it) if d else c for c, d in zip(const_leaves, live)]),
                     carry, x)
 
-    # The ops keep no arguments for their pullback's own derivative: that derivative of the
-    # loop is its reference's (`_ffi.custom_vjp` around `_scan`).
+    # The ops' rules run their kernels unwrapped (no custom_jvp around them for their
+    # results' derivatives): `_writing` finds their custom calls in the step, and those
+    # derivatives of the loop are its reference's (`_ffi.custom_vjp` around `_scan`).
     with _ffi.residuals_without_arguments():
         out, pullback = jax.vjp(step, [c for c, d in zip(const_leaves, live) if d], carry, x)
     leaves, tree = jax.tree.flatten(pullback)
