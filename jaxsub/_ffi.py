@@ -308,7 +308,7 @@ class _TraceFlag:
 
 _REFERENCES = _TraceFlag("trace_with_references", "every fused op runs as its jnp reference (forward-mode and "
                          "higher-order derivatives)")
-_NO_ARGUMENTS = _TraceFlag("residuals_without_arguments", "the fused ops' rules run their kernels unwrapped")
+_UNWRAPPED = _TraceFlag("unwrapped_rules", "the fused ops' rules run their kernels unwrapped")
 
 
 def references():
@@ -324,13 +324,13 @@ def references_forced() -> bool:
     return bool(_REFERENCES)
 
 
-def residuals_without_arguments():
+def unwrapped_rules():
     """Within it the ops' rules run their kernels as they are, without the custom_jvp
     wrappers and the kept arguments of `custom_vjp.defvjp`: `stack.scan` finds the kernels'
     custom calls in its step to write their results in place and stores every residual of
     the step's pullback, and its own `custom_vjp` takes the rules' derivatives with the
     whole loop's reference."""
-    return _NO_ARGUMENTS.on()
+    return _UNWRAPPED.on()
 
 
 class custom_vjp:
@@ -375,7 +375,7 @@ class custom_vjp:
         residuals that are arguments leave the forward's custom_jvp as the arguments
         themselves: returned through it, a `lax.scan` stacked them as computed values."""
         def fwd_rule(*args):
-            if _NO_ARGUMENTS or self._reference is None:
+            if _UNWRAPPED or self._reference is None:
                 out, res = fwd(*args)
                 return out, (res, None)
             return self._fwd_with_jvp(fwd, args, symbolic_zeros)
@@ -465,19 +465,16 @@ class custom_vjp:
         zeros = [leaf.aval if _jaxpr.is_symbolic_zero(leaf) else None for leaf in leaves]
         dense = [leaf for leaf in leaves if not _jaxpr.is_symbolic_zero(leaf)]
 
-        def cotangent(dense, symbolic: bool):
+        def cotangent(dense):  # ct again, its symbolic zeros where they were
             it = iter(dense)
-            return jax.tree.unflatten(ct_tree, [next(it) if z is None else _jaxpr.SymbolicZero(z) if symbolic
-                                                else jnp.zeros(z.shape, z.dtype) for z in zeros])
+            return jax.tree.unflatten(ct_tree, [next(it) if z is None else _jaxpr.SymbolicZero(z) for z in zeros])
 
-        def arguments(res, extra, tangent: bool):
+        def arguments(res, extra, zero):
             res = jax.tree.leaves(res)
-            return jax.tree.unflatten(tree, [
-                res[k] if kind == "res" else extra[k] if kind == "extra"
-                else _zero_tangent(jax.ShapeDtypeStruct(k.shape, k.dtype)) if tangent else jnp.zeros(k.shape, k.dtype)
-                for kind, k in plan])
+            return jax.tree.unflatten(tree, [res[k] if kind == "res" else extra[k] if kind == "extra" else zero(k)
+                                             for kind, k in plan])
 
-        kernels = jax.custom_jvp(lambda res, extra, dense: bwd(*fixed, res, cotangent(dense, True)))
+        kernels = jax.custom_jvp(lambda res, extra, dense: bwd(*fixed, res, cotangent(dense)))
 
         @kernels.defjvp
         def _(primals, tangents):
@@ -488,8 +485,10 @@ class custom_vjp:
             call = self._call_reference(fixed_at, count)
             with references():
                 vjp = lambda d, c: jax.vjp(call, *d)[1](c)  # noqa: E731
-                dgrads = jax.jvp(vjp, (arguments(res, extra, False), cotangent(dense, False)),
-                                 (arguments(dres, dextra, True), cotangent(ddense, False)))[1]
+                dense_ct = lambda d: _jaxpr.dense_cotangent(cotangent(d))  # noqa: E731
+                zeros_of = lambda a: jnp.zeros(a.shape, a.dtype)  # noqa: E731
+                dgrads = jax.jvp(vjp, (arguments(res, extra, zeros_of), dense_ct(dense)),
+                                 (arguments(dres, dextra, _zero_tangent), dense_ct(ddense)))[1]
             return grads, _like(grads, dgrads)
 
         return kernels(res, kept.extra, dense)

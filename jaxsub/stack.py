@@ -150,7 +150,7 @@ def _pullback(body, consts, carry, x, live):
     # The ops' rules run their kernels unwrapped (no custom_jvp around them for their
     # results' derivatives): `_writing` finds their custom calls in the step, and those
     # derivatives of the loop are its reference's (`_ffi.custom_vjp` around `_scan`).
-    with _ffi.residuals_without_arguments():
+    with _ffi.unwrapped_rules():
         out, pullback = jax.vjp(step, [c for c, d in zip(const_leaves, live) if d], carry, x)
     leaves, tree = jax.tree.flatten(pullback)
     inputs = (("const", const_leaves), ("x", jax.tree.leaves(x)), ("carry", jax.tree.leaves(carry)))

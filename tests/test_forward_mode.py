@@ -417,10 +417,12 @@ def test_second_derivatives_through_a_jitted_checkpointed_or_scanned_grad(wrap, 
     custom_vjp rules inside the traced body, and the outer derivative reaches their kernels'
     results; it is the reference's (the forward with the same dropout mask)."""
     x, g, b = _rand(0, (3, 24)), 1.0 + _rand(1, (24,), 0.1), _rand(2, (24,))
-    keep = ops.dropout_mask(KEY, x.shape, 0.2)
     fused = lambda x: jnp.sum(jnp.sin(ops.bias_gelu_dropout(ops.layer_norm(x, g, b), b, rate=0.2, key=KEY)))  # noqa
-    ref = lambda x: jnp.sum(jnp.sin(reference_bias_gelu_dropout(reference_layer_norm(x, g, b), b, keep=keep,  # noqa
-                                                                  rate=0.2)))
+
+    def ref(x):  # the same function with the kernels' mask for x's shape
+        keep = ops.dropout_mask(KEY, x.shape, 0.2)
+        return jnp.sum(jnp.sin(reference_bias_gelu_dropout(reference_layer_norm(x, g, b), b, keep=keep, rate=0.2)))
+
     if wrap == "jit":
         inner = lambda f: jax.jit(jax.grad(f))  # noqa: E731
     elif wrap == "checkpoint":
@@ -430,8 +432,7 @@ def test_second_derivatives_through_a_jitted_checkpointed_or_scanned_grad(wrap, 
     outer = lambda f: jax.grad(lambda x: jnp.sum(inner(f)(x) ** 2))(x)  # noqa: E731
     np.testing.assert_allclose(outer(fused), outer(ref), rtol=1e-4, atol=1e-5)
     assert {op for op, _ in fallback_log} >= {"layer_norm", "bias_gelu_dropout"}
-    if wrap == "jit":  # on one row: its own mask
-        keep = ops.dropout_mask(KEY, (1, 24), 0.2)
+    if wrap == "jit":
         np.testing.assert_allclose(jax.hessian(jax.jit(fused))(x[:1]), jax.hessian(ref)(x[:1]), rtol=1e-4, atol=1e-5)
 
 
@@ -469,7 +470,7 @@ def test_encoder_with_remat_pullback_differentiated(scan_layers):
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_the_wrappers_cost_no_memory_in_a_scan(checkpoint):
     """A `lax.scan` of layers of the ops under `jit(grad)`: the same temp bytes as with the
-    rules' kernels unwrapped (`residuals_without_arguments`, as in `jaxsub.stack.scan`). The
+    rules' kernels unwrapped (`unwrapped_rules`, as in `jaxsub.stack.scan`). The
     residuals that are arguments must leave the forward rule's custom_jvp as the arguments
     themselves, or the scan stacks them as computed values (a first version did: +0.5%)."""
     from jaxsub import _ffi
@@ -490,6 +491,6 @@ def test_the_wrappers_cost_no_memory_in_a_scan(checkpoint):
     loss = lambda p, x: jnp.sum(jax.lax.scan(step, x, p)[0] ** 2)  # noqa: E731
     temp = lambda: jax.jit(jax.grad(loss)).lower(p, x).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
     wrapped = temp()
-    with _ffi.residuals_without_arguments():
+    with _ffi.unwrapped_rules():
         plain = temp()
     assert wrapped == plain
