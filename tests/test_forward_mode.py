@@ -377,8 +377,9 @@ def test_pullback_differentiated_with_respect_to_its_cotangent(op, fallback_log)
         cases = (lambda x, w, bias: ops.bias_add(ops.dense(x, w), bias[:6]),
                  lambda x, w, bias: jnp.matmul(x, w, precision=hi) + bias[:6], (x, w, bias))
     _assert_pullback_derivatives(*cases)
-    # The op's log line names the derivative (its reference's own ops follow it, as references).
-    assert fallback_log and "backward kernels" in fallback_log[0][1]
+    # A log line names the derivative: the op's, or on a GPU, where float32 attention takes
+    # the unfused path (a log line of its own first), its softmax_dropout's.
+    assert any("backward kernels" in reason for _, reason in fallback_log), fallback_log
 
 
 def test_stack_scan_pullback_differentiated():

@@ -64,6 +64,24 @@ def _count(f, *args):
     return sum(text.count(f"@{t}(") for t in TARGETS)
 
 
+@pytest.fixture(params=[False, True], ids=["softmax", "softmax_custom_jvp"])
+def softmax_flag(request):
+    """Both forms of jax.nn.softmax: under jax_softmax_custom_jvp a `custom_jvp_call`,
+    matched whole. Found by probing: under the flag, jax.nn.dot_product_attention and
+    nnx's attention (a transpose inside the call) and `where=` (the mask an operand of the
+    call) were left unfused, the call listed as opaque."""
+    old = jax.config.jax_softmax_custom_jvp
+    jax.config.update("jax_softmax_custom_jvp", request.param)
+    yield request.param
+    jax.config.update("jax_softmax_custom_jvp", old)
+
+
+def _softmax_form(flag, f, args, report):
+    """The program holds jax.nn.softmax's call exactly under the flag, and the pass saw into it."""
+    assert ("custom_jvp_call" in str(jax.make_jaxpr(f)(*args))) == flag
+    assert not report.unsearched, str(report)
+
+
 def _check(f, args, totals, argnums=(0, 1, 2)):
     """optimize(f) == f in value and gradients; one fused attention or softmax per match;
     explain."""
@@ -247,7 +265,7 @@ def test_matmul_attention_with_a_unit_batch_or_head(shape):
     assert "causal" in str(report)
 
 
-def test_softmax_with_where():
+def test_softmax_with_where(softmax_flag):
     """jax.nn.softmax(s, where=mask) in attention and alone: nothing was matched (found by
     probing). It is the softmax of where(mask, s, -inf) whose hidden rows are zeros, as
     the fused ops give them, so even a row the mask hides everywhere agrees."""
@@ -265,8 +283,11 @@ def test_softmax_with_where():
 
     report = _check(attn, (*_qkv(), valid), {"attention": 1})
     assert "boolean mask" in str(report) and "fully-masked rows give" not in str(report), str(report)
+    _softmax_form(softmax_flag, attn, (*_qkv(), valid), report)
     scores = _normal(4, (B, H, S, S))
-    assert jaxsub.explain(alone, scores, valid).totals == {"softmax_dropout": 1}
+    report = jaxsub.explain(alone, scores, valid)
+    assert report.totals == {"softmax_dropout": 1}
+    _softmax_form(softmax_flag, alone, (scores, valid), report)
     assert_same(alone, (scores, valid))
     out = jaxsub.optimize(alone)(scores, valid)
     assert not np.asarray(out[1]).any() and np.isfinite(np.asarray(out)).all()
@@ -794,7 +815,7 @@ def test_weak_where_fill_is_a_near_miss_saying_so():
     assert_same(weak, (*_qkv(), _padding()), argnums=(0, 1, 2))
 
 
-def test_grouped_query_attention_fuses():
+def test_grouped_query_attention_fuses(softmax_flag):
     """k and v with fewer heads than q (jax.nn.dot_product_attention's grouped form, a
     grouped einsum as MaxText writes it, multi-query): the op with k and v of their own
     heads (grouped-query `ops.attention`). They had been near-misses (before that, not
@@ -824,6 +845,7 @@ def test_grouped_query_attention_fuses():
 
     for f, causal in ((grouped, True), (multi_query, False), (dpa, True), (dpa_unmasked, False)):
         report = _check(f, (q, k, v), {"attention": 1})
+        _softmax_form(softmax_flag, f, (q, k, v), report)
         groups = H if f is multi_query else H // kv_heads
         want = f"grouped-query: {groups} query groups over k and v's heads (q's {H} heads)"
         assert want in str(report), str(report)
@@ -929,14 +951,16 @@ def test_fully_masked_rows_differ_only_there():
 
 
 @pytest.mark.parametrize("kind", ["plain", "mask", "causal"])
-def test_dot_product_attention(kind):
+def test_dot_product_attention(kind, softmax_flag):
     mask = _padding()[:, None, None, :]
 
     def f(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, mask=mask if kind == "mask" else None,
                                             is_causal=kind == "causal", implementation="xla")
 
-    detail = _check(f, _qkv(), {"attention": 1}).matches[0].detail
+    report = _check(f, _qkv(), {"attention": 1})
+    _softmax_form(softmax_flag, f, _qkv(), report)
+    detail = report.matches[0].detail
     assert ("causal" in detail) == (kind == "causal")
     assert ("boolean mask" in detail) == (kind == "mask")
 
@@ -1007,9 +1031,10 @@ def _dbias_results(f, *args):
     return [re.findall(r"tensor<[^>]*>", ln.rsplit("-> (", 1)[1])[1] for ln in lines]
 
 
-def test_flax_nnx():
+def test_flax_nnx(softmax_flag):
     layer = nnx.MultiHeadAttention(num_heads=H, in_features=E, decode=False, rngs=nnx.Rngs(0))
     report = _check(lambda x: layer(x), (_normal(0, (B, S, E)),), {"attention": 1}, argnums=(0,))
+    _softmax_form(softmax_flag, lambda x: layer(x), (_normal(0, (B, S, E)),), report)
     assert APART in str(report), str(report)
 
 
@@ -1366,11 +1391,13 @@ def test_softmax_over_another_axis_is_a_near_miss():
     assert_close(jaxsub.optimize(f)(*args), f(*args), reduction=S * D)
 
 
-def test_top_left_causal_is_a_generic_mask():
+def test_top_left_causal_is_a_generic_mask(softmax_flag):
     """jax's is_causal aligns the diagonal top-left; jaxsub's causal is bottom-right, so with
     Sq < Sk the constant mask is passed as a mask, not as causal=True."""
     def f(q, k, v):
         return jax.nn.dot_product_attention(q[:, :3], k, v, is_causal=True, implementation="xla")
 
-    detail = _check(f, _qkv(), {"attention": 1}).matches[0].detail
+    report = _check(f, _qkv(), {"attention": 1})
+    _softmax_form(softmax_flag, f, _qkv(), report)
+    detail = report.matches[0].detail
     assert "causal" not in detail and "boolean mask bool[3, 8]" in detail

@@ -228,10 +228,11 @@ class _Builder:
         return [self.ref(env, a) for a in jaxpr.outvars]
 
 
-def build(jaxpr, consts) -> Graph:
-    """The Graph of an open jaxpr whose constvars take `consts`."""
+def build(jaxpr, consts, values=None) -> Graph:
+    """The Graph of an open jaxpr whose constvars take `consts`; `values`, where given,
+    are the invars' known values (None where unknown), as `Ref.value`."""
     g = Graph()
-    g.invars = [Ref(v.aval) for v in jaxpr.invars]
+    g.invars = [Ref(v.aval, val) for v, val in zip(jaxpr.invars, values or [None] * len(jaxpr.invars))]
     g.outvars = _Builder(g).emit(jaxpr, consts, g.invars)
     g.uses.update(g.outvars)
     _drop_dead(g)

@@ -245,6 +245,8 @@ class _Attn:
                                   f"would drop; fill with -1e9, finfo.min or -inf to fuse it", ("fill", id(sm.x)))
             return False
         self.steps = scores.steps[::-1]
+        if sm.mask is not None:  # where= inside jax.nn.softmax's call: the last step of the chain
+            self.steps.append((sm.nodes[0], "select", (sm.mask, float("-inf"), False)))
         return self.qk_labels(scores.qk) and self.chain() and self.pv()
 
     def qk_labels(self, qk):
@@ -359,7 +361,7 @@ class _Attn:
             op[1] = ren(op[1])
         if query == "R":
             self.operands.reverse()
-        at = [ren(labels)]  # the labels before each post node, then after the last
+        at = [self.sm.out_labels(ren(labels))]  # the labels before each post node, then after the last
         for node in self.post:
             at.append(L.forward(node, at[-1]))
         self.prob_labels = at[-1]

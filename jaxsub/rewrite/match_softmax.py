@@ -12,8 +12,10 @@ of jax.nn.dot_product_attention. In bf16/f16 the sum may be taken in f32,
 e / downcast(reduce_sum(upcast(e))), as flax.linen attention does. In log space,
 exp(x - logsumexp(x)) and exp(log_softmax(x)) are the same softmax (`_parse_logspace`).
 With the flag, jax.nn.softmax is a `custom_jvp_call`; the whole call is matched when its
-body is such a softmax of its first operand (its derivative rule is then replaced by the
-fused op's, which computes the same derivative).
+body is such a softmax of its first operand, of a transpose of it (`Softmax.perm`:
+jax.nn.dot_product_attention's chain), or of where(mask, x, -inf) for `where=mask`
+(`Softmax.mask`, the call's second operand); its derivative rule is then replaced by the
+fused op's, which computes the same derivative.
 
 `match_softmax_dropout` rewrites softmax (+ dropout on its output, see match_dropout)
 over the last axis to `jaxsub.ops.softmax_dropout`. Masks and scales before the softmax
@@ -46,6 +48,13 @@ class Softmax:
     nodes: list     # the softmax's nodes, its output node first
     out: G.Ref
     zero_rows: bool = False  # jax.nn.softmax(where=): a row the mask hides everywhere is 0
+    # jax.nn.softmax's custom_jvp_call (`_softmax_call`) only:
+    mask: G.Ref | None = None  # where= inside the call: the softmax of where(mask, x, -inf)
+    perm: tuple | None = None  # a transpose inside the call: out = transpose(softmax(x), perm)
+
+    def out_labels(self, labels):
+        """The labels of `out`, given x's."""
+        return labels if self.perm is None else tuple(labels[p] for p in self.perm)
 
 
 def _keepdims(g: G.Graph, ref, shape, axis):
@@ -165,21 +174,47 @@ def _jax_softmax_rule(node) -> bool:
 
 
 def _softmax_call(node):
-    """The Softmax of jax.nn.softmax's `custom_jvp_call` (a softmax of its first operand)."""
+    """The Softmax of jax.nn.softmax's `custom_jvp_call`: a softmax of its first operand,
+    or of a transpose of it (jax.nn.dot_product_attention's chain), or with `where=`, the
+    softmax of where(mask, x, -inf) with the hidden rows 0 (the mask its second operand)."""
     jaxpr, consts = G._body(node.params)
     if node.params.get("num_consts", 0) or len(node.outs) != 1 or jaxpr is None or not _jax_softmax_rule(node):
         return None
-    body = G.build(jaxpr, consts)
+    # The scalar operands' values (the max's `initial`) are the body's to read.
+    body = G.build(jaxpr, consts, [G.known(r) if r.shape == () else None for r in node.ins])
     found = parse(body, body.outvars[0])
-    if found is None or found.x is not body.invars[0]:
+    if found is None:
         return None
-    # Anything else in the body may only prepare scalars (the `initial` of the max).
-    claimed = set(found.nodes)
-    if any(n not in claimed and any(r.shape != () for r in n.outs) for n in body.nodes):
+    x, claimed, mask, perm = found.x, set(found.nodes), None, None
+    if found.zero_rows:  # x = where(mask, scores, -inf), as _where_softmax checked
+        select = body.op(x, "select_n")
+        pred = select.ins[0]
+        view = body.op(pred, "broadcast_in_dim")
+        src = view.ins[0] if view is not None and view.ins[0].shape != () else pred
+        if not any(src is r for r in body.invars[1:]) or len(src.shape) != len(x.shape):
+            return None
+        mask = node.ins[body.invars.index(src)]
+        claimed.add(select)
+        x = select.ins[2]
+    transpose = body.op(x, "transpose")
+    if transpose is not None and transpose.ins[0] is body.invars[0]:
+        perm = tuple(transpose.params["permutation"])
+        claimed.add(transpose)
+        x = transpose.ins[0]
+    if x is not body.invars[0] or (mask is not None and perm is not None):
         return None
-    if any(r.shape != () for r in node.ins[1:]):
+    # Anything else in the body may only prepare scalars (the `initial` of the max) or
+    # broadcast them and the mask to the scores' shape.
+    mask_in = [r for r in body.invars[1:] if r.shape != ()]
+    for n in body.nodes:
+        if n in claimed or all(r.shape == () for r in n.outs):
+            continue
+        if n.prim != "broadcast_in_dim" or not all(r.shape == () or any(r is m for m in mask_in) for r in n.ins):
+            return None
+    if any(r.shape != () and r is not mask for r in node.ins[1:]):
         return None
-    return Softmax(node.ins[0], found.axis, [node], node.outs[0])
+    axis = found.axis if perm is None else perm[found.axis]
+    return Softmax(node.ins[0], axis, [node], node.outs[0], zero_rows=found.zero_rows, mask=mask, perm=perm)
 
 
 def _widening(node) -> bool:
@@ -396,6 +431,8 @@ def match_softmax_dropout(g, anchor, options):
     if sm is None:
         return None
     x, rank = sm.x, len(sm.x.shape)
+    if sm.perm is not None:
+        return None  # (only jax.nn.dot_product_attention's call: the attention matcher's)
     if rank < 2 or x.dtype not in ACTIVATION_DTYPES or sm.out.dtype != x.dtype:
         return None
     why = match_dropout.not_rewritten(options, drop)
@@ -414,7 +451,8 @@ def match_softmax_dropout(g, anchor, options):
 
     def build(read):
         key = read(drop.key) if drop is not None else None
-        return [ops.softmax_dropout(read(x), rate=rate, key=key)]
+        scores = read(x) if sm.mask is None else jnp.where(read(sm.mask), read(x), -jnp.inf)
+        return [ops.softmax_dropout(scores, rate=rate, key=key)]
 
     desc = f"scores {shapes(x)}" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
     return Match(SOFTMAX, anchor, nodes, dict(x=x, key=drop.key if drop else None), build, desc)
