@@ -267,3 +267,27 @@ def test_dropout_computed_in_float32(dtype, spelling):
         # (to_other rounds to bf16 at the end, from either dtype: bf16's tolerance)
         for got, want in zip(jax.tree.leaves(jaxsub.optimize(f)(x, key)), jax.tree.leaves(f(x, key))):
             assert_close(got, want, jnp.bfloat16, reduction=E, what="unfused dropout")
+
+
+@pytest.mark.parametrize("approximate", [False, True], ids=["exact", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_gelu_and_dropout_computed_in_float32(dtype, approximate):
+    """The GELU of an upcast and its dropout both in float32, rounded once at the end: the
+    fused op's own order. A probe round found nothing fused there, and no near-miss."""
+    rate = 0.1
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((8, E)), dtype)
+    b = jnp.asarray(rng.standard_normal(E) * 0.1, dtype)
+    key = jax.random.key(6)
+
+    def dropped(x, keep):
+        h = jax.nn.gelu((x + b).astype(jnp.float32), approximate=approximate)
+        return jnp.where(keep, h / (1 - rate), 0).astype(dtype)
+
+    def f(x, key):
+        return dropped(x, jax.random.bernoulli(key, 1 - rate, x.shape))
+
+    report = jaxsub.explain(f, x, key)
+    assert dict(report.totals) == {"bias_gelu_dropout": 1} and "dropout rate=0.1" in str(report), str(report)
+    want = dropped(x, jaxsub.ops.dropout_mask(key, x.shape, rate))
+    assert_close(jax.jit(jaxsub.optimize(f))(x, key), want, dtype, reduction=E, what="GELU and dropout in f32")

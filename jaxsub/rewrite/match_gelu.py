@@ -176,7 +176,13 @@ def match_bias_gelu_dropout(g, anchor, options):
     if len(anchor.outs) != 1 or not anchor.outs[0].shape:
         return None
     out = anchor.outs[0]
-    drop = match_dropout.parse(g, out)
+    drop, down = match_dropout.parse(g, out), []
+    cast = g.op(out, "convert_element_type") if drop is None and out.dtype != F32 else None
+    if cast is not None and cast.ins[0].dtype == F32:
+        # The GELU of an upcast and its dropout both in float32, rounded once at the end,
+        # as the fused op computes them (left unfused until a probe round).
+        drop = match_dropout.parse(g, cast.ins[0])
+        down = [cast] if drop is not None else []
     gelu = _gelu(g, drop.h if drop is not None else out)
     if gelu is None:
         return None
@@ -191,7 +197,7 @@ def match_bias_gelu_dropout(g, anchor, options):
     if why is not None:
         return NearMiss(BGD, anchor, why, key=("drop", id(drop.bernoulli)))
     if drop is not None:
-        nodes = [*drop.nodes, *nodes]
+        nodes = [*down, *drop.nodes, *nodes]
     why = private_violation(g, [anchor, *nodes] if anchor not in nodes else nodes, anchor)
     if why is not None:
         return NearMiss(BGD, anchor, why, key=("gelu", id(nodes[-1])))
