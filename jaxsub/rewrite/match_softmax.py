@@ -401,10 +401,11 @@ def _parse_div(g: G.Graph, ref, node, pred=None):
         return None
     summed, masked_sum = red.ins[0], []
     if pred is not None:
+        # jax.nn.softmax(where=) on bf16/f16 masks the upcast: sum(where(pred, upcast(e), 0))
         where = _where_zero(g, summed, pred)
-        if where is None or where[1] is not e:
+        if where is None:
             return None
-        summed, masked_sum = e, [where[2]]
+        summed, masked_sum = where[1], [where[2]]
     elif summed is not e and g.op(summed, "exp") is not None and _same_value(g, summed, e):
         # exp(s - m) / exp(s - m).sum(): the numerator computed twice
         summed, masked_sum = e, _copy_nodes(g, summed, e)
