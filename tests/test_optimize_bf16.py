@@ -320,7 +320,8 @@ def test_softmax_with_where_in_16_bit(dtype, flag):
     old = jax.config.jax_softmax_custom_jvp
     jax.config.update("jax_softmax_custom_jvp", flag)
     try:
-        for f, args32, name, reduction in ((alone, (s32,), "softmax_dropout", Sk), (attn, (q32, k32, v32), "attention", D)):
+        cases = ((alone, (s32,), "softmax_dropout", Sk), (attn, (q32, k32, v32), "attention", D))
+        for f, args32, name, reduction in cases:
             args = tuple(a.astype(dtype) for a in args32)
             assert ("custom_jvp_call" in str(jax.make_jaxpr(f)(*args))) == flag
             report = jaxsub.explain(f, *args)
