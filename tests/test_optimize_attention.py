@@ -293,6 +293,56 @@ def test_softmax_with_where(softmax_flag):
     assert not np.asarray(out[1]).any() and np.isfinite(np.asarray(out)).all()
 
 
+def test_softmax_with_where_of_lower_rank_or_under_vmap(softmax_flag):
+    """where= with a mask of lower rank than the scores ([Sq, Sk] or [Sk] on [B, H, Sq, Sk],
+    broadcast as numpy does), and where= under jax.vmap (the mask closed over or batched
+    too). Under jax_softmax_custom_jvp the mask is broadcast inside the call, once or, under
+    vmap, twice: found by probing, nothing was fused there."""
+    rng = np.random.default_rng(12)
+    causal = jnp.asarray(np.tril(np.ones((S, S), bool)))
+    keys = jnp.asarray(rng.random(S) > 0.4).at[0].set(True)
+    padding = _padding()[:, None, None, :]
+
+    def attn(mask):
+        def f(q, k, v):
+            p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5, where=mask)
+            return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+        return f
+
+    scores = _normal(4, (B, H, S, S))
+    for mask in (causal, keys):
+        report = _check(attn(mask), _qkv(), {"attention": 1})
+        _softmax_form(softmax_flag, attn(mask), _qkv(), report)
+        alone = functools.partial(jax.nn.softmax, where=mask)
+        report = jaxsub.explain(alone, scores)
+        assert report.totals == {"softmax_dropout": 1}, str(report)
+        _softmax_form(softmax_flag, alone, (scores,), report)
+        assert_same(alone, (scores,))
+    stacked = tuple(jnp.stack([a, a[::-1] * 0.5]) for a in _qkv())
+    closed_over = jax.vmap(attn(padding))
+    report = _check(closed_over, stacked, {"attention": 1})
+    _softmax_form(softmax_flag, closed_over, stacked, report)
+    masks = jnp.stack([padding, padding[::-1]])
+
+    def batched(q, k, v, m):
+        return attn(m)(q, k, v)
+
+    _check(jax.vmap(batched), (*stacked, masks), {"attention": 1})
+
+
+@pytest.mark.parametrize("in_axes", [1, 3])
+def test_vmapped_softmax_over_another_axis(softmax_flag, in_axes):
+    """jax.vmap(jax.nn.softmax, in_axes=1) alone: the softmax of a transpose, which under
+    jax_softmax_custom_jvp lies inside the call (found by probing: not fused with the flag).
+    The fused op normalizes the transposed scores' last axis, as the program does."""
+    scores = _normal(4, (B, H, S + 1, S + 3))
+    f = jax.vmap(jax.nn.softmax, in_axes=in_axes)
+    report = jaxsub.explain(f, scores)
+    assert report.totals == {"softmax_dropout": 1}, str(report)
+    _softmax_form(softmax_flag, f, (scores,), report)
+    assert_same(f, (scores,))
+
+
 def test_softmax_with_its_numerator_computed_twice():
     """exp(s - m) / exp(s - m).sum(-1): two equal exponentials (found by probing: not
     matched); one softmax, alone and in attention."""

@@ -305,10 +305,14 @@ class _Attn:
                 m = payload[0] if kind == "select" else payload
                 if m in inside:  # the scores added to themselves (`s + s`): no mask
                     return False
-                chain_shape = node.outs[0].shape
+                # (a mask of lower rank: jax.nn.softmax's where=, its axes the trailing ones)
+                chain_shape, chain_labels = node.outs[0].shape, labels
+                if len(m.shape) < len(chain_shape):
+                    lead = len(chain_shape) - len(m.shape)
+                    chain_shape, chain_labels = chain_shape[lead:], labels[lead:]
                 if len(m.shape) != len(chain_shape) or any(a not in (1, c) for a, c in zip(m.shape, chain_shape)):
                     return False
-                ml = tuple(l if a == c else None for l, a, c in zip(labels, m.shape, chain_shape))
+                ml = tuple(l if a == c else None for l, a, c in zip(chain_labels, m.shape, chain_shape))
                 src, sl = M.mask_source(g, m, ml)
                 if kind == "select":
                     self.masks += [M.Mask(r, rl, True, negate=payload[2], fill=payload[1])

@@ -13,9 +13,11 @@ e / downcast(reduce_sum(upcast(e))), as flax.linen attention does. In log space,
 exp(x - logsumexp(x)) and exp(log_softmax(x)) are the same softmax (`_parse_logspace`).
 With the flag, jax.nn.softmax is a `custom_jvp_call`; the whole call is matched when its
 body is such a softmax of its first operand, of a transpose of it (`Softmax.perm`:
-jax.nn.dot_product_attention's chain), or of where(mask, x, -inf) for `where=mask`
-(`Softmax.mask`, the call's second operand); its derivative rule is then replaced by the
-fused op's, which computes the same derivative.
+jax.nn.dot_product_attention's chain, or vmap over an axis other than the first), or of
+where(mask, x, -inf) for `where=mask` (`Softmax.mask`, the call's second operand, of the
+scores' rank or lower, broadcast as numpy does); its derivative rule is then replaced by
+the fused op's, which computes the same derivative. In bf16/f16, where= masks the f32 copy
+of e in the sum: sum(where(mask, upcast(e), 0)).
 
 `match_softmax_dropout` rewrites softmax (+ dropout on its output, see match_dropout)
 over the last axis to `jaxsub.ops.softmax_dropout`. Masks and scales before the softmax
@@ -189,9 +191,12 @@ def _softmax_call(node):
     if found.zero_rows:  # x = where(mask, scores, -inf), as _where_softmax checked
         select = body.op(x, "select_n")
         pred = select.ins[0]
-        view = body.op(pred, "broadcast_in_dim")
-        src = view.ins[0] if view is not None and view.ins[0].shape != () else pred
-        if not any(src is r for r in body.invars[1:]) or len(src.shape) != len(x.shape):
+        # The mask operand, broadcast to the scores (more than once under vmap) as numpy
+        # broadcasts, its axes the trailing ones: as the fused ops read a mask.
+        src, dims = pred, tuple(range(len(x.shape)))
+        while (view := body.op(src, "broadcast_in_dim")) is not None and view.ins[0].shape != ():
+            src, dims = view.ins[0], tuple(dims[d] for d in view.params["broadcast_dimensions"])
+        if not any(src is r for r in body.invars[1:]) or dims != tuple(range(len(x.shape) - len(dims), len(x.shape))):
             return None
         mask = node.ins[body.invars.index(src)]
         claimed.add(select)
@@ -205,12 +210,14 @@ def _softmax_call(node):
         return None
     # Anything else in the body may only prepare scalars (the `initial` of the max) or
     # broadcast them and the mask to the scores' shape.
-    mask_in = [r for r in body.invars[1:] if r.shape != ()]
+    # (vmap broadcasts them twice)
+    spread = {id(r) for r in body.invars[1:]}
     for n in body.nodes:
         if n in claimed or all(r.shape == () for r in n.outs):
             continue
-        if n.prim != "broadcast_in_dim" or not all(r.shape == () or any(r is m for m in mask_in) for r in n.ins):
+        if n.prim != "broadcast_in_dim" or not all(r.shape == () or id(r) in spread for r in n.ins):
             return None
+        spread.update(id(r) for r in n.outs)
     if any(r.shape != () and r is not mask for r in node.ins[1:]):
         return None
     axis = found.axis if perm is None else perm[found.axis]
@@ -432,15 +439,16 @@ def match_softmax_dropout(g, anchor, options):
     if sm is None:
         return None
     x, rank = sm.x, len(sm.x.shape)
-    if sm.perm is not None:
-        return None  # (only jax.nn.dot_product_attention's call: the attention matcher's)
+    # jax.nn.softmax's call on a transpose of its operand (vmap with in_axes other than 0):
+    # the softmax of that transpose, normalizing the output's axis
+    axis = sm.axis if sm.perm is None else sm.perm.index(sm.axis)
     if rank < 2 or x.dtype not in ACTIVATION_DTYPES or sm.out.dtype != x.dtype:
         return None
     why = match_dropout.not_rewritten(options, drop)
     if why is not None:
         return NearMiss(SOFTMAX, anchor, why, key=("drop", id(drop.bernoulli)))
-    if sm.axis != rank - 1:
-        return NearMiss(SOFTMAX, anchor, f"softmax over axis {sm.axis} of {shapes(x)}, not the last: "
+    if axis != rank - 1:
+        return NearMiss(SOFTMAX, anchor, f"softmax over axis {axis} of {shapes(sm.out)}, not the last: "
                         "the kernel normalizes the last axis", key=("softmax", id(sm.nodes[0])))
     nodes = sm.nodes + (drop.nodes if drop is not None else [])
     if anchor not in nodes:
@@ -452,8 +460,10 @@ def match_softmax_dropout(g, anchor, options):
 
     def build(read):
         key = read(drop.key) if drop is not None else None
-        scores = read(x) if sm.mask is None else jnp.where(read(sm.mask), read(x), -jnp.inf)
+        scores = read(x) if sm.perm is None else jnp.transpose(read(x), sm.perm)
+        if sm.mask is not None:
+            scores = jnp.where(read(sm.mask), scores, -jnp.inf)
         return [ops.softmax_dropout(scores, rate=rate, key=key)]
 
-    desc = f"scores {shapes(x)}" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
+    desc = f"scores {shapes(sm.out)}" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
     return Match(SOFTMAX, anchor, nodes, dict(x=x, key=drop.key if drop else None), build, desc)
