@@ -946,6 +946,9 @@ def test_dropout_under_vmap_over_per_example_keys_is_left_as_written(raw):
     opt = jaxsub.optimize(f)
     counts = _counts(opt, params, xs, split)
     assert counts == {"jaxsub_bdrln_fwd": 0, "jaxsub_layer_norm_fwd": 1, "jaxsub_bias_gelu_dropout_fwd": 1}
+    # explain names both dropouts (found by probing: only attention's was reported)
+    report = jaxsub.explain(f, params, xs, split)
+    assert sum("is one key per example" in m.detail for m in report.near_misses) == 2, str(report)
     assert_close(jax.jit(opt)(params, xs, split), jax.jit(f)(params, xs, split), reduction=N)
     loss = lambda g: lambda p: jnp.sum(g(p, xs, split) ** 2)  # noqa: E731
     for got, want in zip(jax.tree.leaves(jax.grad(loss(opt))(params)), jax.tree.leaves(jax.grad(loss(f))(params))):

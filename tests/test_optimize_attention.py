@@ -330,6 +330,20 @@ def test_softmax_with_where_of_lower_rank_or_under_vmap(softmax_flag):
     _check(jax.vmap(batched), (*stacked, masks), {"attention": 1})
 
 
+def test_softmax_dropout_under_vmap_over_per_example_keys_is_a_near_miss():
+    """softmax + dropout alone under jax.vmap over per-example keys: the softmax is fused,
+    the dropout stays the user's and explain says why (found by probing: nothing said)."""
+    def f(s, key):
+        p = jax.nn.softmax(s, -1)
+        return jnp.where(jax.random.bernoulli(key, 1.0 - RATE, p.shape), p / (1.0 - RATE), 0.0)
+
+    scores, keys = _normal(4, (3, H, S, S)), jax.random.split(jax.random.key(2), 3)
+    report = jaxsub.explain(jax.vmap(f), scores, keys)
+    assert report.totals == {"softmax_dropout": 1} and "no dropout" in report.matches[0].detail, str(report)
+    assert any("is one key per example" in m.detail for m in report.near_misses), str(report)
+    assert_same(jax.vmap(f), (scores, keys))
+
+
 @pytest.mark.parametrize("in_axes", [1, 3])
 def test_vmapped_softmax_over_another_axis(softmax_flag, in_axes):
     """jax.vmap(jax.nn.softmax, in_axes=1) alone: the softmax of a transpose, which under

@@ -291,6 +291,13 @@ def test_gelu_and_dropout_computed_in_float32(dtype, approximate):
     assert dict(report.totals) == {"bias_gelu_dropout": 1} and "dropout rate=0.1" in str(report), str(report)
     want = dropped(x, jaxsub.ops.dropout_mask(key, x.shape, rate))
     assert_close(jax.jit(jaxsub.optimize(f))(x, key), want, dtype, reduction=E, what="GELU and dropout in f32")
+    # Under jax.vmap over per-example keys the dropout stays the user's (a fused op draws
+    # from one key) and with it this GELU, whose f32 output it reads; explain says why
+    # (found by probing: nothing fused and nothing said).
+    xs, keys = jnp.stack([x, -x]), jax.random.split(key, 2)
+    report = jaxsub.explain(jax.vmap(f), xs, keys)
+    assert not report.matches and "is one key per example" in str(report), str(report)
+    np.testing.assert_array_equal(jax.jit(jaxsub.optimize(jax.vmap(f)))(xs, keys), jax.jit(jax.vmap(f))(xs, keys))
 
 
 @pytest.mark.parametrize("flag", [False, True], ids=["softmax", "softmax_custom_jvp"])

@@ -92,6 +92,9 @@ def not_rewritten(options, drop) -> str | None:
         return None
     if not options.rewrite_dropout:
         return NOT_REWRITTEN
+    batched = batched_key(drop.bernoulli)
+    if batched is not None:
+        return batched
     if id(drop.bernoulli) in options.kept_draws:
         return SHARED_KEY
     return MIXED_FORMS if id(drop.bernoulli) in options.mixed_draws else None
@@ -219,11 +222,10 @@ def _usable(g: G.Graph, found, dropped: bool = False):
     mask's form for `draws_sharing_a_key`."""
     if found is None:
         return None
+    # (a batch of keys, under jax.vmap over per-example keys, is taken here and refused by
+    # not_rewritten, so that every matcher reports it: batched_key)
     call, p, nodes, below = found
     p, below = (1.0 - p, not below) if dropped else (p, below)
-    # One key: under vmap over per-example keys the call is batched (batched_key).
-    if call.ins[0].shape != ():
-        return None
     # A rate the fused ops' 2^-16 steps would bias (ops.dropout.scale_error) stays the user's.
     if not (0.0 < p < 1.0 and _dropout.scale_error(_rate(p)) <= _dropout.MAX_SCALE_ERROR):
         return None
