@@ -297,7 +297,7 @@ def test_softmax_with_where_of_lower_rank_or_under_vmap(softmax_flag):
     """where= with a mask of lower rank than the scores ([Sq, Sk] or [Sk] on [B, H, Sq, Sk],
     broadcast as numpy does), and where= under jax.vmap (the mask closed over or batched
     too). Under jax_softmax_custom_jvp the mask is broadcast inside the call, once or, under
-    vmap, twice: found by probing, nothing was fused there."""
+    vmap, twice, or to axes not the trailing ones: found by probing, nothing was fused there."""
     rng = np.random.default_rng(12)
     causal = jnp.asarray(np.tril(np.ones((S, S), bool)))
     keys = jnp.asarray(rng.random(S) > 0.4).at[0].set(True)
@@ -328,6 +328,17 @@ def test_softmax_with_where_of_lower_rank_or_under_vmap(softmax_flag):
         return attn(m)(q, k, v)
 
     _check(jax.vmap(batched), (*stacked, masks), {"attention": 1})
+
+    # One [S] key mask per example under vmap: broadcast inside the call to axes (0, 3)
+    def one(q, k, v, m):
+        p = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, k) * D ** -0.5, where=m)
+        return jnp.einsum("hqk,khd->qhd", p, v)
+
+    _check(jax.vmap(one), (*_qkv(), _padding()), {"attention": 1})
+    per_example = jax.vmap(lambda s, m: jax.nn.softmax(s, where=m))
+    report = jaxsub.explain(per_example, scores, _padding())
+    assert report.totals == {"softmax_dropout": 1}, str(report)
+    assert_same(per_example, (scores, _padding()))
 
 
 def test_softmax_dropout_under_vmap_over_per_example_keys_is_a_near_miss():

@@ -305,7 +305,8 @@ def test_gelu_and_dropout_computed_in_float32(dtype, approximate):
 def test_softmax_with_where_in_16_bit(dtype, flag):
     """jax.nn.softmax(s, where=mask) on a 16-bit s sums where(mask, upcast(exp), 0): the mask
     on the float32 copy, which the matcher did not take (found by probing: fused in float32
-    only, under jax_softmax_custom_jvp or not). Fused alone and in attention, a row the mask
+    only, under jax_softmax_custom_jvp or not); so does a softmax written out with jnp.sum of
+    the 16-bit where (the convert after the where). Fused alone and in attention, a row the mask
     hides everywhere giving zeros; values and gradients as close to the float32 program as
     the 16-bit program's own."""
     rng = np.random.default_rng(9)
@@ -324,13 +325,19 @@ def test_softmax_with_where_in_16_bit(dtype, flag):
         p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5, where=mask)
         return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
 
+    def written(s):  # jnp.sum of the 16-bit where: sum(upcast(where(mask, e, 0)))
+        x = jnp.where(mask, s, -jnp.inf)
+        e = jnp.exp(x - jax.lax.stop_gradient(x.max(-1, keepdims=True)))
+        return jnp.where(mask, e / jnp.where(mask, e, 0).sum(-1, keepdims=True), 0)
+
     old = jax.config.jax_softmax_custom_jvp
     jax.config.update("jax_softmax_custom_jvp", flag)
     try:
-        cases = ((alone, (s32,), "softmax_dropout", Sk), (attn, (q32, k32, v32), "attention", D))
+        cases = ((alone, (s32,), "softmax_dropout", Sk), (attn, (q32, k32, v32), "attention", D),
+                 (written, (s32,), "softmax_dropout", Sk))
         for f, args32, name, reduction in cases:
             args = tuple(a.astype(dtype) for a in args32)
-            assert ("custom_jvp_call" in str(jax.make_jaxpr(f)(*args))) == flag
+            assert ("custom_jvp_call" in str(jax.make_jaxpr(f)(*args))) == (flag and f is not written)
             report = jaxsub.explain(f, *args)
             assert dict(report.totals) == {name: 1} and not report.unsearched, str(report)
             opt = jax.jit(jaxsub.optimize(f))

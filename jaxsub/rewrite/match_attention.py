@@ -246,7 +246,7 @@ class _Attn:
             return False
         self.steps = scores.steps[::-1]
         if sm.mask is not None:  # where= inside jax.nn.softmax's call: the last step of the chain
-            self.steps.append((sm.nodes[0], "select", (sm.mask, float("-inf"), False)))
+            self.steps.append((sm.nodes[0], "select", (sm.mask, float("-inf"), False, sm.mask_dims)))
         return self.qk_labels(scores.qk) and self.chain() and self.pv()
 
     def qk_labels(self, qk):
@@ -305,14 +305,13 @@ class _Attn:
                 m = payload[0] if kind == "select" else payload
                 if m in inside:  # the scores added to themselves (`s + s`): no mask
                     return False
-                # (a mask of lower rank: jax.nn.softmax's where=, its axes the trailing ones)
-                chain_shape, chain_labels = node.outs[0].shape, labels
-                if len(m.shape) < len(chain_shape):
-                    lead = len(chain_shape) - len(m.shape)
-                    chain_shape, chain_labels = chain_shape[lead:], labels[lead:]
-                if len(m.shape) != len(chain_shape) or any(a not in (1, c) for a, c in zip(m.shape, chain_shape)):
+                # (jax.nn.softmax's where= inside its call: a mask of any rank, its axes the
+                # scores' axes `dims`)
+                shape = node.outs[0].shape
+                dims = payload[3] if kind == "select" and len(payload) > 3 else tuple(range(len(shape)))
+                if len(m.shape) != len(dims) or any(a not in (1, shape[d]) for a, d in zip(m.shape, dims)):
                     return False
-                ml = tuple(l if a == c else None for l, a, c in zip(chain_labels, m.shape, chain_shape))
+                ml = tuple(labels[d] if a == shape[d] else None for a, d in zip(m.shape, dims))
                 src, sl = M.mask_source(g, m, ml)
                 if kind == "select":
                     self.masks += [M.Mask(r, rl, True, negate=payload[2], fill=payload[1])

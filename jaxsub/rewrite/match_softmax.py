@@ -52,6 +52,7 @@ class Softmax:
     zero_rows: bool = False  # jax.nn.softmax(where=): a row the mask hides everywhere is 0
     # jax.nn.softmax's custom_jvp_call (`_softmax_call`) only:
     mask: G.Ref | None = None  # where= inside the call: the softmax of where(mask, x, -inf)
+    mask_dims: tuple | None = None  # the axes of x the mask's axes are (broadcast_in_dim's)
     perm: tuple | None = None  # a transpose inside the call: out = transpose(softmax(x), perm)
 
     def out_labels(self, labels):
@@ -191,12 +192,12 @@ def _softmax_call(node):
     if found.zero_rows:  # x = where(mask, scores, -inf), as _where_softmax checked
         select = body.op(x, "select_n")
         pred = select.ins[0]
-        # The mask operand, broadcast to the scores (more than once under vmap) as numpy
-        # broadcasts, its axes the trailing ones: as the fused ops read a mask.
+        # The mask operand, broadcast to the scores (numpy style, or under vmap more than
+        # once, its axes then anywhere): `dims` are the axes of x its own axes become.
         src, dims = pred, tuple(range(len(x.shape)))
         while (view := body.op(src, "broadcast_in_dim")) is not None and view.ins[0].shape != ():
             src, dims = view.ins[0], tuple(dims[d] for d in view.params["broadcast_dimensions"])
-        if not any(src is r for r in body.invars[1:]) or dims != tuple(range(len(x.shape) - len(dims), len(x.shape))):
+        if not any(src is r for r in body.invars[1:]) or list(dims) != sorted(set(dims)):
             return None
         mask = node.ins[body.invars.index(src)]
         claimed.add(select)
@@ -221,7 +222,8 @@ def _softmax_call(node):
     if any(r.shape != () and r is not mask for r in node.ins[1:]):
         return None
     axis = found.axis if perm is None else perm[found.axis]
-    return Softmax(node.ins[0], axis, [node], node.outs[0], zero_rows=found.zero_rows, mask=mask, perm=perm)
+    return Softmax(node.ins[0], axis, [node], node.outs[0], zero_rows=found.zero_rows, mask=mask,
+                   mask_dims=dims if mask is not None else None, perm=perm)
 
 
 def _widening(node) -> bool:
@@ -406,23 +408,26 @@ def _parse_div(g: G.Graph, ref, node, pred=None):
     red = g.op(_narrowed(g, bcast.ins[0], e.dtype, casts), "reduce_sum")
     if red is None or len(red.params["axes"]) != 1 or len(casts) > 1:
         return None
-    summed, masked_sum = red.ins[0], []
+    summed, masked_sum, up = red.ins[0], [], None
     if pred is not None:
-        # jax.nn.softmax(where=) on bf16/f16 masks the upcast: sum(where(pred, upcast(e), 0))
-        where = _where_zero(g, summed, pred)
+        # On bf16/f16 the sum is sum(where(pred, upcast(e), 0)) (jax.nn.softmax(where=)) or
+        # sum(upcast(where(pred, e, 0))) (jnp.sum of a 16-bit where): either converts e.
+        up = g.op(summed, "convert_element_type")
+        up = up if up is not None and casts and _widening(up) else None
+        where = _where_zero(g, up.ins[0] if up is not None else summed, pred)
         if where is None:
             return None
         summed, masked_sum = where[1], [where[2]]
     elif summed is not e and g.op(summed, "exp") is not None and _same_value(g, summed, e):
         # exp(s - m) / exp(s - m).sum(): the numerator computed twice
         summed, masked_sum = e, _copy_nodes(g, summed, e)
-    if summed is not e:
+    if summed is not e and up is None:
         up = g.op(summed, "convert_element_type")
         if up is None or up.ins[0] is not e or not casts or not _widening(up):
             return None
-        casts.append(up)
-    elif casts:
+    elif summed is not e or bool(casts) != (up is not None):
         return None
+    casts += [up] if up is not None else []
     axis = int(red.params["axes"][0])
     kept = _keepdims(g, denom, e.shape, axis)
     if kept is None or kept[0] is not bcast.ins[0]:
@@ -461,8 +466,10 @@ def match_softmax_dropout(g, anchor, options):
     def build(read):
         key = read(drop.key) if drop is not None else None
         scores = read(x) if sm.perm is None else jnp.transpose(read(x), sm.perm)
-        if sm.mask is not None:
-            scores = jnp.where(read(sm.mask), scores, -jnp.inf)
+        if sm.mask is not None:  # (the mask's axes at theirs in the scores, 1 elsewhere)
+            sizes = dict(zip(sm.mask_dims, sm.mask.shape))
+            mask = read(sm.mask).reshape([sizes.get(a, 1) for a in range(rank)])
+            scores = jnp.where(mask, scores, -jnp.inf)
         return [ops.softmax_dropout(scores, rate=rate, key=key)]
 
     desc = f"scores {shapes(sm.out)}" + (f", dropout rate={rate:g}{drop.note}" if drop else ", no dropout")
