@@ -335,10 +335,18 @@ def test_softmax_with_where_of_lower_rank_or_under_vmap(softmax_flag):
         return jnp.einsum("hqk,khd->qhd", p, v)
 
     _check(jax.vmap(one), (*_qkv(), _padding()), {"attention": 1})
-    per_example = jax.vmap(lambda s, m: jax.nn.softmax(s, where=m))
-    report = jaxsub.explain(per_example, scores, _padding())
-    assert report.totals == {"softmax_dropout": 1}, str(report)
-    assert_same(per_example, (scores, _padding()))
+    # ... and with in_axes=1 on the mask (transposed inside the call)
+    _check(jax.vmap(one, in_axes=(0, 0, 0, 1)), (*_qkv(), _padding().T), {"attention": 1})
+    where = lambda s, m: jax.nn.softmax(s, where=m)  # noqa: E731
+    odd = _normal(5, (B, H, S - 1, S + 2))
+    mask = jnp.asarray(rng.random((S - 1, S + 2)) > 0.3)
+    for f, args in ((jax.vmap(where), (scores, _padding())),
+                    (jax.vmap(where, in_axes=(0, 1)), (scores, _padding().T)),
+                    # the scores transposed inside the call, then masked
+                    (jax.vmap(functools.partial(jax.nn.softmax, where=mask), in_axes=1), (odd,))):
+        report = jaxsub.explain(f, *args)
+        assert report.totals == {"softmax_dropout": 1}, str(report)
+        assert_same(f, args)
 
 
 def test_softmax_dropout_under_vmap_over_per_example_keys_is_a_near_miss():

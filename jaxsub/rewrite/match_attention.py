@@ -246,7 +246,8 @@ class _Attn:
             return False
         self.steps = scores.steps[::-1]
         if sm.mask is not None:  # where= inside jax.nn.softmax's call: the last step of the chain
-            self.steps.append((sm.nodes[0], "select", (sm.mask, float("-inf"), False, sm.mask_dims)))
+            dims = sm.mask_dims if sm.perm is None else tuple(sm.perm[d] for d in sm.mask_dims)
+            self.steps.append((sm.nodes[0], "select", (sm.mask, float("-inf"), False, dims)))
         return self.qk_labels(scores.qk) and self.chain() and self.pv()
 
     def qk_labels(self, qk):

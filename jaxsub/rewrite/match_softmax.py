@@ -52,7 +52,7 @@ class Softmax:
     zero_rows: bool = False  # jax.nn.softmax(where=): a row the mask hides everywhere is 0
     # jax.nn.softmax's custom_jvp_call (`_softmax_call`) only:
     mask: G.Ref | None = None  # where= inside the call: the softmax of where(mask, x, -inf)
-    mask_dims: tuple | None = None  # the axes of x the mask's axes are (broadcast_in_dim's)
+    mask_dims: tuple | None = None  # the axes of `out` the mask's axes are (any order)
     perm: tuple | None = None  # a transpose inside the call: out = transpose(softmax(x), perm)
 
     def out_labels(self, labels):
@@ -193,11 +193,16 @@ def _softmax_call(node):
         select = body.op(x, "select_n")
         pred = select.ins[0]
         # The mask operand, broadcast to the scores (numpy style, or under vmap more than
-        # once, its axes then anywhere): `dims` are the axes of x its own axes become.
+        # once and transposed, its axes then anywhere): `dims` are the axes of the masked
+        # scores its own axes become.
         src, dims = pred, tuple(range(len(x.shape)))
-        while (view := body.op(src, "broadcast_in_dim")) is not None and view.ins[0].shape != ():
-            src, dims = view.ins[0], tuple(dims[d] for d in view.params["broadcast_dimensions"])
-        if not any(src is r for r in body.invars[1:]) or list(dims) != sorted(set(dims)):
+        while (view := body.op(src, "broadcast_in_dim", "transpose")) is not None and view.ins[0].shape != ():
+            if view.prim == "transpose":  # (output axis j is input axis permutation[j])
+                dims = tuple(dims[list(view.params["permutation"]).index(i)] for i in range(len(dims)))
+            else:
+                dims = tuple(dims[d] for d in view.params["broadcast_dimensions"])
+            src = view.ins[0]
+        if not any(src is r for r in body.invars[1:]) or len(set(dims)) != len(dims):
             return None
         mask = node.ins[body.invars.index(src)]
         claimed.add(select)
@@ -207,16 +212,17 @@ def _softmax_call(node):
         perm = tuple(transpose.params["permutation"])
         claimed.add(transpose)
         x = transpose.ins[0]
-    if x is not body.invars[0] or (mask is not None and perm is not None):
+    if x is not body.invars[0]:
         return None
     # Anything else in the body may only prepare scalars (the `initial` of the max) or
-    # broadcast them and the mask to the scores' shape.
-    # (vmap broadcasts them twice)
+    # broadcast them and the mask to the scores' shape (vmap broadcasts them twice and may
+    # transpose the mask).
     spread = {id(r) for r in body.invars[1:]}
     for n in body.nodes:
         if n in claimed or all(r.shape == () for r in n.outs):
             continue
-        if n.prim != "broadcast_in_dim" or not all(r.shape == () or id(r) in spread for r in n.ins):
+        if (n.prim not in ("broadcast_in_dim", "transpose")
+                or not all(r.shape == () or id(r) in spread for r in n.ins)):
             return None
         spread.update(id(r) for r in n.outs)
     if any(r.shape != () and r is not mask for r in node.ins[1:]):
@@ -467,8 +473,9 @@ def match_softmax_dropout(g, anchor, options):
         key = read(drop.key) if drop is not None else None
         scores = read(x) if sm.perm is None else jnp.transpose(read(x), sm.perm)
         if sm.mask is not None:  # (the mask's axes at theirs in the scores, 1 elsewhere)
+            order = sorted(range(len(sm.mask_dims)), key=sm.mask_dims.__getitem__)
             sizes = dict(zip(sm.mask_dims, sm.mask.shape))
-            mask = read(sm.mask).reshape([sizes.get(a, 1) for a in range(rank)])
+            mask = jnp.transpose(read(sm.mask), order).reshape([sizes.get(a, 1) for a in range(rank)])
             scores = jnp.where(mask, scores, -jnp.inf)
         return [ops.softmax_dropout(scores, rate=rate, key=key)]
 
