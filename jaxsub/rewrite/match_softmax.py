@@ -15,7 +15,8 @@ With the flag, jax.nn.softmax is a `custom_jvp_call`; the whole call is matched 
 body is such a softmax of its first operand, of a transpose of it (`Softmax.perm`:
 jax.nn.dot_product_attention's chain, or vmap over an axis other than the first), or of
 where(mask, x, -inf) for `where=mask` (`Softmax.mask`, the call's second operand, of the
-scores' rank or lower, broadcast as numpy does); its derivative rule is then replaced by
+scores' rank or lower, broadcast and transposed to its axes as numpy or vmap does:
+`Softmax.mask_dims`); its derivative rule is then replaced by
 the fused op's, which computes the same derivative. In bf16/f16, where= masks the f32 copy
 of e in the sum: sum(where(mask, upcast(e), 0)).
 
