@@ -74,7 +74,7 @@ def relayout(x, labels, target, sizes, kv=False):
             x = x.reshape((*x.shape[:i], *(sizes[l] for l in parts), *x.shape[i + 1:]))
             labels = (*labels[:i], *parts, *labels[i + 1:])
     fine = tuple(l for t in target for l in groups.get(t, (t,)))
-    x = _relayout(x, labels, fine, sizes)
+    x = arrange(x, labels, fine, sizes)
     shape, at = [], 0
     for t in target:
         parts = groups.get(t, (t,))
@@ -87,7 +87,9 @@ def relayout(x, labels, target, sizes, kv=False):
     return x.reshape(tuple(shape)) if tuple(shape) != x.shape else x
 
 
-def _relayout(x, labels, target, sizes):
+def arrange(x, labels, target, sizes):
+    """x (axes labelled `labels`, unlabelled ones of size 1) with its axes in the order
+    `target`, a target label x lacks a unit axis; `sizes`: the labels' sizes."""
     order = [labels.index(t) for t in target if t in labels]
     order += [i for i in range(len(labels)) if i not in order]
     xp = np if isinstance(x, np.ndarray) else jnp  # constants stay numpy while tracing

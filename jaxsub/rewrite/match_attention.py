@@ -246,8 +246,8 @@ class _Attn:
             return False
         self.steps = scores.steps[::-1]
         if sm.mask is not None:  # where= inside jax.nn.softmax's call: the last step of the chain
-            dims = sm.mask_dims if sm.perm is None else tuple(sm.perm[d] for d in sm.mask_dims)
-            self.steps.append((sm.nodes[0], "select", (sm.mask, float("-inf"), False, dims)))
+            axes = sm.mask_axes if sm.perm is None else tuple(a if a is None else sm.perm[a] for a in sm.mask_axes)
+            self.steps.append((sm.nodes[0], "select", (sm.mask, float("-inf"), False, axes)))
         return self.qk_labels(scores.qk) and self.chain() and self.pv()
 
     def qk_labels(self, qk):
@@ -306,13 +306,15 @@ class _Attn:
                 m = payload[0] if kind == "select" else payload
                 if m in inside:  # the scores added to themselves (`s + s`): no mask
                     return False
-                # (jax.nn.softmax's where= inside its call: a mask of any rank, its axes the
-                # scores' axes `dims`)
-                shape = node.outs[0].shape
-                dims = payload[3] if kind == "select" and len(payload) > 3 else tuple(range(len(shape)))
-                if len(m.shape) != len(dims) or any(a not in (1, shape[d]) for a, d in zip(m.shape, dims)):
-                    return False
-                ml = tuple(labels[d] if a == shape[d] else None for a, d in zip(m.shape, dims))
+                if kind == "select" and len(payload) > 3:
+                    # jax.nn.softmax's where= inside its call: each mask axis is the scores'
+                    # axis payload[3] names (None: a unit axis)
+                    ml = tuple(labels[a] if a is not None else None for a in payload[3])
+                else:
+                    chain_shape = node.outs[0].shape
+                    if len(m.shape) != len(chain_shape) or any(a not in (1, c) for a, c in zip(m.shape, chain_shape)):
+                        return False
+                    ml = tuple(l if a == c else None for l, a, c in zip(labels, m.shape, chain_shape))
                 src, sl = M.mask_source(g, m, ml)
                 if kind == "select":
                     self.masks += [M.Mask(r, rl, True, negate=payload[2], fill=payload[1])

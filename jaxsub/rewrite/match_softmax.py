@@ -16,9 +16,9 @@ body is such a softmax of its first operand, of a transpose of it (`Softmax.perm
 jax.nn.dot_product_attention's chain, or vmap over an axis other than the first), or of
 where(mask, x, -inf) for `where=mask` (`Softmax.mask`, the call's second operand, of the
 scores' rank or lower, broadcast and transposed to its axes as numpy or vmap does:
-`Softmax.mask_dims`); its derivative rule is then replaced by
-the fused op's, which computes the same derivative. In bf16/f16, where= masks the f32 copy
-of e in the sum: sum(where(mask, upcast(e), 0)).
+`Softmax.mask_axes`); its derivative rule is then replaced by the fused op's, which
+computes the same derivative. In bf16/f16 a masked sum converts e before the where
+(jax.nn.softmax(where=): sum(where(mask, upcast(e), 0))) or after it (jnp.sum).
 
 `match_softmax_dropout` rewrites softmax (+ dropout on its output, see match_dropout)
 over the last axis to `jaxsub.ops.softmax_dropout`. Masks and scales before the softmax
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from jaxsub import ops
 from jaxsub.rewrite import graph as G
+from jaxsub.rewrite import labels as L
 from jaxsub.rewrite import match_dropout
 from jaxsub.rewrite.patterns import ACTIVATION_DTYPES, F32, Match, NearMiss, private_violation, shapes, unit_view
 
@@ -53,7 +54,7 @@ class Softmax:
     zero_rows: bool = False  # jax.nn.softmax(where=): a row the mask hides everywhere is 0
     # jax.nn.softmax's custom_jvp_call (`_softmax_call`) only:
     mask: G.Ref | None = None  # where= inside the call: the softmax of where(mask, x, -inf)
-    mask_dims: tuple | None = None  # the axes of `out` the mask's axes are (any order)
+    mask_axes: tuple | None = None  # the axis of `out` each mask axis is (None: a unit axis)
     perm: tuple | None = None  # a transpose inside the call: out = transpose(softmax(x), perm)
 
     def out_labels(self, labels):
@@ -194,16 +195,12 @@ def _softmax_call(node):
         select = body.op(x, "select_n")
         pred = select.ins[0]
         # The mask operand, broadcast to the scores (numpy style, or under vmap more than
-        # once and transposed, its axes then anywhere): `dims` are the axes of the masked
-        # scores its own axes become.
-        src, dims = pred, tuple(range(len(x.shape)))
+        # once and transposed, its axes then anywhere): `axes` labels each of its axes with
+        # the masked scores' axis it becomes (None: a unit axis broadcast).
+        src, axes = pred, tuple(range(len(x.shape)))
         while (view := body.op(src, "broadcast_in_dim", "transpose")) is not None and view.ins[0].shape != ():
-            if view.prim == "transpose":  # (output axis j is input axis permutation[j])
-                dims = tuple(dims[list(view.params["permutation"]).index(i)] for i in range(len(dims)))
-            else:
-                dims = tuple(dims[d] for d in view.params["broadcast_dimensions"])
-            src = view.ins[0]
-        if not any(src is r for r in body.invars[1:]) or len(set(dims)) != len(dims):
+            src, axes = view.ins[0], L.backward(view, axes)
+        if not any(src is r for r in body.invars[1:]):
             return None
         mask = node.ins[body.invars.index(src)]
         claimed.add(select)
@@ -230,7 +227,7 @@ def _softmax_call(node):
         return None
     axis = found.axis if perm is None else perm[found.axis]
     return Softmax(node.ins[0], axis, [node], node.outs[0], zero_rows=found.zero_rows, mask=mask,
-                   mask_dims=dims if mask is not None else None, perm=perm)
+                   mask_axes=axes if mask is not None else None, perm=perm)
 
 
 def _widening(node) -> bool:
@@ -474,9 +471,8 @@ def match_softmax_dropout(g, anchor, options):
         key = read(drop.key) if drop is not None else None
         scores = read(x) if sm.perm is None else jnp.transpose(read(x), sm.perm)
         if sm.mask is not None:  # (the mask's axes at theirs in the scores, 1 elsewhere)
-            order = sorted(range(len(sm.mask_dims)), key=sm.mask_dims.__getitem__)
-            sizes = dict(zip(sm.mask_dims, sm.mask.shape))
-            mask = jnp.transpose(read(sm.mask), order).reshape([sizes.get(a, 1) for a in range(rank)])
+            axes = sm.mask_axes
+            mask = L.arrange(read(sm.mask), axes, tuple(range(rank)), dict(zip(axes, sm.mask.shape)))
             scores = jnp.where(mask, scores, -jnp.inf)
         return [ops.softmax_dropout(scores, rate=rate, key=key)]
 
