@@ -89,3 +89,17 @@ def four_cpu_devices():
         return out.stdout
 
     return run
+
+
+@pytest.fixture(params=[False, True], ids=["softmax", "softmax_custom_jvp"])
+def softmax_flag(request):
+    """Both forms of jax.nn.softmax: under jax_softmax_custom_jvp a `custom_jvp_call`,
+    matched whole. Found by probing: under the flag, jax.nn.dot_product_attention and
+    nnx's attention (a transpose inside the call) and `where=` (the mask an operand of the
+    call) were left unfused, the call listed as opaque."""
+    import jax
+
+    old = jax.config.jax_softmax_custom_jvp
+    jax.config.update("jax_softmax_custom_jvp", request.param)
+    yield request.param
+    jax.config.update("jax_softmax_custom_jvp", old)

@@ -64,18 +64,6 @@ def _count(f, *args):
     return sum(text.count(f"@{t}(") for t in TARGETS)
 
 
-@pytest.fixture(params=[False, True], ids=["softmax", "softmax_custom_jvp"])
-def softmax_flag(request):
-    """Both forms of jax.nn.softmax: under jax_softmax_custom_jvp a `custom_jvp_call`,
-    matched whole. Found by probing: under the flag, jax.nn.dot_product_attention and
-    nnx's attention (a transpose inside the call) and `where=` (the mask an operand of the
-    call) were left unfused, the call listed as opaque."""
-    old = jax.config.jax_softmax_custom_jvp
-    jax.config.update("jax_softmax_custom_jvp", request.param)
-    yield request.param
-    jax.config.update("jax_softmax_custom_jvp", old)
-
-
 def _softmax_form(flag, f, args, report):
     """The program holds jax.nn.softmax's call exactly under the flag, and the pass saw into it."""
     assert ("custom_jvp_call" in str(jax.make_jaxpr(f)(*args))) == flag

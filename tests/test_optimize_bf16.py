@@ -300,9 +300,8 @@ def test_gelu_and_dropout_computed_in_float32(dtype, approximate):
     np.testing.assert_array_equal(jax.jit(jaxsub.optimize(jax.vmap(f)))(xs, keys), jax.jit(jax.vmap(f))(xs, keys))
 
 
-@pytest.mark.parametrize("flag", [False, True], ids=["softmax", "softmax_custom_jvp"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_softmax_with_where_in_16_bit(dtype, flag):
+def test_softmax_with_where_in_16_bit(dtype, softmax_flag):
     """jax.nn.softmax(s, where=mask) on a 16-bit s sums where(mask, upcast(exp), 0): the mask
     on the float32 copy, which the matcher did not take (found by probing: fused in float32
     only, under jax_softmax_custom_jvp or not); so does a softmax written out with jnp.sum of
@@ -330,32 +329,27 @@ def test_softmax_with_where_in_16_bit(dtype, flag):
         e = jnp.exp(x - jax.lax.stop_gradient(x.max(-1, keepdims=True)))
         return jnp.where(mask, e / jnp.where(mask, e, 0).sum(-1, keepdims=True), 0)
 
-    old = jax.config.jax_softmax_custom_jvp
-    jax.config.update("jax_softmax_custom_jvp", flag)
-    try:
-        cases = ((alone, (s32,), "softmax_dropout", Sk), (attn, (q32, k32, v32), "attention", D),
-                 (written, (s32,), "softmax_dropout", Sk))
-        for f, args32, name, reduction in cases:
-            args = tuple(a.astype(dtype) for a in args32)
-            assert ("custom_jvp_call" in str(jax.make_jaxpr(f)(*args))) == (flag and f is not written)
-            report = jaxsub.explain(f, *args)
-            assert dict(report.totals) == {name: 1} and not report.unsearched, str(report)
-            opt = jax.jit(jaxsub.optimize(f))
-            dy = jnp.asarray(rng.standard_normal(f(*args32).shape), jnp.float32)
-            argnums = tuple(range(len(args)))
+    cases = ((alone, (s32,), "softmax_dropout", Sk), (attn, (q32, k32, v32), "attention", D),
+             (written, (s32,), "softmax_dropout", Sk))
+    for f, args32, name, reduction in cases:
+        args = tuple(a.astype(dtype) for a in args32)
+        assert ("custom_jvp_call" in str(jax.make_jaxpr(f)(*args))) == (softmax_flag and f is not written)
+        report = jaxsub.explain(f, *args)
+        assert dict(report.totals) == {name: 1} and not report.unsearched, str(report)
+        opt = jax.jit(jaxsub.optimize(f))
+        dy = jnp.asarray(rng.standard_normal(f(*args32).shape), jnp.float32)
+        argnums = tuple(range(len(args)))
 
-            def loss(g):
-                return lambda *a: jnp.sum(g(*a).astype(jnp.float32) * dy)
+        def loss(g):
+            return lambda *a: jnp.sum(g(*a).astype(jnp.float32) * dy)
 
-            got, want, own = opt(*args), f(*args32), f(*args)
-            assert_close(got, want, dtype, reduction=reduction, what=f"{name} {dtype.__name__}")
-            if name == "softmax_dropout":
-                assert not np.asarray(got[1, :, 4], np.float32).any() and np.isfinite(np.asarray(got, np.float32)).all()
-                # no further from the float32 program than the 16-bit program itself (+ one rounding)
-                err = np.abs(np.asarray(got, np.float32) - want).max()
-                assert err <= np.abs(np.asarray(own, np.float32) - want).max() + float(jnp.finfo(dtype).eps), err
-            grads = jax.jit(jax.grad(loss(jaxsub.optimize(f)), argnums))(*args)
-            for g, w in zip(grads, jax.grad(loss(f), argnums)(*args32)):
-                assert_close(g, w, dtype, reduction=reduction, grad=True, what=f"{name} grad {dtype.__name__}")
-    finally:
-        jax.config.update("jax_softmax_custom_jvp", old)
+        got, want, own = opt(*args), f(*args32), f(*args)
+        assert_close(got, want, dtype, reduction=reduction, what=f"{name} {dtype.__name__}")
+        if name == "softmax_dropout":
+            assert not np.asarray(got[1, :, 4], np.float32).any() and np.isfinite(np.asarray(got, np.float32)).all()
+            # no further from the float32 program than the 16-bit program itself (+ one rounding)
+            err = np.abs(np.asarray(got, np.float32) - want).max()
+            assert err <= np.abs(np.asarray(own, np.float32) - want).max() + float(jnp.finfo(dtype).eps), err
+        grads = jax.jit(jax.grad(loss(jaxsub.optimize(f)), argnums))(*args)
+        for g, w in zip(grads, jax.grad(loss(f), argnums)(*args32)):
+            assert_close(g, w, dtype, reduction=reduction, grad=True, what=f"{name} grad {dtype.__name__}")
