@@ -955,6 +955,32 @@ def test_dropout_under_vmap_over_per_example_keys_is_left_as_written(raw):
         assert_close(got, want, reduction=8 * N, grad=True)
 
 
+@pytest.mark.parametrize("op", ["gelu", "softmax"])
+def test_dropout_of_an_unbatched_value_under_vmap_over_keys_is_named(op):
+    """jax.vmap over per-example keys of a value it does not batch (in_axes=None): the op is
+    fused alone and its dropout, of the op's output broadcast to the keys' batch, stays the
+    user's; explain names that dropout (it listed the op with "no dropout" and nothing
+    else), and not where the value is batched (the matcher names that one itself)."""
+    x = _normal(31, (8, N))
+    b = _normal(32, (N,))
+    keys = jax.random.split(jax.random.key(33), 3)
+
+    def f(x, key):
+        h = jax.nn.gelu(x + b, approximate=False) if op == "gelu" else jax.nn.softmax(x, axis=-1)
+        return jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0)
+
+    unbatched = jax.vmap(f, in_axes=(None, 0))
+    report = jaxsub.explain(unbatched, x, keys)
+    assert len(report.matches) == 1 and "no dropout" in report.matches[0].detail, str(report)
+    named = [m for m in report.near_misses if m.detail.startswith("the dropout after it: ")]
+    assert len(named) == 1 and "is one key per example" in named[0].detail, str(report)
+    assert named[0].pattern == report.matches[0].pattern
+    assert_close(jax.jit(jaxsub.optimize(unbatched))(x, keys), jax.jit(unbatched)(x, keys), reduction=N)
+    batched = jaxsub.explain(jax.vmap(f), jnp.stack([x, -x, 2 * x]), keys)
+    assert not any(m.detail.startswith("the dropout after it") for m in batched.near_misses), str(batched)
+    assert sum("is one key per example" in m.detail for m in batched.near_misses) == 1, str(batched)
+
+
 class ScanLayer(nn.Module):
     @nn.compact
     def __call__(self, x, _):

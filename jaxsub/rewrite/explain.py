@@ -8,7 +8,10 @@ from collections import Counter
 from jaxsub import _ffi
 from jaxsub.rewrite import graph as G
 from jaxsub.rewrite import interpreter
+from jaxsub.rewrite import match_dropout
 from jaxsub.rewrite import patterns as P
+from jaxsub.rewrite.match_gelu import BGD
+from jaxsub.rewrite.match_softmax import SOFTMAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,63 @@ _UNSEARCHED_WHY = {
 }
 
 
+# Ops a dropout's value or mask passes through between a matched op and the select or
+# multiply that drops (the value scaled by 1 / p, retyped, broadcast).
+_THROUGH = frozenset({"broadcast_in_dim", "convert_element_type", "copy", "div", "mul", "reshape", "not",
+                      *G.VARYING_CASTS})
+
+
+# The patterns whose fused op takes the dropout of its output.
+_DROPOUT_AFTER = frozenset({BGD, SOFTMAX})
+
+
+def _batched_dropouts(g: G.Graph, plan: P.Plan):
+    """(the match, the draw) for each dropout of a matched op's output, broadcast first, whose
+    mask is drawn from a batch of keys: jax.vmap over per-example keys of a value it does not
+    batch (`in_axes=None`). The matchers see no dropout at the op's output then (the select
+    takes the broadcast value) and fuse the op alone; the dropout stays the user's, as
+    `match_dropout.batched_key` says for a batched value."""
+    users = {}
+    for node in g.nodes:
+        for ref in node.ins:
+            users.setdefault(ref, []).append(node)
+    outputs = {ref: match for anchor, match in plan.at.items() if match.pattern in _DROPOUT_AFTER
+               for ref in anchor.outs}
+    found = []
+    for draw in g.nodes:
+        if draw.call_name not in ("_bernoulli", "_uniform") or not draw.ins or draw.ins[0].shape == ():
+            continue
+        todo, seen, match = list(draw.outs), set(), None
+        while todo and match is None and len(seen) < 64:  # the mask, forward to its select or product
+            ref = todo.pop()
+            for user in users.get(ref, ()):
+                if id(user) in seen:
+                    continue
+                seen.add(id(user))
+                if user.prim in ("select_n", "mul"):
+                    match = next(filter(None, (_matched_source(g, r, outputs) for r in user.ins if r is not ref)),
+                                 None)
+                if user.prim in _THROUGH or user.prim in ("lt", "le", "gt", "ge"):
+                    todo.extend(user.outs)
+        if match is not None:
+            found.append((match, draw))
+    return found
+
+
+def _matched_source(g: G.Graph, ref, outputs, broadcast: bool = False, depth: int = 0):
+    """The match whose output `ref` is, through _THROUGH ops with a broadcast among them."""
+    if broadcast and ref in outputs:
+        return outputs[ref]
+    node = g.producer.get(ref)
+    if node is None or node.prim not in _THROUGH or depth > 8:
+        return None
+    for inner in node.ins:
+        match = _matched_source(g, inner, outputs, broadcast or node.prim == "broadcast_in_dim", depth + 1)
+        if match is not None:
+            return match
+    return None
+
+
 def _collect(g: G.Graph, plan: P.Plan, scope: str, report: Report):
     for node in g.nodes:
         match = plan.at.get(node)
@@ -71,6 +131,9 @@ def _collect(g: G.Graph, plan: P.Plan, scope: str, report: Report):
             report.matches.append(Entry(match.pattern, match.description, G.source_line(node), scope))
     for miss in plan.near_misses:
         report.near_misses.append(Entry(miss.pattern, miss.reason, G.source_line(miss.anchor), scope))
+    for match, draw in _batched_dropouts(g, plan):
+        report.near_misses.append(Entry(match.pattern, "the dropout after it: " + match_dropout.batched_key(draw),
+                                        G.source_line(draw), scope))
     for node in plan.unsearched:
         why = _UNSEARCHED_WHY.get(node.prim, "opaque call with its own differentiation rule, run as is")
         report.unsearched.append(Entry(node.prim, why, G.source_line(node), scope))
