@@ -981,6 +981,25 @@ def test_dropout_of_an_unbatched_value_under_vmap_over_keys_is_named(op):
     assert sum("is one key per example" in m.detail for m in batched.near_misses) == 1, str(batched)
 
 
+def test_dropout_with_a_mask_an_inner_vmap_shares_is_named():
+    """A mask drawn once and shared by an inner jax.vmap's examples (broadcast over them):
+    the GELU is fused alone, the dropout stays the user's, and explain names it."""
+    b = _normal(34, (N,))
+
+    def f(x, key):
+        keep = jax.random.bernoulli(key, 0.9, x.shape[1:])
+        drop = lambda h, keep: jnp.where(keep, h / 0.9, 0)  # noqa: E731
+        return jax.vmap(drop, in_axes=(0, None))(jax.nn.gelu(x + b, approximate=False), keep)
+
+    x, key = _normal(35, (3, 8, N)), jax.random.key(36)
+    report = jaxsub.explain(f, x, key)
+    assert len(report.matches) == 1 and "no dropout" in report.matches[0].detail, str(report)
+    named = [m.detail for m in report.near_misses]
+    assert named == [f"the dropout after it: dropout mask bool[8, {N}] is broadcast over float32[3, 8, {N}]; the "
+                     "fused op drops every element independently"], str(report)
+    np.testing.assert_array_equal(jax.jit(jaxsub.optimize(f))(x, key) == 0, jax.jit(f)(x, key) == 0)
+
+
 class ScanLayer(nn.Module):
     @nn.compact
     def __call__(self, x, _):

@@ -77,12 +77,12 @@ _THROUGH = frozenset({"broadcast_in_dim", "convert_element_type", "copy", "div",
 _DROPOUT_AFTER = frozenset({BGD, SOFTMAX})
 
 
-def _batched_dropouts(g: G.Graph, plan: P.Plan):
-    """(the match, the draw) for each dropout of a matched op's output, broadcast first, whose
-    mask is drawn from a batch of keys: jax.vmap over per-example keys of a value it does not
-    batch (`in_axes=None`). The matchers see no dropout at the op's output then (the select
-    takes the broadcast value) and fuse the op alone; the dropout stays the user's, as
-    `match_dropout.batched_key` says for a batched value."""
+def _dropouts_left_after(g: G.Graph, plan: P.Plan):
+    """(the match, the draw, why) for each dropout of a GELU or softmax output that stays the
+    user's where the matcher, finding no dropout at the op's output, fused the op alone and
+    said nothing: jax.vmap over per-example keys of a value it does not batch (`in_axes=None`:
+    the op's output is broadcast to the keys' batch before the select), or a mask drawn for
+    fewer elements and broadcast (a mask an inner jax.vmap shares, `broadcast_dims`)."""
     users = {}
     for node in g.nodes:
         for ref in node.ins:
@@ -91,22 +91,27 @@ def _batched_dropouts(g: G.Graph, plan: P.Plan):
                for ref in anchor.outs}
     found = []
     for draw in g.nodes:
-        if draw.call_name not in ("_bernoulli", "_uniform") or not draw.ins or draw.ins[0].shape == ():
+        if draw.call_name not in ("_bernoulli", "_uniform") or not draw.ins:
             continue
-        todo, seen, match = list(draw.outs), set(), None
-        while todo and match is None and len(seen) < 64:  # the mask, forward to its select or product
+        batched = match_dropout.batched_key(draw)
+        todo, seen, hit = list(draw.outs), set(), None
+        while todo and hit is None and len(seen) < 64:  # the mask, forward to its select or product
             ref = todo.pop()
             for user in users.get(ref, ()):
                 if id(user) in seen:
                     continue
                 seen.add(id(user))
-                if user.prim in ("select_n", "mul"):
-                    match = next(filter(None, (_matched_source(g, r, outputs) for r in user.ins if r is not ref)),
-                                 None)
+                broadcast = draw.outs[0].shape != user.outs[0].shape
+                if user.prim in ("select_n", "mul") and (batched or broadcast):
+                    for value in (r for r in user.ins if r is not ref):
+                        match = _matched_source(g, value, outputs, broadcast=broadcast)
+                        if match is not None:
+                            why = batched or match_dropout.broadcast_mask(draw, user.outs[0])
+                            hit = (match, draw, why)
                 if user.prim in _THROUGH or user.prim in ("lt", "le", "gt", "ge"):
                     todo.extend(user.outs)
-        if match is not None:
-            found.append((match, draw))
+        if hit is not None:
+            found.append(hit)
     return found
 
 
@@ -131,9 +136,8 @@ def _collect(g: G.Graph, plan: P.Plan, scope: str, report: Report):
             report.matches.append(Entry(match.pattern, match.description, G.source_line(node), scope))
     for miss in plan.near_misses:
         report.near_misses.append(Entry(miss.pattern, miss.reason, G.source_line(miss.anchor), scope))
-    for match, draw in _batched_dropouts(g, plan):
-        report.near_misses.append(Entry(match.pattern, "the dropout after it: " + match_dropout.batched_key(draw),
-                                        G.source_line(draw), scope))
+    for match, draw, why in _dropouts_left_after(g, plan):
+        report.near_misses.append(Entry(match.pattern, "the dropout after it: " + why, G.source_line(draw), scope))
     for node in plan.unsearched:
         why = _UNSEARCHED_WHY.get(node.prim, "opaque call with its own differentiation rule, run as is")
         report.unsearched.append(Entry(node.prim, why, G.source_line(node), scope))

@@ -174,6 +174,12 @@ def batched_key(bern) -> str | None:
             "from one key: put jax.vmap outside jaxsub.optimize to fuse it")
 
 
+def broadcast_mask(bern, value) -> str:
+    """Why a dropout whose mask, drawn by `bern`, is broadcast over `value` stays the user's."""
+    return (f"dropout mask {shapes(bern.outs[0])} is broadcast over {shapes(value)}; the fused op drops every "
+            "element independently")
+
+
 # uniform(key) compared with a constant c: the keep probability, c (u < c) or 1 - c
 # (u >= c), by the comparison and the side the uniform is on.
 _KEEP_BELOW = {("lt", 0): True, ("le", 0): True, ("gt", 1): True, ("ge", 1): True,

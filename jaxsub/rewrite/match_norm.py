@@ -347,9 +347,7 @@ def _broadcast_masks(g, anchor, out, pattern):
     for t in add.ins if add is not None else ():
         bern = match_dropout.drawn_mask(g, t)
         if bern is not None and bern.outs[0].shape != t.shape and match_dropout.parse(g, t) is None:
-            misses.append(NearMiss(pattern, anchor, f"dropout mask {shapes(bern.outs[0])} is broadcast over "
-                                   f"{shapes(t)}; the fused op drops every element independently",
-                                   key=("drop", id(bern))))
+            misses.append(NearMiss(pattern, anchor, match_dropout.broadcast_mask(bern, t), key=("drop", id(bern))))
     return misses
 
 
