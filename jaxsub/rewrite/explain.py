@@ -116,7 +116,8 @@ def _dropouts_left_after(g: G.Graph, plan: P.Plan):
 
 
 def _matched_source(g: G.Graph, ref, outputs, broadcast: bool = False, depth: int = 0):
-    """The match whose output `ref` is, through _THROUGH ops with a broadcast among them."""
+    """The match whose output `ref` is, through _THROUGH ops with a broadcast among them (or
+    none, where `broadcast` says the mask's was one)."""
     if broadcast and ref in outputs:
         return outputs[ref]
     node = g.producer.get(ref)
