@@ -999,6 +999,18 @@ def test_dropout_with_a_mask_an_inner_vmap_shares_is_named():
                      "fused op drops every element independently"], str(report)
     np.testing.assert_array_equal(jax.jit(jaxsub.optimize(f))(x, key) == 0, jax.jit(f)(x, key) == 0)
 
+    # Where the attention matcher names a broadcast mask on the probabilities itself (its
+    # softmax then fused alone), the dropout is named once, not again after the softmax.
+    def attention(q, k, v, key):
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0, axis=-1)
+        keep = jax.random.bernoulli(key, 0.9, (p.shape[0], 1, *p.shape[2:]))
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(keep, p / 0.9, 0), v)
+
+    q = _normal(37, (2, 8, 2, N))
+    report = jaxsub.explain(attention, q, q, q, key)
+    assert report.totals == {"softmax_dropout": 1}, str(report)
+    assert [m.pattern for m in report.near_misses] == ["attention"], str(report)
+
 
 class ScanLayer(nn.Module):
     @nn.compact

@@ -89,9 +89,10 @@ def _dropouts_left_after(g: G.Graph, plan: P.Plan):
             users.setdefault(ref, []).append(node)
     outputs = {ref: match for anchor, match in plan.at.items() if match.pattern in _DROPOUT_AFTER
                for ref in anchor.outs}
+    named = {miss.key for miss in plan.near_misses}  # a matcher's reason for a draw: ("drop", id)
     found = []
     for draw in g.nodes:
-        if draw.call_name not in ("_bernoulli", "_uniform") or not draw.ins:
+        if draw.call_name not in ("_bernoulli", "_uniform") or not draw.ins or ("drop", id(draw)) in named:
             continue
         batched = match_dropout.batched_key(draw)
         todo, seen, hit = list(draw.outs), set(), None
