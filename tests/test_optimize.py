@@ -1012,6 +1012,39 @@ def test_dropout_with_a_mask_an_inner_vmap_shares_is_named():
     assert [m.pattern for m in report.near_misses] == ["attention"], str(report)
 
 
+@pytest.mark.parametrize("x_batched,residual_batched", [(False, False), (False, True), (True, False)])
+def test_dropout_before_a_layer_norm_under_vmap_over_keys_is_named(x_batched, residual_batched):
+    """LN(residual + dropout(x + bias)) under jax.vmap over per-example keys where x or the
+    residual is not batched (Monte Carlo dropout of one input, say): the vmap broadcasts it,
+    the BDRLN matcher finds no residual sum of x's shape (or no dropout), the layer norm is
+    fused alone and the dropout stays the user's. explain names that dropout once (it listed
+    the layer norm and nothing else); with both batched the matcher names it itself."""
+    x, res = _normal(38, (8, N)), _normal(39, (8, N))
+    bias, scale, offset = _normal(40, (N,)), 1 + _normal(41, (N,)), _normal(42, (N,))
+    keys = jax.random.split(jax.random.key(43), 3)
+
+    def f(x, key, res):
+        h = jnp.where(jax.random.bernoulli(key, 0.9, x.shape), (x + bias) / 0.9, 0)
+        s = res + h
+        mean = s.mean(-1, keepdims=True)
+        var = ((s - mean) ** 2).mean(-1, keepdims=True)
+        return (s - mean) * jax.lax.rsqrt(var + 1e-5) * scale + offset
+
+    batch = lambda a: jnp.stack([a, -a, 2 * a])  # noqa: E731
+    g = jax.vmap(f, in_axes=(0 if x_batched else None, 0, 0 if residual_batched else None))
+    args = (batch(x) if x_batched else x, keys, batch(res) if residual_batched else res)
+    report = jaxsub.explain(g, *args)
+    assert report.totals == {"layer_norm": 1}, str(report)
+    assert [(m.pattern, m.detail.split(": ")[0]) for m in report.near_misses] == [
+        ("bias_dropout_residual_layer_norm", "the dropout before it")], str(report)
+    assert "is one key per example" in report.near_misses[0].detail
+    assert_close(jax.jit(jaxsub.optimize(g))(*args), jax.jit(g)(*args), reduction=N)
+    both = jaxsub.explain(jax.vmap(f), batch(x), keys, batch(res))
+    assert [m.detail.split(": ")[0] for m in both.near_misses] == ["dropout key key<fry>[3] is one key per example "
+                                                                   "(jax.vmap over keys); a fused op draws its mask "
+                                                                   "from one key"], str(both)
+
+
 class ScanLayer(nn.Module):
     @nn.compact
     def __call__(self, x, _):

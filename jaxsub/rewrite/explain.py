@@ -11,6 +11,7 @@ from jaxsub.rewrite import interpreter
 from jaxsub.rewrite import match_dropout
 from jaxsub.rewrite import patterns as P
 from jaxsub.rewrite.match_gelu import BGD
+from jaxsub.rewrite.match_norm import BDRLN, LN
 from jaxsub.rewrite.match_softmax import SOFTMAX
 
 
@@ -77,18 +78,25 @@ _THROUGH = frozenset({"broadcast_in_dim", "convert_element_type", "copy", "div",
 _DROPOUT_AFTER = frozenset({BGD, SOFTMAX})
 
 
-def _dropouts_left_after(g: G.Graph, plan: P.Plan):
-    """(the match, the draw, why) for each dropout of a GELU or softmax output that stays the
-    user's where the matcher, finding no dropout at the op's output, fused the op alone and
-    said nothing: jax.vmap over per-example keys of a value it does not batch (`in_axes=None`:
-    the op's output is broadcast to the keys' batch before the select), or a mask drawn for
-    fewer elements and broadcast (a mask an inner jax.vmap shares, `broadcast_dims`)."""
+def _dropouts_left(g: G.Graph, plan: P.Plan):
+    """(the match, the draw, "after" or "before", why) for each dropout that stays the
+    user's where a matcher, finding no dropout it could take, fused an op alone and said
+    nothing: jax.vmap over per-example keys (one key per example: `batched_key`) or a mask
+    drawn for fewer elements and broadcast (a mask an inner jax.vmap shares,
+    `broadcast_dims`).
+    - after: a dropout of a GELU's or softmax's output; under a vmap over keys of a value it
+      does not batch (`in_axes=None`), the op's output is broadcast to the keys' batch
+      before the select, so the matcher finds no dropout at the op's output;
+    - before: a dropout in the residual sum a layer norm normalizes (BDRLN's), the layer
+      norm fused alone, where the value or the residual is not batched (the vmap broadcasts
+      it, so the matcher finds no residual sum of x's shape, or no dropout at all)."""
     users = {}
     for node in g.nodes:
         for ref in node.ins:
             users.setdefault(ref, []).append(node)
     outputs = {ref: match for anchor, match in plan.at.items() if match.pattern in _DROPOUT_AFTER
                for ref in anchor.outs}
+    normalized = {match.inputs["x"]: match for match in plan.at.values() if match.pattern == LN}
     named = {miss.key for miss in plan.near_misses}  # a matcher's reason for a draw: ("drop", id)
     found = []
     for draw in g.nodes:
@@ -104,16 +112,34 @@ def _dropouts_left_after(g: G.Graph, plan: P.Plan):
                 seen.add(id(user))
                 broadcast = draw.outs[0].shape != user.outs[0].shape
                 if user.prim in ("select_n", "mul") and (batched or broadcast):
+                    why = batched or match_dropout.broadcast_mask(draw, user.outs[0])
                     for value in (r for r in user.ins if r is not ref):
                         match = _matched_source(g, value, outputs, broadcast=broadcast)
                         if match is not None:
-                            why = batched or match_dropout.broadcast_mask(draw, user.outs[0])
-                            hit = (match, draw, why)
+                            hit = (match, draw, "after", why)
+                    match = _normalized_sum(users, user.outs[0], normalized)
+                    if hit is None and match is not None:
+                        hit = (match, draw, "before", why)
                 if user.prim in _THROUGH or user.prim in ("lt", "le", "gt", "ge"):
                     todo.extend(user.outs)
         if hit is not None:
             found.append(hit)
     return found
+
+
+def _normalized_sum(users, ref, normalized, depth: int = 0):
+    """The layer-norm match whose x `ref` reaches through _THROUGH ops and adds (a residual
+    sum), else None."""
+    if ref in normalized:
+        return normalized[ref]
+    if depth > 8:
+        return None
+    for user in users.get(ref, ()):
+        if user.prim in _THROUGH or user.prim in ("add", "add_any"):
+            match = _normalized_sum(users, user.outs[0], normalized, depth + 1)
+            if match is not None:
+                return match
+    return None
 
 
 def _matched_source(g: G.Graph, ref, outputs, broadcast: bool = False, depth: int = 0):
@@ -138,8 +164,9 @@ def _collect(g: G.Graph, plan: P.Plan, scope: str, report: Report):
             report.matches.append(Entry(match.pattern, match.description, G.source_line(node), scope))
     for miss in plan.near_misses:
         report.near_misses.append(Entry(miss.pattern, miss.reason, G.source_line(miss.anchor), scope))
-    for match, draw, why in _dropouts_left_after(g, plan):
-        report.near_misses.append(Entry(match.pattern, "the dropout after it: " + why, G.source_line(draw), scope))
+    for match, draw, where, why in _dropouts_left(g, plan):
+        pattern = BDRLN if where == "before" else match.pattern
+        report.near_misses.append(Entry(pattern, f"the dropout {where} it: " + why, G.source_line(draw), scope))
     for node in plan.unsearched:
         why = _UNSEARCHED_WHY.get(node.prim, "opaque call with its own differentiation rule, run as is")
         report.unsearched.append(Entry(node.prim, why, G.source_line(node), scope))
