@@ -27,8 +27,16 @@ struct GeluPtrs {
 // than y (a scanned stack need not store y then). kIdentity: no GELU; the forward writes
 // residual + dropout(x + bias), the backward dropout(dy) and its column sums, reading
 // neither x nor the bias.
-template <typename T, int VEC, int NV, bool kBackward, bool kStoreY = false, bool kIdentity = false>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV))
+// kAhead (the GELU forward): each row group loads its next row into registers, still in T,
+// before it works on the current one (rows.cuh's RawTile), so that the loads of the next
+// row are in flight while the group computes. It replaces the L2 prefetch, which on top of
+// it (two rows ahead) measured slower than none. Its registers are held to 64 (two blocks
+// of 512 threads, four of 256, per SM): unbounded, ptxas took 96 for 16 elements per thread,
+// which left half the warps resident. [4096, 4096] bf16 on an H100: 29.7 -> 27.6 us,
+// [12288, 4096] 80.9 -> 75.2 (bench/NOTES.md, sixty-ninth session).
+template <typename T, int VEC, int NV, bool kBackward, bool kStoreY = false, bool kIdentity = false,
+          bool kAhead = false>
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), kAhead ? 2 : 1)
     gelu_kernel(GeluPtrs p, bool pf32, int64_t rows, int64_t n, bool approximate, uint32_t threshold,
                 float keep_scale, int ahead) {
   wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
@@ -43,15 +51,28 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   const Seed seed = load_seed(p.seed, p.seed_offset);
   Tile<VEC, NV> b;  // the thread's columns of the bias, for every row it visits
   if constexpr (!kMaskOnly) load_param<T, VEC, NV>(p.bias, pf32, n, b);
+  static_assert(!kAhead || (!kBackward && !kIdentity), "kAhead: the GELU forward only");
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  RawTile<T, VEC, NV> next;  // kAhead: the x row of the group's next iteration
+  if constexpr (kAhead) {
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+    load_raw<T, VEC, NV>(static_cast<const T*>(p.x) + r0 * n, n, r0 < rows, next);
+  }
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t r = base + threadIdx.y;
     const bool valid = r < rows;  // predicated, so that the loop body stays convergent
-    // The forward asks L2 for the x row it reads `ahead` iterations on (rows.cuh).
+    // The forward asks L2 for the x row it reads `ahead` iterations on (rows.cuh; 0 with
+    // kAhead).
     if (!kBackward && !kIdentity && ahead > 0 && r + ahead * stride < rows)
       prefetch_row_l2<T, VEC>(p.x, r + ahead * stride, n);
     Tile<VEC, NV> t, d;
-    load_tile<T, VEC, NV>(static_cast<const T*>(kMaskOnly ? p.dy : p.x) + r * n, n, valid, t);
+    if constexpr (kAhead) {
+      const RawTile<T, VEC, NV> cur = next;
+      load_raw<T, VEC, NV>(static_cast<const T*>(p.x) + (r + stride) * n, n, r + stride < rows, next);
+      unpack<T, VEC, NV>(cur, t);
+    } else {
+      load_tile<T, VEC, NV>(static_cast<const T*>(kMaskOnly ? p.dy : p.x) + r * n, n, valid, t);
+    }
     if constexpr (kBackward && !kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.dy) + r * n, n, valid, d);
     if constexpr (!kBackward && kIdentity) load_tile<T, VEC, NV>(static_cast<const T*>(p.residual) + r * n, n, valid, d);
     // 16-bit types: the row's Philox calls side by side (tile_words); f32 per vector.
@@ -95,6 +116,16 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV))
   if constexpr (kBackward) write_partials<1, VEC, NV>(acc, smem, p.workspace, n);
 }
 
+// Whether the GELU forward loads each row group's next row ahead (kAhead):
+// JAXSUB_GELU_AHEAD, read once; default on (bench/NOTES.md, sixty-ninth session).
+inline bool gelu_ahead() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAXSUB_GELU_AHEAD");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  return on;
+}
+
 template <bool kBackward>
 ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi::DataType prm, const Rows& rc,
                        const GeluPtrs& p, bool approximate, uint32_t threshold, float keep_scale,
@@ -132,10 +163,16 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
       } else {
         // One wave of blocks, each walking many rows: a block that did one row spent ~15%
         // of its instructions on its prologue (the bias, the seed, the indices).
+        // kAhead where the next row takes at most 8 registers (16-byte vectors): with more,
+        // or on the scalar path, 64 registers spilled.
+        constexpr bool kAheadFits = VEC * sizeof(T) == 16 && NV <= 2;
         auto kernel = identity ? gelu_kernel<T, VEC, NV, false, false, true> : gelu_kernel<T, VEC, NV, false>;
+        bool ahead = false;
+        if constexpr (kAheadFits) ahead = !identity && gelu_ahead();
+        if (ahead) kernel = gelu_kernel<T, VEC, NV, false, false, false, kAheadFits>;
         const int blocks = partial_blocks(kernel, rc.rows, c, 0, rc.rows);
         launch_dependent(kernel, dim3(blocks), block, 0, stream, p, pf32, rc.rows, rc.cols, approximate, threshold,
-                         keep_scale, identity ? 0 : l2_ahead());
+                         keep_scale, identity || ahead ? 0 : l2_ahead());
         status = launch_check(op, "gelu_kernel<fwd>", c, blocks, 0);
       }
     });

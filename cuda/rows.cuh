@@ -51,7 +51,9 @@ inline int partial_blocks(Kernel kernel, int64_t rows, const RowConfig& c, size_
 // 27.8 -> 26.7 us, [12288, 4096] 76.3 -> 72.0; softmax_dropout [8, 16, 512, 512] bf16
 // forward 52.4 -> 50.9, backward 63.4 -> 59.7 (its grid then one wave of blocks walking
 // rows, where it was a block per row group). The same prefetch in the GELU backward and
-// the norm kernels measured equal or slower (bench/NOTES.md, forty-sixth session).
+// the norm kernels measured equal or slower (bench/NOTES.md, forty-sixth session). The
+// GELU forward's 16-byte paths of up to two vectors now load their next row into
+// registers instead (gelu.cu's kAhead), and use this only with JAXSUB_GELU_AHEAD=0.
 inline int l2_ahead() {
   static const int ahead = [] {
     const char* v = std::getenv("JAXSUB_L2_PREFETCH");
