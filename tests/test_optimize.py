@@ -681,7 +681,9 @@ def test_residual_dropout_left_alone_when_not_private_or_not_rewritten():
     f = residual_dropout_block
     opt = jaxsub.optimize(f, rewrite_dropout=False)
     assert "jaxsub_" not in jax.jit(opt).lower(x, b, r, key).as_text()
-    np.testing.assert_array_equal(opt(x, b, r, key), f(x, b, r, key))  # the user's own bits
+    # the user's own bits, as jax.jit(f) computes them (jax 0.12.1's eager ops round h * keep
+    # / 0.75 by an ulp elsewhere than its compiled program does)
+    np.testing.assert_array_equal(opt(x, b, r, key), jax.jit(f)(x, b, r, key))
     reasons = [m.detail for m in jaxsub.explain(opt, x, b, r, key).near_misses]
     assert reasons == ["dropout not rewritten (rewrite_dropout=False)"]
 

@@ -168,14 +168,21 @@ def _where_zero(g: G.Graph, ref, pred=None):
     return node.ins[0], node.ins[2], node
 
 
-def _jax_softmax_rule(node) -> bool:
-    """Whether a `custom_jvp_call`'s derivative rule is jax.nn.softmax's own (under
-    jax_softmax_custom_jvp), told by the rule's source in its debug info. A user's
-    custom_jvp around a softmax has a rule of its own, which the fused op would drop."""
+def _jax_rule(node, name: str, *modules) -> bool:
+    """Whether a `custom_jvp_call`'s derivative rule is JAX's function `name` in one of
+    `modules` (paths under jax/_src), told by the rule's source in its debug info."""
     rule = node.params.get("jvp_jaxpr_fun", node.params.get("jvp_jaxpr_thunk"))
     where = getattr(getattr(rule, "debug_info", None), "func_src_info", None) or ""
-    name, _, path = where.partition(" at ")
-    return name == "_softmax_jvp" and os.path.join("jax", "_src", "nn", "functions.py") in path
+    found, _, path = where.partition(" at ")
+    return found == name and any(os.path.join("jax", "_src", *m.split("/")) in path for m in modules)
+
+
+def _jax_softmax_rule(node) -> bool:
+    """Whether a `custom_jvp_call`'s derivative rule is jax.nn.softmax's own (under
+    jax_softmax_custom_jvp, the default from jax 0.12.1 on, which also moved the rule from
+    nn/functions.py to ops/special.py). A user's custom_jvp around a softmax has a rule of
+    its own, which the fused op would drop."""
+    return _jax_rule(node, "_softmax_jvp", "nn/functions.py", "ops/special.py")
 
 
 def _softmax_call(node):
@@ -306,7 +313,8 @@ def _log_sum(g: G.Graph, ref):
 
 def _parse_logspace(g: G.Graph, ref, node):
     """The softmax in log space, exp(x - lse) with lse = log(sum(exp(x - m))) + m for a shift
-    m of x's row maximum (jnp.exp(s - jax.nn.logsumexp(s, a, keepdims=True))), or
+    m of x's row maximum (jnp.exp(s - jax.nn.logsumexp(s, a, keepdims=True)); from jax
+    0.12.1 on that logsumexp is a custom_jvp_call of the same body), or
     exp(y - log(sum(exp(y)))) with y = x - m or y = x (jnp.exp(jax.nn.log_softmax(s, a))).
     Both are exp(x - m) / sum(exp(x - m)) when the two m are one value; a row of -inf,
     whose original is NaN, gives zeros, as for the other forms."""
@@ -314,39 +322,70 @@ def _parse_logspace(g: G.Graph, ref, node):
     if diff is None or diff.ins[0].shape != ref.shape or len(ref.shape) == 0:
         return None
     a, lse = diff.ins
+    call = _logsumexp_call(g, lse, a)
+    if call is not None:
+        call, views = call
+        body = G.build(*G._body(call.params), [None])
+        found = _log_sum_exp(body, body.outvars[0], body.invars[0], a.dtype)
+        nodes = [node, diff, *views, call]
+        shifted = found is not None and found[2]  # jax's logsumexp always shifts
+    else:
+        found = _log_sum_exp(g, lse, a, ref.dtype)
+        nodes = [node, diff, *found[1]] if found is not None else []
+        shifted = found is not None and found[2]
+    if found is None or lse.shape != ref.shape[:found[0]] + (1,) + ref.shape[found[0] + 1:]:
+        return None
+    return Softmax(a, found[0], nodes, ref) if shifted else _unshifted(g, a, found[0], nodes, ref)
+
+
+def _logsumexp_call(g: G.Graph, lse, a):
+    """(the call, the keepdims views after it) when `lse` is jax.nn.logsumexp(a) as a
+    custom_jvp_call (jax >= 0.12.1) with no b= or where= operand, else None."""
+    views, src = [], lse
+    while (view := unit_view(g, src)) is not None and len(views) < 6:
+        src, views = view[0], [*views, view[1]]
+    call = g.op(src, "custom_jvp_call")
+    if (call is None or len(call.ins) != 1 or call.ins[0] is not a or len(call.outs) != 1
+            or call.params.get("num_consts", 0) or G._body(call.params)[0] is None
+            or not _jax_rule(call, "_logsumexp_impl_jvp", "ops/special.py")):
+        return None
+    return call, views
+
+
+def _log_sum_exp(g: G.Graph, lse, a, dtype):
+    """(axis, nodes, shifted) when lse = log(sum(exp(a - m))) + m for a shift m of a's row
+    maximum (shifted), or log(sum(exp(a))) (not), over one axis of a, through keepdims
+    views, else None."""
     found = _log_sum(g, lse)
     if found is None:
         return None
     red, added, nodes = found
     axis = int(red.params["axes"][0])
-    want = ref.shape[:axis] + (1,) + ref.shape[axis + 1:]
-    if lse.shape != want or red.ins[0].shape != ref.shape:
+    if red.ins[0].shape != a.shape:
         return None
     summed, up = red.ins[0], g.op(red.ins[0], "convert_element_type")
-    if up is not None and summed.dtype == F32 and up.ins[0].dtype == ref.dtype != F32:
+    if up is not None and summed.dtype == F32 and up.ins[0].dtype == dtype != F32:
         summed, nodes = up.ins[0], [*nodes, up]  # the bf16/f16 exponentials summed in f32
     exp = g.op(summed, "exp")
     if exp is None:
         return None
-    nodes = [node, diff, *nodes, exp]
-    if added is not None:  # logsumexp: exp(a - m) summed, m added back
-        inner = g.op(exp.ins[0], "sub")
-        if inner is None or inner.ins[0] is not a:
-            return None
-        m = inner.ins[1]
-        shift = shift_of(g, m, a, axis)
-        if shift is None:
-            return None
-        views_m, views_added = _unit_views(g, m), _unit_views(g, added)
-        common = next((r for r in views_m if r in views_added), None)
-        if common is not None:
-            return Softmax(a, axis, [*nodes, inner, *shift, *views_added[common]], ref)
-        if _same_value(g, added, m):  # the maximum computed twice
-            return Softmax(a, axis, [*nodes, inner, *shift, *_copy_nodes(g, added, m)], ref)
+    nodes = [*nodes, exp]
+    if added is None:  # log_softmax: y - log(sum(exp(y)))
+        return (axis, nodes, False) if exp.ins[0] is a else None
+    inner = g.op(exp.ins[0], "sub")  # logsumexp: exp(a - m) summed, m added back
+    if inner is None or inner.ins[0] is not a:
         return None
-    if exp.ins[0] is not a:  # log_softmax: y - log(sum(exp(y)))
+    m = inner.ins[1]
+    shift = shift_of(g, m, a, axis)
+    if shift is None:
         return None
-    return _unshifted(g, a, axis, nodes, ref)
+    views_m, views_added = _unit_views(g, m), _unit_views(g, added)
+    common = next((r for r in views_m if r in views_added), None)
+    if common is not None:
+        return axis, [*nodes, inner, *shift, *views_added[common]], True
+    if _same_value(g, added, m):  # the maximum computed twice
+        return axis, [*nodes, inner, *shift, *_copy_nodes(g, added, m)], True
+    return None
 
 
 def _unshifted(g: G.Graph, x, axis, nodes, ref):
