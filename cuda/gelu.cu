@@ -34,9 +34,14 @@ struct GeluPtrs {
 // of 512 threads, four of 256, per SM): unbounded, ptxas took 96 for 16 elements per thread,
 // which left half the warps resident. [4096, 4096] bf16 on an H100: 29.7 -> 27.6 us,
 // [12288, 4096] 80.9 -> 75.2 (bench/NOTES.md, sixty-ninth session).
+// kTwo (the backward where a thread's part of a row is one 16-byte vector, 16-bit types'
+// default): the same bound of 64 registers, two 512-thread blocks per SM where ptxas took
+// 80 (107 writing y) unbounded, one block; no spill either way. [4096, 4096] bf16 on an
+// H100, the kernel and its column sum without PDL: 46.5 -> 40.4 us, [12288, 4096] 126.4 ->
+// 108.4 (bench/NOTES.md, sixty-ninth session).
 template <typename T, int VEC, int NV, bool kBackward, bool kStoreY = false, bool kIdentity = false,
-          bool kAhead = false>
-__global__ void __launch_bounds__(max_threads_for(VEC, NV), kAhead ? 2 : 1)
+          bool kAhead = false, bool kTwo = false>
+__global__ void __launch_bounds__(max_threads_for(VEC, NV), kAhead || kTwo ? 2 : 1)
     gelu_kernel(GeluPtrs p, bool pf32, int64_t rows, int64_t n, bool approximate, uint32_t threshold,
                 float keep_scale, int ahead) {
   wait_for_previous_grid();  // launched dependent on the kernel before it (pdl.cuh)
@@ -126,6 +131,16 @@ inline bool gelu_ahead() {
   return on;
 }
 
+// Whether the GELU backward runs two blocks per SM (kTwo): JAXSUB_GELU_BWD_TWO, read once;
+// default on (bench/NOTES.md, sixty-ninth session).
+inline bool gelu_bwd_two() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAXSUB_GELU_BWD_TWO");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  return on;
+}
+
 template <bool kBackward>
 ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi::DataType prm, const Rows& rc,
                        const GeluPtrs& p, bool approximate, uint32_t threshold, float keep_scale,
@@ -152,6 +167,11 @@ ffi::Error launch_gelu(cudaStream_t stream, const char* op, ffi::DataType t, ffi
         auto kernel = identity       ? gelu_kernel<T, VEC, NV, true, false, true>
                       : p.y != nullptr ? gelu_kernel<T, VEC, NV, true, true>
                                        : gelu_kernel<T, VEC, NV, true>;
+        constexpr bool kTwoFits = VEC * NV <= 8 && VEC * sizeof(T) == 16;
+        if constexpr (kTwoFits)
+          if (!identity && gelu_bwd_two())
+            kernel = p.y != nullptr ? gelu_kernel<T, VEC, NV, true, true, false, false, kTwoFits>
+                                    : gelu_kernel<T, VEC, NV, true, false, false, false, kTwoFits>;
         const int blocks = partial_blocks(kernel, rc.rows, c, smem, workspace_rows);
         launch_dependent(kernel, dim3(blocks), block, smem, stream, p, pf32, rc.rows, rc.cols, approximate,
                          threshold, keep_scale, 0);
