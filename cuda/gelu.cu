@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), kAhead || kTwo ? 2 :
     const int64_t r = base + threadIdx.y;
     const bool valid = r < rows;  // predicated, so that the loop body stays convergent
     // The forward asks L2 for the x row it reads `ahead` iterations on (rows.cuh; 0 with
-    // kAhead).
+    // kAhead, whose host passes 0: compiled out with `!kAhead`, ptxas spilled 8 bytes).
     if (!kBackward && !kIdentity && ahead > 0 && r + ahead * stride < rows)
       prefetch_row_l2<T, VEC>(p.x, r + ahead * stride, n);
     Tile<VEC, NV> t, d;

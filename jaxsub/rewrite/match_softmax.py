@@ -323,19 +323,21 @@ def _parse_logspace(g: G.Graph, ref, node):
         return None
     a, lse = diff.ins
     call = _logsumexp_call(g, lse, a)
-    if call is not None:
+    if call is not None:  # the checks on the call's body; the call is claimed whole
         call, views = call
         body = G.build(*G._body(call.params), [None])
         found = _log_sum_exp(body, body.outvars[0], body.invars[0], a.dtype)
-        nodes = [node, diff, *views, call]
-        shifted = found is not None and found[2]  # jax's logsumexp always shifts
+        claimed = [*views, call]
     else:
         found = _log_sum_exp(g, lse, a, ref.dtype)
-        nodes = [node, diff, *found[1]] if found is not None else []
-        shifted = found is not None and found[2]
-    if found is None or lse.shape != ref.shape[:found[0]] + (1,) + ref.shape[found[0] + 1:]:
+        claimed = found[1] if found is not None else []
+    if found is None:
         return None
-    return Softmax(a, found[0], nodes, ref) if shifted else _unshifted(g, a, found[0], nodes, ref)
+    axis, _, shifted = found
+    if lse.shape != ref.shape[:axis] + (1,) + ref.shape[axis + 1:]:
+        return None
+    nodes = [node, diff, *claimed]
+    return Softmax(a, axis, nodes, ref) if shifted else _unshifted(g, a, axis, nodes, ref)
 
 
 def _logsumexp_call(g: G.Graph, lse, a):
