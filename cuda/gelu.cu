@@ -124,20 +124,14 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), kAhead || kTwo ? 2 :
 // Whether the GELU forward loads each row group's next row ahead (kAhead):
 // JAXSUB_GELU_AHEAD, read once; default on (bench/NOTES.md, sixty-ninth session).
 inline bool gelu_ahead() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAXSUB_GELU_AHEAD");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
+  static const bool on = env_flag("JAXSUB_GELU_AHEAD", true);
   return on;
 }
 
 // Whether the GELU backward runs two blocks per SM (kTwo): JAXSUB_GELU_BWD_TWO, read once;
 // default on (bench/NOTES.md, sixty-ninth session).
 inline bool gelu_bwd_two() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAXSUB_GELU_BWD_TWO");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
+  static const bool on = env_flag("JAXSUB_GELU_BWD_TWO", true);
   return on;
 }
 

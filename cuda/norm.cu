@@ -216,7 +216,9 @@ __global__ void __launch_bounds__(max_threads_for(VEC, NV), norm_fwd_min_blocks(
 // loads before the current row's Philox calls and reduction, so they overlap (kernel time
 // 25.0 -> 22.0 us at [4096, 1024] bf16, ncu). Layer norm loads each row when it gets to
 // it: with the prefetch it needed more than 64 registers (two 512-thread blocks per SM)
-// and ran slower (16.3 -> 17.8-18.3 us in two ncu runs).
+// and ran slower (16.3 -> 17.8-18.3 us in two ncu runs); with the rows held as raw words
+// it fit 64 registers at bf16 <8,1> with no spill and still ran 6-7% slower (H100,
+// bench/NOTES.md, seventieth session).
 template <typename T, int VEC, int NV, bool kResidual, bool kDh>
 __global__ void __launch_bounds__(max_threads_for(VEC, NV))
     norm_bwd_kernel(NormPtrs p, bool pf32, int64_t rows, int64_t n, uint32_t threshold, float keep_scale) {

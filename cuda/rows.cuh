@@ -62,6 +62,13 @@ inline int l2_ahead() {
   return ahead;
 }
 
+// An A/B switch of a kernel variant: the environment variable as an integer (0 off), or
+// `otherwise` where it is unset. Callers read it once, into a function-local static.
+inline bool env_flag(const char* name, bool otherwise) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? otherwise : std::atoi(v) != 0;
+}
+
 inline int row_blocks(int64_t rows, const RowConfig& c) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + c.ty - 1) / c.ty, 1 << 24)));
 }

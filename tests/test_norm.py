@@ -603,6 +603,25 @@ class TestCuda:
             reduction = n if name in ACTIVATIONS else rows
             assert_close(g, g_ref, g.dtype, reduction=reduction, grad=True, what=f"bdrln d{name}")
 
+    @pytest.mark.parametrize("dtype,n", [(jnp.bfloat16, 1024), (jnp.bfloat16, 4096), (jnp.bfloat16, 1000),
+                                         (jnp.float16, 1024)], ids=lambda v: getattr(v, "__name__", str(v)))
+    def test_layer_norm_bwd_many_rows_per_group(self, dtype, n):
+        """The layer norm backward over an odd number of rows that gives each row group of
+        its one-wave grid several, the last pass part full (the other GPU tests give most
+        groups a few): four rows per block (1024), one (4096), the general path (1000)."""
+        rows = 5003
+        inp = _inputs(_seed("gpu-ln-many", jnp.dtype(dtype).name, n), (rows, n), dtype, jnp.float32)
+        out = {}
+        for platform in ("gpu", "cpu"):
+            on = jax.device_put(inp, jax.devices(platform)[0])
+            fused, _, args, names = _fused_and_reference(LN, on)
+            [out[platform]] = _values_and_vjps([fused], args, on["dy"])
+        assert_close(out["gpu"][0], out["cpu"][0], dtype, reduction=n, what="layer_norm y")
+        for name, g, g_ref in zip(names, out["gpu"][1], out["cpu"][1]):
+            assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+            reduction = n if name in ACTIVATIONS else rows
+            assert_close(g, g_ref, g.dtype, reduction=reduction, grad=True, what=f"layer_norm d{name}")
+
     @pytest.mark.parametrize("which", list(SECOND_OUTPUT))
     def test_second_output_cuda_matches_cpu(self, which):
         """bdrln_and_sum's h and both kernels' extra cotangent operand, against the CPU."""
