@@ -496,7 +496,7 @@ def test_post_ln_library_products_add_the_input_gradient_in_the_dx_product(scan,
     import jaxsub.flax.encoder as flax_encoder
     from jaxsub import ops, stack
     from jaxsub.ops import gemm as gemm_mod
-    from test_optimize import gemm_c_types
+    from optimize_helpers import gemm_c_types
 
     x = jnp.asarray(np.random.default_rng(19).standard_normal((B, S, E)), jnp.bfloat16)
     kw = dict(num_heads=H, mlp_dim=F, dropout_rate=0.1, layouts="heuristic", dtype=jnp.bfloat16,
