@@ -201,7 +201,7 @@ def _normalization_nodes(g, live) -> set:
 
     stats, pieces, norm = set(), set(), set()
     for n in g.nodes:
-        if n not in live:
+        if n not in live or not n.outs:  # no outputs: an effect (debug.print of a sum) feeds nothing
             continue
         if n.prim in _REDUCTIONS:
             stats.update(n.outs)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 
 import jaxsub
 from bench.ops import OPS
@@ -128,6 +129,27 @@ def test_dead_equations_are_not_counted():
 
     r = jaxsub.analyze(f, BLOCK_ARGS[0], compare_optimized=False)
     assert [r.op for r in r.ops] == ["mul"]
+
+
+def test_effects_without_outputs_that_read_a_reduction():
+    """An equation with no outputs (jax.debug.print, jax.debug.callback, an ordered
+    io_callback without a result) reading a reduction: the normalization classifier took
+    every equation's first output and raised IndexError (found by a probe). The
+    reduction stays a statistical normalization and the rest is counted."""
+    x = _normal(12, (3, 5))
+    effects = [
+        lambda v: jax.debug.print("{}", v),
+        lambda v: jax.debug.callback(lambda _: None, v),
+        lambda v: io_callback(lambda _: None, None, v, ordered=True),
+    ]
+    for effect in effects:
+        def f(x):
+            effect(jnp.sum(x, axis=-1))
+            return x * 2.0
+
+        r = jaxsub.analyze(f, x, compare_optimized=False)
+        assert _rows(r, "reduce_sum") == [(NORM, 15, 15 * 4 + 3 * 4)]
+        assert _rows(r, "mul") == [(EW, 15, 2 * 15 * 4)]
 
 
 @pytest.fixture(scope="module")

@@ -276,6 +276,31 @@ def test_additive_mask_broadcast_over_queries_whose_first_queries_see_large_valu
     check_against_reference(got, want, F32, sq, sk, d)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("sq, sk", [(7, 9), (9, 7)])
+def test_additive_mask_broadcast_over_keys_under_the_causal_rule(implementation, sq, sk):
+    """A mask with a row per query broadcast over the keys ([B, 1, Sq, 1]: query padding
+    by `(1 - valid_q) * -1e9`) under the causal rule: a padded query's visible keys all
+    hold its value, so its row is shifted (masks._near), as the same mask broadcast to
+    [B, 1, Sq, Sk] is. Before, the visibility was taken over the mask's one key column,
+    which only the last query sees: the other padded rows stayed unshifted, their outputs
+    uniform over the visible keys and their gradients wrong (found by a probe). With
+    Sq > Sk the first queries see no key. Against the float64 reference of the mask
+    broadcast and shifted in numpy."""
+    b, h, d = 2, 3, 8
+    q, k, v, dout = qkv(29, b, sq, sk, h, d, F32)
+    m = np.zeros((b, 1, sq, 1), np.float32)
+    m[0, :, [1, 4, sq - 1]] = -1e9
+    m[1, :, 2] = -2e9
+    got = run_vjp_jit(q, k, v, dout, jnp.asarray(m), None, causal=True, rate=0.0, implementation=implementation)
+    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    rows = np.broadcast_to(m, (b, 1, sq, sk))
+    top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
+    shifted = jnp.asarray(rows - np.where(top < -256, top, 0.0))
+    want = reference_vjp_f64(q, k, v, dout, shifted, None, causal=True, rate=0.0)
+    check_against_reference(got, want, F32, sq, sk, d)
+
+
 def test_needs_query_rows_is_whether_some_query_shift_is_not_zero():
     """masks.by_query decides by two reductions what query_shift's scan gives: on random
     masks over 0, -1, -300, -1e9, -2e9, -inf, NaN and 5 at small odd sizes."""

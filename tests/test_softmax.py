@@ -283,6 +283,24 @@ def test_causal_queries_of_a_broadcast_mask_that_see_large_values():
     assert_close(got[1], want[1], F32, reduction=sk, grad=True, what="dscores vs float64")
 
 
+@pytest.mark.parametrize("mask_shape", [(2, 1, 7, 1), (7, 1)])
+def test_causal_rows_broadcast_over_keys_that_hold_large_values(mask_shape):
+    """A mask with a row per query broadcast over the keys ([.., Sq, 1], query padding by
+    -1e9) under the causal rule: each padded row is its scores' softmax, as in float64
+    (masks._near shifts it where its query sees a key). Before, only the last query's row
+    was shifted: the others were uniform and their gradients did not sum to zero (found by
+    a probe)."""
+    b, h, sq, sk = 2, 3, 7, 9
+    scores, dy = normal(95, (b, h, sq, sk)), normal(96, (b, h, sq, sk))
+    m = np.zeros(mask_shape, np.float32)
+    m[..., 1, :] = -1e9
+    m[..., 5, :] = -2e9
+    got = fused_vjp_jit(scores, dy, jnp.asarray(m), None, scale=0.5, causal=True, rate=0.0)
+    want = oracle(scores, dy, scale=0.5, mask=np.broadcast_to(m, (b, h, sq, sk)), causal=True, keep=None, rate=0.0)
+    assert_close(got[0], want[0], F32, reduction=sk, what="y vs float64")
+    assert_close(got[1], want[1], F32, reduction=sk, grad=True, what="dscores vs float64")
+
+
 def test_vmap_over_leading_axis_and_masks_matches_loop():
     shape = (3, 2, 4, 130)
     scores, dy = normal(41, shape, BF16), normal(42, shape, BF16)

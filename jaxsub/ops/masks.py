@@ -85,10 +85,10 @@ def normalize(op: str, mask, leading: tuple[int, ...], sq: int, sk: int, *, key_
             mask = jnp.broadcast_to(mask, tuple(b_dims_f) + tuple(mask.shape[len(b_dims_f):]))
         bm = math.prod(b_dims_f)
     mask = mask.reshape(bm, h_m, shape[-2], shape[-1])
-    return (_near(mask, causal and shape[-2] == sq) if kind == ADDITIVE else mask), kind
+    return (_near(mask, sk if causal and shape[-2] == sq else None) if kind == ADDITIVE else mask), kind
 
 
-def _near(mask, causal_rows: bool = False):
+def _near(mask, causal_sk: int | None = None):
     """The additive mask with each row whose values are all below -_FAR (finite) shifted
     up by its maximum; every other row unchanged. A softmax row does not change when a
     constant is added to it, but its log-sum-exp does: for a row masked out by a large
@@ -97,12 +97,19 @@ def _near(mask, causal_rows: bool = False):
     which recomputes p = exp(s - lse), took every p there as 1 and returned gradients Sk
     times too large. Shifted, such a row's scores are those of the row unmasked (as a
     float64 program computes them). The maximum is taken over the mask's own keys; with
-    `causal_rows` (a mask with a row per query, under the causal rule) over the keys each
-    query sees, so that a row whose visible keys are all below -_FAR is shifted though a
-    key the causal rule hides is not (its gradients were off by up to the visible keys'
-    count). A mask broadcast over the queries under the causal rule is shifted here by its
-    maximum over every key; each query's own shift is `by_query`'s."""
-    seen = jnp.where(causal_visible(*mask.shape[-2:]), mask, -jnp.inf) if causal_rows else mask
+    `causal_sk` (a mask with a row per query, under the causal rule over Sk keys) over the
+    keys each query sees, so that a row whose visible keys are all below -_FAR is shifted
+    though a key the causal rule hides is not (its gradients were off by up to the visible
+    keys' count). A row per query broadcast over the keys ([.., Sq, 1]) holds one value for
+    every key its query sees: it is shifted where the query sees any key. A mask broadcast
+    over the queries under the causal rule is shifted here by its maximum over every key;
+    each query's own shift is `by_query`'s."""
+    seen = mask
+    if causal_sk is not None:
+        visible = causal_visible(mask.shape[-2], causal_sk)
+        if mask.shape[-1] == 1:
+            visible = jnp.any(visible, axis=-1, keepdims=True)
+        seen = jnp.where(visible, mask, -jnp.inf)
     return mask - _far_shift(jnp.max(seen, axis=-1, keepdims=True))
 
 
