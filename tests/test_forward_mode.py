@@ -101,18 +101,33 @@ def test_dense_and_bias_add():
     _assert_jvp(lambda x, b: ops.bias_add(x, b), lambda x, b: x + b, (x, b[:1] + _rand(3, (8,))))
 
 
+# An additive key padding [B, Sk] whose example 0 is left-padded by -1e9: under the causal
+# rule its first queries see only padded keys, so the ops take the mask as a row per query
+# (masks.by_query: a lax.cond, which forward mode did not reach through; found by a probe).
+LEFT_PAD = jnp.where(jnp.arange(9)[None, :] < jnp.array([[3], [0]]), -1e9, 0.0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_softmax_dropout(causal):
+@pytest.mark.parametrize("mask_kind", ["boolean", "left_pad"])
+def test_softmax_dropout(causal, mask_kind):
     s = _rand(0, (2, 3, 7, 9), 2.0)
-    mask = jax.random.bernoulli(jax.random.key(5), 0.8, (2, 1, 7, 9))
+    mask = (jax.random.bernoulli(jax.random.key(5), 0.8, (2, 1, 7, 9)) if mask_kind == "boolean"
+            else LEFT_PAD[:, None, None, :])
+    seen = mask
+    if mask_kind == "left_pad":  # the documented rule: rows whose visible values are all below -256 shifted up
+        vis = np.arange(9)[None, :] <= np.arange(7)[:, None] + 2 if causal else np.ones((7, 9), bool)
+        rows = np.broadcast_to(np.asarray(mask), (2, 1, 7, 9))
+        top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
+        seen = jnp.asarray(rows - np.where(top < -256, top, 0.0))
     keep = ops.dropout_mask(KEY, s.shape, 0.1)
     _assert_jvp(lambda s: ops.softmax_dropout(s, scale=0.5, mask=mask, causal=causal, rate=0.1, key=KEY),
-                lambda s: reference_softmax_dropout(s, scale=0.5, mask=mask, causal=causal, keep=keep, rate=0.1),
+                lambda s: reference_softmax_dropout(s, scale=0.5, mask=seen, causal=causal, keep=keep, rate=0.1),
                 (s,))
 
 
 @pytest.mark.parametrize("implementation", ["fused", "unfused"])
-@pytest.mark.parametrize("case", ["plain", "padding+causal", "additive", "grouped", "broadcast_dropout"])
+@pytest.mark.parametrize("case", ["plain", "padding+causal", "additive", "left_pad+causal", "grouped",
+                                  "broadcast_dropout"])
 def test_attention(implementation, case):
     b, sq, sk, h, d = 2, 7, 9, 4, 8
     q, k, v = _rand(0, (b, sq, h, d)), _rand(1, (b, sk, h, d)), _rand(2, (b, sk, h, d))
@@ -121,6 +136,8 @@ def test_attention(implementation, case):
         kw.update(mask=jnp.arange(sk)[None, :] < jnp.array([[6], [9]]), causal=True)
     elif case == "additive":
         kw.update(mask=_rand(3, (1, h, sq, sk)))
+    elif case == "left_pad+causal":
+        kw.update(mask=LEFT_PAD, causal=True)
     elif case == "grouped":
         k, v = k[:, :, :2], v[:, :, :2]
     elif case == "broadcast_dropout":
@@ -135,17 +152,19 @@ def test_attention(implementation, case):
                              lambda q: reference_attention(q, k, v, keep=keep, rate=0.2), q)
 
 
-def test_attention_packed_and_projected():
-    b, s, e, h, d = 2, 5, 12, 3, 4
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_attention_packed_and_projected(left_pad):
+    b, s, e, h, d = 2, 9, 12, 3, 4
     x, w, bias = _rand(0, (b, s, e)), _rand(1, (e, 3, h, d), 0.3), _rand(2, (3, h, d))
     keep = ops.dropout_mask(KEY, (b, h, s, s), 0.1)
     hi = jax.lax.Precision.HIGHEST
+    masks = dict(mask=LEFT_PAD, causal=True) if left_pad else {}
 
     def ref(x, w, bias):
         qkv = jnp.einsum("bse,ethd->bsthd", x, w, precision=hi) + bias
-        return reference_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], keep=keep, rate=0.1)
+        return reference_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], keep=keep, rate=0.1, **masks)
 
-    kw = dict(dropout_rate=0.1, key=KEY)
+    kw = dict(dropout_rate=0.1, key=KEY, **masks)
     _assert_jvp(lambda x, w, bias: ops.dense_attention_packed(x, w, bias, implementation="fused", **kw), ref,
                 (x, w, bias))
     _assert_jvp(lambda x, w, bias: ops.attention_packed(jnp.einsum("bse,ethd->bsthd", x, w, precision=hi) + bias,

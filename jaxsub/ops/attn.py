@@ -490,8 +490,10 @@ def _attention(op, q, k, v, packed, mask, causal, scale, dropout_rate, key, impl
                              f"{implementation!r}; expected 'fused' or 'unfused'")
         if implementation is None:
             implementation = _default_implementation(data, mask4d, kind)
+    operands = (q, k, v, packed if source is None else vars(source))
     return _masks.by_query(mask4d, kind, sq, sk, causal, functools.partial(
-        _attention_call, op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, bcast, implementation))
+        _attention_call, op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, bcast, implementation),
+        operands)
 
 
 def _attention_call(op, q, k, v, packed, source, data, seed, scale, causal, kind, rate, bcast, implementation,

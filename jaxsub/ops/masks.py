@@ -128,7 +128,7 @@ def query_shift(mask, sq: int, sk: int):
     return _far_shift(jnp.swapaxes(jnp.where(last >= 0, top, 0.0), -1, -2))
 
 
-def by_query(mask, kind: int, sq: int, sk: int, causal: bool, call):
+def by_query(mask, kind: int, sq: int, sk: int, causal: bool, call, operands=()):
     """call(mask): the rest of an op after `normalize`. Under the causal rule an additive
     mask broadcast over the queries has one row for queries that see different keys: a
     query whose visible keys all hold values below -_FAR (the first queries of a
@@ -136,9 +136,16 @@ def by_query(mask, kind: int, sq: int, sk: int, causal: bool, call):
     shift per mask row cannot serve every query. Where some query needs one (decided on
     the device), `call` gets the mask expanded to a row per query, each row shifted by its
     query's `query_shift`; otherwise the mask as it is, so the expanded mask costs memory
-    only where it changes a number."""
+    only where it changes a number.
+    `operands`: the arrays `call` differentiates (a pytree). Where they or the mask are
+    traced beyond a first reverse derivative (jax.jvp, jacfwd), the expanded rows are
+    taken without the cond (the same numbers): the forward-mode trace would not reach the
+    ops inside the cond's branches, which would run as custom_vjps there, and JAX refuses
+    a custom_vjp's forward-mode derivative (found by a probe)."""
     if kind != ADDITIVE or not causal or mask.shape[-2] != 1 or sq == 1:
         return call(mask)
+    if _ffi.beyond_first_reverse((mask, operands)):
+        return call(mask - query_shift(mask, sq, sk))
     return jax.lax.cond(needs_query_rows(mask, sq, sk), lambda m: call(m - query_shift(m, sq, sk)), call, mask)
 
 

@@ -196,8 +196,9 @@ def softmax_dropout(scores, *, scale=1.0, mask=None, causal=False, rate=0.0, key
     mask4, kind = _masks.normalize(_OP, mask, tuple(leading), sq, sk, key_padding_ok=False, causal=causal)
     seed = _dropout.seed_from_key(_OP, key) if rate > 0.0 else _dropout.NO_SEED
     scores4 = scores.reshape(b, h, sq, sk)
-    return _masks.by_query(mask4, kind, sq, sk, causal,
-                           lambda m: softmax_4d(scores4, m, seed, scale, causal, kind, rate)).reshape(scores.shape)
+    out = _masks.by_query(mask4, kind, sq, sk, causal,
+                          lambda m: softmax_4d(scores4, m, seed, scale, causal, kind, rate), scores4)
+    return out.reshape(scores.shape)
 
 
 def softmax_4d(scores, mask4d, seed, scale, causal, kind, rate, op=_OP):
