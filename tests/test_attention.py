@@ -226,6 +226,16 @@ def test_additive_rows_masked_by_large_values(implementation, fill):
     check_against_reference(got, want, F32, sq, sk, d)
 
 
+def causal_rows_shifted(m, sq, sk):
+    """The documented rule in numpy: the additive mask m (numpy, broadcastable to
+    [.., Sq, Sk]) as a row per query, each row whose values on the keys its query sees
+    (causal) are all below -256 shifted up by their maximum."""
+    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    rows = np.broadcast_to(m, m.shape[:-2] + (sq, sk))
+    top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
+    return jnp.asarray(rows - np.where(top < -256, top, 0.0))
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_additive_rows_whose_visible_keys_hold_large_values(implementation):
     """Under the causal rule a mask row's visible keys can all hold large negative values
@@ -240,9 +250,7 @@ def test_additive_rows_whose_visible_keys_hold_large_values(implementation):
     m[0, 1, :4] = np.where(vis[:4], -1e9, 0.0)  # visible keys -1e9, hidden ones 0
     m[1, :, 2] = np.where(vis[2], -2e9, -1e9)   # visible keys -2e9, hidden ones -1e9
     got = run_vjp_jit(q, k, v, dout, jnp.asarray(m), None, causal=True, rate=0.0, implementation=implementation)
-    top = np.where(vis, m, -np.inf).max(-1, keepdims=True)
-    shifted = jnp.asarray(m - np.where(top < -256, top, 0.0))
-    want = reference_vjp_f64(q, k, v, dout, shifted, None, causal=True, rate=0.0)
+    want = reference_vjp_f64(q, k, v, dout, causal_rows_shifted(m, sq, sk), None, causal=True, rate=0.0)
     check_against_reference(got, want, F32, sq, sk, d)
 
 
@@ -263,11 +271,7 @@ def test_additive_mask_broadcast_over_queries_whose_first_queries_see_large_valu
     m[1, ..., :3], m[1, ..., 3:] = -2e9, -1e9
     m[2] = -1e9
     got = run_vjp_jit(q, k, v, dout, jnp.asarray(m), None, causal=True, rate=0.0, implementation=implementation)
-    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-    rows = np.broadcast_to(m, (b, 1, sq, sk))
-    top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
-    shifted = jnp.asarray(rows - np.where(top < -256, top, 0.0))
-    want = reference_vjp_f64(q, k, v, dout, shifted, None, causal=True, rate=0.0)
+    want = reference_vjp_f64(q, k, v, dout, causal_rows_shifted(m, sq, sk), None, causal=True, rate=0.0)
     check_against_reference(got, want, F32, sq, sk, d)
     # Without a query that needs it, the mask stays broadcast: the same numbers as before.
     fine = jnp.asarray(m[2:])
@@ -293,11 +297,7 @@ def test_additive_mask_broadcast_over_keys_under_the_causal_rule(implementation,
     m[0, :, [1, 4, sq - 1]] = -1e9
     m[1, :, 2] = -2e9
     got = run_vjp_jit(q, k, v, dout, jnp.asarray(m), None, causal=True, rate=0.0, implementation=implementation)
-    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-    rows = np.broadcast_to(m, (b, 1, sq, sk))
-    top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
-    shifted = jnp.asarray(rows - np.where(top < -256, top, 0.0))
-    want = reference_vjp_f64(q, k, v, dout, shifted, None, causal=True, rate=0.0)
+    want = reference_vjp_f64(q, k, v, dout, causal_rows_shifted(m, sq, sk), None, causal=True, rate=0.0)
     check_against_reference(got, want, F32, sq, sk, d)
 
 
