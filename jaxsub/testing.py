@@ -1,5 +1,6 @@
-"""The one tolerance table and assert_close, shared by tests/ and bench/; and reading the
-attributes of jaxsub's custom calls from lowered HLO."""
+"""The one tolerance table and assert_close, shared by tests/ and bench/; the documented
+shift of additive mask rows under the causal rule, in numpy, for references; and reading
+the attributes of jaxsub's custom calls from lowered HLO."""
 
 from __future__ import annotations
 
@@ -50,6 +51,18 @@ def assert_close(actual, expected, dtype=None, reduction: int = 1, grad: bool = 
             f"{what}: {bad.sum()} of {err.size} elements out of tolerance {tol:.2e} "
             f"(worst at {i}: got {actual[i]}, expected {expected[i]})"
         )
+
+
+def causal_rows_shifted(mask, sq: int, sk: int):
+    """The documented rule in numpy, for a reference to take as its mask: the additive
+    `mask` (broadcastable to [.., Sq, Sk]) as a row per query, each row whose values on the
+    keys its query sees under the causal rule (j <= i + Sk - Sq) are all below -256
+    shifted up by their maximum."""
+    mask = np.asarray(mask)
+    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    rows = np.broadcast_to(mask, mask.shape[:-2] + (sq, sk))
+    top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
+    return jnp.asarray(rows - np.where(top < -256, top, 0.0))
 
 
 def assert_vmap_matches_loop(f, keys):

@@ -14,7 +14,7 @@ from jax.test_util import check_grads
 import jaxsub
 from jaxsub import _C, _ffi
 from jaxsub.ops.attn import reference_attention
-from jaxsub.testing import assert_close
+from jaxsub.testing import assert_close, causal_rows_shifted
 
 op = jaxsub.ops.attention
 # The module, not the function: jaxsub.ops re-exports the function under the same name.
@@ -224,16 +224,6 @@ def test_additive_rows_masked_by_large_values(implementation, fill):
     seen = jnp.asarray(valid | ~valid.any(-1, keepdims=True))  # example 1: every key
     want = reference_vjp_f64(q, k, v, dout, seen, None, causal=False, rate=0.0)
     check_against_reference(got, want, F32, sq, sk, d)
-
-
-def causal_rows_shifted(m, sq, sk):
-    """The documented rule in numpy: the additive mask m (numpy, broadcastable to
-    [.., Sq, Sk]) as a row per query, each row whose values on the keys its query sees
-    (causal) are all below -256 shifted up by their maximum."""
-    vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-    rows = np.broadcast_to(m, m.shape[:-2] + (sq, sk))
-    top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
-    return jnp.asarray(rows - np.where(top < -256, top, 0.0))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

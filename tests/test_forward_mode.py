@@ -20,6 +20,7 @@ from jaxsub.ops.dropout import residual_add
 from jaxsub.ops.gelu import reference_bias_gelu_dropout
 from jaxsub.ops.norm import reference_bdrln, reference_layer_norm
 from jaxsub.ops.softmax import reference_softmax_dropout
+from jaxsub.testing import causal_rows_shifted
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -113,12 +114,8 @@ def test_softmax_dropout(causal, mask_kind):
     s = _rand(0, (2, 3, 7, 9), 2.0)
     mask = (jax.random.bernoulli(jax.random.key(5), 0.8, (2, 1, 7, 9)) if mask_kind == "boolean"
             else LEFT_PAD[:, None, None, :])
-    seen = mask
-    if mask_kind == "left_pad":  # the documented rule: rows whose visible values are all below -256 shifted up
-        vis = np.arange(9)[None, :] <= np.arange(7)[:, None] + 2 if causal else np.ones((7, 9), bool)
-        rows = np.broadcast_to(np.asarray(mask), (2, 1, 7, 9))
-        top = np.where(vis, rows, -np.inf).max(-1, keepdims=True)
-        seen = jnp.asarray(rows - np.where(top < -256, top, 0.0))
+    # The documented shift (without the causal rule no row here has all its values below -256).
+    seen = causal_rows_shifted(mask, 7, 9) if mask_kind == "left_pad" and causal else mask
     keep = ops.dropout_mask(KEY, s.shape, 0.1)
     _assert_jvp(lambda s: ops.softmax_dropout(s, scale=0.5, mask=mask, causal=causal, rate=0.1, key=KEY),
                 lambda s: reference_softmax_dropout(s, scale=0.5, mask=seen, causal=causal, keep=keep, rate=0.1),
